@@ -1,0 +1,1 @@
+"""Framework adapters: each imports only its own framework."""

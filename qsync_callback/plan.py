@@ -1,0 +1,335 @@
+"""The plan: one object that ties the record -> predict -> plan -> enact loop together.
+
+A `Plan` holds every decision the tool makes for a training run: per-layer precision, gradient
+buckets, fused (compiled-together) regions and what to do with each layer's activations (keep,
+offload, recompute). The planner proposes plans, the predictor prices them (the chosen plan keeps
+the prediction it was chosen on), and the integrations enact them on the real run. A plan also
+carries a fingerprint of what it was made for (model structure, layers, batch shapes, device,
+world size, library versions), so a run can tell when a stored plan no longer fits.
+
+On disk a plan is versioned JSON (`{"format": "qsync-plan", "version": 1, ...}`), validated
+strictly when read. It is never pickled and never eval'd: loading a plan cannot run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from qsync_callback.errors import QSyncInputError
+
+PLAN_FORMAT = "qsync-plan"
+PLAN_VERSION = 1
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8")
+ACTIVATION_POLICIES = ("keep", "offload", "recompute")
+
+_FIELDS = ("fingerprint", "precision", "buckets", "fused_regions", "activation", "prediction")
+_TOP_LEVEL_KEYS = ("format", "version", *_FIELDS)
+_MAX_LISTED = 5
+
+
+def _type_name(value: Any) -> str:
+    """JSON-ish name of a value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _check_str_map(value: Any, name: str, allowed: tuple[str, ...], what: str, source: str) -> dict[str, str]:
+    """Validate an object of layer name -> one of `allowed`; return a copy."""
+    if not isinstance(value, Mapping):
+        raise QSyncInputError(
+            f"{source}: {name} is {_type_name(value)}; expected an object of layer -> {what}"
+        )
+    choices = ", ".join(allowed)
+    out: dict[str, str] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise QSyncInputError(f"{source}: {name} has a non-string key {key!r}")
+        if not isinstance(item, str):
+            raise QSyncInputError(
+                f"{source}: {what} of layer {key!r} is {_type_name(item)}; expected one of {choices}"
+            )
+        if item not in allowed:
+            raise QSyncInputError(f"{source}: {what} of layer {key!r} is {item!r}; expected one of {choices}")
+        out[key] = item
+    return out
+
+
+def _check_groups(value: Any, name: str, source: str) -> list[list[str]]:
+    """Validate a list of non-empty lists of names; return a copy."""
+    if not isinstance(value, list):
+        raise QSyncInputError(f"{source}: {name} is {_type_name(value)}; expected a list of lists of names")
+    out: list[list[str]] = []
+    for i, group in enumerate(value):
+        if not isinstance(group, list):
+            raise QSyncInputError(f"{source}: {name}[{i}] is {_type_name(group)}; expected a list of names")
+        if not group:
+            raise QSyncInputError(f"{source}: {name}[{i}] is empty; expected at least one name")
+        for j, item in enumerate(group):
+            if not isinstance(item, str):
+                raise QSyncInputError(f"{source}: {name}[{i}][{j}] is {_type_name(item)}; expected a string")
+        out.append(list(group))
+    return out
+
+
+def _check_object(value: Any, name: str, source: str) -> dict[str, Any]:
+    """Validate an object with string keys; return a deep (JSON-level) copy."""
+    if not isinstance(value, Mapping):
+        raise QSyncInputError(f"{source}: {name} is {_type_name(value)}; expected an object")
+    for key in value:
+        if not isinstance(key, str):
+            raise QSyncInputError(f"{source}: {name} has a non-string key {key!r}")
+    return _canonical(value)
+
+
+def _canonical(value: Any) -> Any:
+    """Copy `value` with mappings as dicts and tuples as lists, as it would come back from JSON."""
+    if isinstance(value, Mapping):
+        return {key: _canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    return value
+
+
+@dataclass
+class Plan:
+    """Every decision for one run, plus what it was made for and the prediction it was chosen on."""
+
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    precision: dict[str, str] = field(default_factory=dict)
+    buckets: list[list[str]] = field(default_factory=list)
+    fused_regions: list[list[str]] = field(default_factory=list)
+    activation: dict[str, str] = field(default_factory=dict)
+    prediction: dict[str, Any] | None = None
+    version: int = PLAN_VERSION
+
+    @classmethod
+    def empty(cls, fingerprint: Mapping[str, Any] | None = None) -> Plan:
+        """The recorded configuration: no decisions, optionally tagged with a fingerprint."""
+        return cls(fingerprint=_canonical(fingerprint) if fingerprint is not None else {})
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the plan changes nothing (fingerprint and prediction are not decisions)."""
+        return not (self.precision or self.buckets or self.fused_regions or self.activation)
+
+    # --- dict / JSON -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (a copy: editing it does not change the plan)."""
+        return {
+            "format": PLAN_FORMAT,
+            "version": self.version,
+            "fingerprint": _canonical(self.fingerprint),
+            "precision": dict(self.precision),
+            "buckets": [list(bucket) for bucket in self.buckets],
+            "fused_regions": [list(region) for region in self.fused_regions],
+            "activation": dict(self.activation),
+            "prediction": _canonical(self.prediction) if self.prediction is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<plan>") -> Plan:
+        """Build a plan from `to_dict()` output, validating strictly; raises QSyncInputError.
+
+        `format` and `version` are required; missing decision fields default to empty.
+        """
+        if not isinstance(data, Mapping):
+            raise QSyncInputError(f"{source}: a plan must be a JSON object, got {_type_name(data)}")
+        if "format" not in data:
+            raise QSyncInputError(f"{source}: missing 'format'; not a {PLAN_FORMAT} file")
+        if data["format"] != PLAN_FORMAT:
+            raise QSyncInputError(f"{source}: format is {data['format']!r}; expected {PLAN_FORMAT!r}")
+        if "version" not in data:
+            raise QSyncInputError(f"{source}: missing 'version'; this tool reads plan version {PLAN_VERSION}")
+        version = data["version"]
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise QSyncInputError(f"{source}: version is {version!r}; expected the integer {PLAN_VERSION}")
+        if version > PLAN_VERSION:
+            raise QSyncInputError(
+                f"{source}: plan version {version} is newer than this tool reads (version {PLAN_VERSION});"
+                " upgrade qsync-callback or re-plan"
+            )
+        if version < PLAN_VERSION:
+            raise QSyncInputError(
+                f"{source}: plan version {version} is older than this tool reads (version {PLAN_VERSION});"
+                " re-plan to write a current plan"
+            )
+        unknown = [key for key in data if key not in _TOP_LEVEL_KEYS]
+        if unknown:
+            names = ", ".join(repr(key) for key in unknown)
+            raise QSyncInputError(
+                f"{source}: unknown plan key(s) {names}; expected only {', '.join(_TOP_LEVEL_KEYS)}"
+            )
+        prediction = data.get("prediction")
+        return cls(
+            fingerprint=_check_object(data.get("fingerprint", {}), "fingerprint", source),
+            precision=_check_str_map(data.get("precision", {}), "precision", PRECISIONS, "precision", source),
+            buckets=_check_groups(data.get("buckets", []), "buckets", source),
+            fused_regions=_check_groups(data.get("fused_regions", []), "fused_regions", source),
+            activation=_check_str_map(
+                data.get("activation", {}), "activation", ACTIVATION_POLICIES, "activation policy", source
+            ),
+            prediction=None if prediction is None else _check_object(prediction, "prediction", source),
+            version=version,
+        )
+
+    def to_json(self) -> str:
+        """The plan as JSON text (indent=2, sorted keys)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<plan>") -> Plan:
+        """Parse and validate JSON text; bad JSON raises QSyncInputError with line and column."""
+        if not text.strip():
+            raise QSyncInputError(f"{source}: plan is empty")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise QSyncInputError(
+                f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+            ) from None
+        return cls.from_dict(data, source=source)
+
+    # --- files -------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Validate, then write the plan atomically (temp file in the same directory, then os.replace)."""
+        path = os.fspath(path)
+        try:
+            text = self.to_json()
+        except (TypeError, ValueError) as exc:
+            raise QSyncInputError(f"{path}: plan is not plain JSON data: {exc}") from None
+        Plan.from_dict(json.loads(text), source=path)  # never write a plan we could not read back
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=directory)
+        except OSError as exc:
+            raise QSyncInputError(f"{path}: cannot write plan: {exc.strerror or exc}") from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise QSyncInputError(f"{path}: cannot write plan: {exc.strerror or exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate a plan file; any problem raises QSyncInputError naming the path."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except FileNotFoundError:
+            raise QSyncInputError(f"{path}: plan file not found") from None
+        except UnicodeDecodeError:
+            raise QSyncInputError(f"{path}: plan file is not UTF-8 text") from None
+        except OSError as exc:
+            raise QSyncInputError(f"{path}: cannot read plan file: {exc.strerror or exc}") from None
+        if not text.strip():
+            raise QSyncInputError(f"{path}: plan file is empty")
+        return cls.from_json(text, source=path)
+
+    # --- checks ------------------------------------------------------------------------------
+
+    def validate_for(self, layers: Iterable[str], source: str = "<plan>") -> None:
+        """Raise QSyncInputError if precision, activation or fused_regions name layers not in `layers`.
+
+        Buckets are not checked: they may name parameters rather than layers.
+        """
+        known = set(layers)
+        unknown: list[str] = []
+        seen: set[str] = set()
+        names = [
+            *self.precision,
+            *self.activation,
+            *(name for region in self.fused_regions for name in region),
+        ]
+        for name in names:
+            if name not in known and name not in seen:
+                seen.add(name)
+                unknown.append(name)
+        if unknown:
+            listed = ", ".join(repr(name) for name in unknown[:_MAX_LISTED])
+            more = f" and {len(unknown) - _MAX_LISTED} more" if len(unknown) > _MAX_LISTED else ""
+            raise QSyncInputError(
+                f"{source}: plan names {len(unknown)} layer(s) not in the model: {listed}{more}"
+            )
+
+
+def _describe(value: Any) -> str:
+    """Short text for a fingerprint value in a mismatch message."""
+    if isinstance(value, list):
+        text = repr(value)
+        return text if len(text) <= 60 else f"{len(value)} entries"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _mismatches(key: str, expected: Any, actual: Any, out: list[str]) -> None:
+    """Append one reason per differing value under `key` (recursing into objects and equal-length lists)."""
+    if expected == actual:
+        return
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for sub in expected:
+            if sub in actual:
+                _mismatches(f"{key}.{sub}", expected[sub], actual[sub], out)
+        return
+    if (
+        isinstance(expected, list)
+        and isinstance(actual, list)
+        and len(expected) == len(actual)
+        and len(repr(expected)) > 60
+    ):
+        for i, (exp, act) in enumerate(zip(expected, actual, strict=True)):
+            if exp != act:
+                out.append(f"{key}[{i}]: plan made for {_describe(exp)}, run has {_describe(act)}")
+                return
+    out.append(f"{key}: plan made for {_describe(expected)}, run has {_describe(actual)}")
+
+
+def fingerprint_mismatches(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
+    """One reason per key present in both fingerprints whose values differ; [] when they match.
+
+    Keys missing on either side are ignored (also inside nested objects such as "versions").
+    Tuples and lists compare equal, as they would after a JSON round trip.
+    """
+    exp = _canonical(expected)
+    act = _canonical(actual)
+    out: list[str] = []
+    for key in exp:
+        if key in act:
+            _mismatches(str(key), exp[key], act[key], out)
+    return out
+
+
+def fingerprint_key(fingerprint: Mapping[str, Any]) -> str:
+    """Stable 16-hex-digit key of a fingerprint (sha256 of its canonical JSON), for a plan cache."""
+    try:
+        text = json.dumps(
+            _canonical(fingerprint), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise QSyncInputError(f"fingerprint is not plain JSON data: {exc}") from None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

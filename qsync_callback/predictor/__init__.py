@@ -1,0 +1,1 @@
+"""Data-flow graph, replay, memory liveness and per-op statistics over normalized traces."""

@@ -1,0 +1,159 @@
+"""Build the data-flow graph of one recorded step: per rank, and globally across ranks.
+
+Nodes are ops (``"r<rank>/<op id>"``), one start and one end sentinel per rank
+(``"r<rank>/start"``, ``"r<rank>/end"``), and, in the global graph, one node per collective
+(``"comm/<k>"``) that stands for the k-th collective of the step on every rank. Node attributes:
+
+- ``queue``: where it runs, ``"r<rank>/<thread>"``; ops on one queue run one at a time, in order;
+- ``dur``: microseconds, the recorded duration less the profiler's own share (``overhead_us``);
+- ``gap``: microseconds the queue sat idle before the op once everything it waits for was done
+  (host work between ops: Python, the dispatcher), less the profiler's share;
+- ``kind``, ``name``, ``layer``, ``rank``, ``bytes``, ``collective``, ``op_id``.
+
+Edges: queue order (``kind="order"``) and waits across queues (``kind="dep"``): a collective waits
+for the op that launched it, the op that consumes a collective waits for it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import networkx as nx
+
+from qsync_callback.recorder.trace import Op, Trace
+
+
+def start_node(rank: int) -> str:
+    return f"r{rank}/start"
+
+
+def end_node(rank: int) -> str:
+    return f"r{rank}/end"
+
+
+def op_node(rank: int, op_id: int) -> str:
+    return f"r{rank}/{op_id}"
+
+
+def _add_sentinels(graph: nx.DiGraph, rank: int) -> None:
+    common = {
+        "dur": 0.0,
+        "gap": 0.0,
+        "queue": f"r{rank}/main",
+        "rank": rank,
+        "layer": None,
+        "bytes": 0,
+        "collective": None,
+        "op_id": None,
+    }
+    graph.add_node(start_node(rank), name="step start", kind="sentinel", **common)
+    graph.add_node(end_node(rank), name="step end", kind="sentinel", **common)
+
+
+def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float) -> dict[str, float]:
+    """Add one rank's step to ``graph``; return recorded (aligned) start and end times by node."""
+    rank = trace.rank
+    step = next(s for s in trace.steps if s.index == step_index)
+    ops = [op for op in trace.ops if op.step == step_index]
+    _add_sentinels(graph, rank)
+    times = {start_node(rank): (step.start_us + offset_us, step.start_us + offset_us)}
+    by_queue: dict[str, list[Op]] = defaultdict(list)
+    for op in ops:
+        node = op_node(rank, op.id)
+        graph.add_node(
+            node,
+            name=op.name,
+            kind=op.kind,
+            queue=f"r{rank}/{op.thread}",
+            dur=max(0.0, op.dur_us - op.overhead_us),
+            gap_overhead=op.gap_overhead_us,
+            rank=rank,
+            layer=op.layer,
+            bytes=op.bytes,
+            collective=op.collective,
+            op_id=op.id,
+        )
+        times[node] = (op.start_us + offset_us, op.end_us + offset_us)
+        by_queue[op.thread].append(op)
+    for thread, queue_ops in by_queue.items():
+        queue_ops.sort(key=lambda o: o.start_us)
+        for a, b in zip(queue_ops, queue_ops[1:], strict=False):
+            graph.add_edge(op_node(rank, a.id), op_node(rank, b.id), kind="order")
+        first = op_node(rank, queue_ops[0].id)
+        if thread == "main" or not queue_ops[0].deps:
+            graph.add_edge(start_node(rank), first, kind="order")
+    ids = {op.id for op in ops}
+    for op in ops:
+        for dep in op.deps:
+            if dep in ids:
+                graph.add_edge(op_node(rank, dep), op_node(rank, op.id), kind="dep")
+    main_ops = by_queue.get("main", [])
+    last = op_node(rank, main_ops[-1].id) if main_ops else start_node(rank)
+    graph.add_edge(last, end_node(rank), kind="order")
+    times[end_node(rank)] = (step.end_us + offset_us, step.end_us + offset_us)
+    return times
+
+
+def _set_gaps(graph: nx.DiGraph, times: dict[str, tuple[float, float]]) -> None:
+    """gap = recorded start - latest recorded end among its predecessors, less profiler overhead."""
+    for node in graph.nodes:
+        preds = list(graph.predecessors(node))
+        start = times[node][0]
+        ready = max((times[p][1] for p in preds), default=start)
+        attrs = graph.nodes[node]
+        attrs["gap"] = max(0.0, start - ready - attrs.pop("gap_overhead", 0.0))
+        attrs["recorded_start"] = start
+
+
+def build_step_graph(trace: Trace, step_index: int) -> nx.DiGraph:
+    """The data-flow graph of one rank's recorded step (collectives kept per rank)."""
+    graph = nx.DiGraph(step=step_index, ranks=[trace.rank])
+    times = _add_rank(graph, trace, step_index, 0.0)
+    _set_gaps(graph, times)
+    return graph
+
+
+def build_global_graph(traces: Sequence[Trace], step_position: int) -> nx.DiGraph:
+    """The step at ``step_position`` (0 = first recorded) of every rank, joined by collectives.
+
+    The k-th collective of the step on each rank becomes one node ``comm/<k>``: it starts when the
+    last rank has launched it and ends when the first rank saw it complete (times on the common
+    clock); every rank's launching op precedes it and every rank's waiting op follows it.
+    """
+    if len(traces) == 1:
+        return build_step_graph(traces[0], traces[0].steps[step_position].index)
+    graph = nx.DiGraph(step=step_position, ranks=[t.rank for t in traces])
+    times: dict[str, tuple[float, float]] = {}
+    per_rank_comms: list[list[str]] = []
+    for trace in traces:
+        step_index = trace.steps[step_position].index
+        times.update(_add_rank(graph, trace, step_index, trace.clock_offset_us))
+        comms = sorted(
+            (n for n, a in graph.nodes(data=True) if a["rank"] == trace.rank and a["kind"] == "comm"),
+            key=lambda n: times[n][0],
+        )
+        per_rank_comms.append(comms)
+    count = min(len(c) for c in per_rank_comms)
+    for k in range(count):
+        members = [comms[k] for comms in per_rank_comms]
+        start = max(times[m][0] for m in members)
+        end = max(start, min(times[m][1] for m in members))
+        merged = f"comm/{k}"
+        attrs = {
+            **graph.nodes[members[0]],
+            "queue": "comm",
+            "rank": None,
+            "dur": end - start,
+            "gap_overhead": 0.0,
+        }
+        graph.add_node(merged, **attrs)
+        times[merged] = (start, end)
+        for m in members:
+            for p in graph.predecessors(m):
+                graph.add_edge(p, merged, kind=graph.edges[p, m]["kind"])
+            for s in graph.successors(m):
+                graph.add_edge(merged, s, kind=graph.edges[m, s]["kind"])
+            graph.remove_node(m)
+    _set_gaps(graph, times)
+    return graph

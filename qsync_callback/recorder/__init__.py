@@ -1,0 +1,1 @@
+"""Capture and normalize traces (torch.profiler; the TF profiler and Horovod timeline)."""

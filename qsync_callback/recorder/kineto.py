@@ -1,0 +1,385 @@
+"""Convert a torch.profiler (Kineto) Chrome trace into the normalized trace's ops and memory events.
+
+What the torch recorder puts into the profiled window, and this module reads back:
+- ``qsync::step#<k>`` ranges on the training thread bound each step;
+- ``qsync::layer::<name>`` ranges (opened by module hooks) attribute forward ops to layers;
+- ``qsync::clock_sync`` marks the moment all ranks left a barrier (the common clock's zero).
+
+Graph nodes are the outermost ``cpu_op`` events of each thread (user annotations are context, not
+nodes) and the collectives on communication threads (``gloo:*``; NCCL kernels on GPU streams).
+Backward ops are linked to their forward op, and so to a layer, by autograd's sequence number.
+Each DDP bucket's all-reduce depends on the op that launched it, and the ops that copy the reduced
+bucket back into the gradients depend on it (matched by element count, in bucket order).
+
+Profiler overhead: each recorded event costs a calibrated time (see ``overhead.py``); the cost of
+events nested in a node goes to its ``overhead_us``, the cost of the node's own event and of
+events between nodes goes to the next node's ``gap_overhead_us``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from qsync_callback.recorder.trace import Op, Step
+
+STEP_PREFIX = "qsync::step#"
+LAYER_PREFIX = "qsync::layer::"
+CLOCK_SYNC = "qsync::clock_sync"
+BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
+OPTIMIZER_ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
+DDP_COPY_BACK = "copy_bucket_to_grad"
+_COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(?!barrier)(\w+)", re.IGNORECASE)
+_DTYPE_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "long int": 8,
+    "int": 4,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+    "short int": 2,
+}
+_DEVICE_TYPE = {"cpu": 0, "cuda": 1}
+
+
+class _Event:
+    """A Kineto complete event ('X') with what the conversion needs."""
+
+    __slots__ = ("name", "cat", "tid", "ts", "dur", "args", "node_id")
+
+    def __init__(self, raw: Mapping[str, Any]):
+        self.name: str = raw.get("name", "")
+        self.cat: str = raw.get("cat", "")
+        self.tid = raw.get("tid")
+        self.ts: float = float(raw["ts"])
+        self.dur: float = float(raw.get("dur", 0.0))
+        self.args: Mapping[str, Any] = raw.get("args") or {}
+        self.node_id: int | None = None
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+
+def convert_kineto(
+    raw: Mapping[str, Any],
+    device: str = "cpu",
+    overhead_us: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Read a Kineto trace dict; return steps, ops, memory events, clock zero and allocator figures.
+
+    Returns a dict with keys ``steps`` (list[Step]), ``ops`` (list[Op]), ``memory_events``,
+    ``clock_sync_us`` (None when no sync mark was recorded) and ``allocator_peak_delta_bytes``
+    (the largest "Total Allocated" seen inside a step; on CPU it counts from the profiler's start).
+    Raises ValueError if the trace holds no ``qsync::step#`` ranges.
+    """
+    overhead_us = dict(overhead_us or {})
+    events = [_Event(e) for e in raw.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    memory = [e for e in raw.get("traceEvents", []) if e.get("name") == "[memory]" and e.get("ph") == "i"]
+
+    step_events = sorted((e for e in events if e.name.startswith(STEP_PREFIX)), key=lambda e: e.ts)
+    if not step_events:
+        raise ValueError("no qsync::step# ranges in the profiler trace")
+    main_tid = step_events[0].tid
+    steps = [Step(int(e.name[len(STEP_PREFIX) :]), e.ts, e.end) for e in step_events]
+    step_starts = [s.start_us for s in steps]
+
+    def step_of(ts: float) -> int | None:
+        i = bisect.bisect_right(step_starts, ts) - 1
+        return steps[i].index if i >= 0 and ts < steps[i].end_us else None
+
+    sync = [e for e in events if e.name == CLOCK_SYNC]
+    clock_sync_us = sync[-1].end if sync else None
+
+    by_tid: dict[Any, list[_Event]] = defaultdict(list)
+    for e in events:
+        by_tid[e.tid].append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e.ts, -e.dur))
+
+    ops: list[Op] = []
+    node_events: dict[Any, list[_Event]] = {}
+    for tid, evs in by_tid.items():
+        nodes = _thread_nodes(evs, main=(tid == main_tid))
+        kept = []
+        for e in nodes:
+            step = step_of(e.ts)
+            if step is None:
+                continue
+            e.node_id = len(ops)
+            ops.append(_make_op(e, step, tid, main_tid))
+            kept.append(e)
+        node_events[tid] = kept
+
+    main_events = by_tid.get(main_tid, [])
+    _classify_main_thread(main_events, ops, steps)
+    _attribute_layers(main_events, ops)
+    _link_collectives(ops, node_events, main_tid, main_events)
+    _attribute_overhead(by_tid, node_events, memory, ops, overhead_us, step_of)
+    mem_events, op_bytes, peak_delta = _memory_events(memory, node_events, device, step_of)
+    for op_id, nbytes in op_bytes.items():
+        ops[op_id].bytes = nbytes
+    return {
+        "steps": steps,
+        "ops": ops,
+        "memory_events": mem_events,
+        "clock_sync_us": clock_sync_us,
+        "allocator_peak_delta_bytes": peak_delta,
+    }
+
+
+def _thread_nodes(evs: list[_Event], main: bool) -> list[_Event]:
+    """Outermost cpu ops of a thread; on other threads also collectives (which are annotations)."""
+    nodes: list[_Event] = []
+    open_end = -math.inf
+    for e in evs:
+        is_comm = bool(_COMM_NAME.match(e.name))
+        if e.cat not in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset") and not is_comm:
+            continue
+        if main and is_comm:
+            continue
+        if e.ts >= open_end:
+            nodes.append(e)
+            open_end = e.end
+    return nodes
+
+
+def _make_op(e: _Event, step: int, tid: Any, main_tid: Any) -> Op:
+    comm = _COMM_NAME.match(e.name)
+    collective = None
+    if comm:
+        shapes = e.args.get("Input Dims") or []
+        numel = sum(math.prod(s) for s in shapes if isinstance(s, list))
+        dtype = (e.args.get("Input type") or ["float"])[0]
+        collective = {
+            "op": comm.group(2).lower(),
+            "numel": numel,
+            "dtype": dtype,
+            "bytes": numel * _DTYPE_BYTES.get(dtype, 4),
+        }
+    if tid == main_tid:
+        thread = "main"
+    elif comm:
+        thread = f"comm:{tid}"
+    elif e.cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+        thread = f"cuda:{tid}"
+    else:
+        thread = f"tid:{tid}"
+    return Op(
+        id=e.node_id,
+        name=e.name,
+        kind="comm" if comm else ("copy" if e.cat == "gpu_memcpy" else "other"),
+        thread=thread,
+        start_us=e.ts,
+        dur_us=e.dur,
+        step=step,
+        seq=e.args.get("Sequence number"),
+        input_shapes=list(e.args.get("Input Dims") or []),
+        input_dtypes=list(e.args.get("Input type") or []),
+        collective=collective,
+    )
+
+
+def _intervals(events: list[_Event], prefix: str) -> list[tuple[float, float]]:
+    return [(e.ts, e.end) for e in events if e.name.startswith(prefix)]
+
+
+def _inside(ts: float, intervals: list[tuple[float, float]]) -> bool:
+    return any(a <= ts < b for a, b in intervals)
+
+
+def _classify_main_thread(main_events: list[_Event], ops: list[Op], steps: list[Step]) -> None:
+    """Forward before the first backward op of a step, backward through the last one, then update
+    (inside ``Optimizer.step#``) or other; ``Optimizer.zero_grad#`` is update wherever it runs."""
+    step_ranges = _intervals(main_events, OPTIMIZER_STEP_PREFIX)
+    zero_grad_ranges = _intervals(main_events, OPTIMIZER_ZERO_GRAD_PREFIX)
+    by_step: dict[int, list[Op]] = defaultdict(list)
+    for op in ops:
+        if op.thread == "main":
+            by_step[op.step].append(op)
+    for step_ops in by_step.values():
+        backward_at = [i for i, op in enumerate(step_ops) if op.name.startswith(BACKWARD_PREFIX)]
+        first = backward_at[0] if backward_at else len(step_ops)
+        last = backward_at[-1] if backward_at else len(step_ops)
+        for i, op in enumerate(step_ops):
+            if _inside(op.start_us, zero_grad_ranges):
+                op.kind = "update"
+            elif i < first:
+                op.kind = "forward"
+            elif i <= last:
+                op.kind = "backward"
+            elif _inside(op.start_us, step_ranges):
+                op.kind = "update"
+            else:
+                op.kind = "other"
+
+
+def _attribute_layers(main_events: list[_Event], ops: list[Op]) -> None:
+    """Forward ops take the innermost ``qsync::layer::`` range around them; backward ops the layer of
+    the forward op with the same autograd sequence number; AccumulateGrad the backward op's before it."""
+    seq_layer: dict[int, str] = {}
+    open_layers: list[_Event] = []
+    for e in main_events:
+        while open_layers and e.ts >= open_layers[-1].end:
+            open_layers.pop()
+        if e.name.startswith(LAYER_PREFIX):
+            open_layers.append(e)
+            continue
+        if e.cat != "cpu_op" or not open_layers or e.name.startswith(BACKWARD_PREFIX):
+            continue
+        layer = open_layers[-1].name[len(LAYER_PREFIX) :]
+        if e.node_id is not None:
+            ops[e.node_id].layer = layer
+        seq = e.args.get("Sequence number")
+        if seq is not None:
+            seq_layer.setdefault(seq, layer)
+    previous_backward_layer = None
+    for op in ops:
+        if op.thread != "main" or op.kind != "backward":
+            continue
+        if ACCUMULATE_GRAD in op.name:
+            op.layer = previous_backward_layer
+        elif op.seq is not None and op.seq in seq_layer:
+            op.layer = seq_layer[op.seq]
+            previous_backward_layer = op.layer
+
+
+def _numel_of_first_input(node: _Event, main_events: list[_Event], main_starts: list[float]) -> int:
+    """Element count of the first input of ``node`` or, if it records none, of its first child."""
+    i = bisect.bisect_left(main_starts, node.ts)
+    for e in main_events[i : i + 4]:
+        if e.ts > node.end:
+            break
+        dims = e.args.get("Input Dims") or []
+        if dims and isinstance(dims[0], list) and dims[0]:
+            return math.prod(dims[0])
+    return 0
+
+
+def _link_collectives(
+    ops: list[Op], node_events: dict[Any, list[_Event]], main_tid: Any, main_events: list[_Event]
+) -> None:
+    """Collective <- the main-thread op that launched it; waiting op <- collective.
+
+    For DDP the waiting op of the k-th bucket is the first of the k-th group of
+    ``copy_bucket_to_grad`` ops (groups matched to buckets by element count). Elsewhere it is the
+    first main-thread op that starts after the collective ends. A collective's duration is cut at
+    its waiting op's start: the op could not have started before the data arrived, and the event's
+    tail past that point is the backend's bookkeeping.
+    """
+    main_nodes = node_events.get(main_tid, [])
+    main_starts = [e.ts for e in main_events]
+    comm_by_step: dict[int, list[Op]] = defaultdict(list)
+    for op in ops:
+        if op.kind == "comm":
+            comm_by_step[op.step].append(op)
+    for step, comms in comm_by_step.items():
+        comms.sort(key=lambda o: o.start_us)
+        step_nodes = [e for e in main_nodes if ops[e.node_id].step == step]
+        starts = [e.ts for e in step_nodes]
+        copies = [e for e in step_nodes if DDP_COPY_BACK in e.name]
+        copy_numel = [_numel_of_first_input(e, main_events, main_starts) for e in copies]
+        next_copy = 0
+        for comm in comms:
+            i = bisect.bisect_right(starts, comm.start_us) - 1
+            if i >= 0:
+                comm.deps.append(step_nodes[i].node_id)
+            waiter = None
+            if next_copy < len(copies):
+                waiter = copies[next_copy]
+                total = 0
+                numel = (comm.collective or {}).get("numel", 0)
+                while next_copy < len(copies) and (total < numel or total == 0):
+                    total += copy_numel[next_copy]
+                    next_copy += 1
+            else:
+                j = bisect.bisect_left(starts, comm.end_us)
+                waiter = step_nodes[j] if j < len(step_nodes) else None
+            if waiter is not None and waiter.ts >= comm.start_us:
+                ops[waiter.node_id].deps.append(comm.id)
+                comm.dur_us = min(comm.dur_us, waiter.ts - comm.start_us)
+
+
+def _event_cost(cat: str, costs: Mapping[str, float]) -> float:
+    if cat in ("cpu_op", "cuda_runtime", "cuda_driver"):
+        return costs.get("op", 0.0)
+    if cat == "user_annotation":
+        return costs.get("range", 0.0)
+    if cat == "cpu_instant_event":
+        return costs.get("memory", 0.0)
+    return 0.0
+
+
+def _attribute_overhead(
+    by_tid: dict[Any, list[_Event]],
+    node_events: dict[Any, list[_Event]],
+    memory: list[Mapping[str, Any]],
+    ops: list[Op],
+    costs: Mapping[str, float],
+    step_of,
+) -> None:
+    if not any(costs.values()):
+        return
+    stamps: dict[Any, list[tuple[float, str, _Event | None]]] = defaultdict(list)
+    for tid, evs in by_tid.items():
+        stamps[tid].extend((e.ts, e.cat, e) for e in evs)
+    for m in memory:
+        stamps[m.get("tid")].append((float(m["ts"]), "cpu_instant_event", None))
+    for tid, nodes in node_events.items():
+        if not nodes:
+            continue
+        starts = [n.ts for n in nodes]
+        for ts, cat, event in stamps.get(tid, []):
+            if step_of(ts) is None:
+                continue
+            cost = _event_cost(cat, costs)
+            i = bisect.bisect_right(starts, ts) - 1
+            if i >= 0 and nodes[i] is event:
+                ops[event.node_id].gap_overhead_us += cost
+            elif i >= 0 and ts < nodes[i].end:
+                ops[nodes[i].node_id].overhead_us += cost
+            elif i + 1 < len(nodes):
+                ops[nodes[i + 1].node_id].gap_overhead_us += cost
+
+
+def _memory_events(
+    memory: list[Mapping[str, Any]],
+    node_events: dict[Any, list[_Event]],
+    device: str,
+    step_of,
+) -> tuple[list[list], dict[int, int], int]:
+    """Allocations and frees of the trace's device as ``[ts, addr, bytes, op_id]``; bytes each op
+    allocated; the largest "Total Allocated" seen inside a step.
+
+    An event between ops is charged to the op before it on its thread: a tensor is freed when the
+    last reference to it goes, right after the op that used it last."""
+    device_type = _DEVICE_TYPE["cuda" if device.startswith("cuda") else "cpu"]
+    starts = {tid: [n.ts for n in nodes] for tid, nodes in node_events.items()}
+    out: list[list] = []
+    op_bytes: dict[int, int] = defaultdict(int)
+    peak = 0
+    for m in sorted(memory, key=lambda m: float(m["ts"])):
+        args = m.get("args") or {}
+        if args.get("Device Type") != device_type:
+            continue
+        ts, nbytes = float(m["ts"]), int(args.get("Bytes", 0))
+        op_id = -1
+        nodes = node_events.get(m.get("tid"), [])
+        i = bisect.bisect_right(starts.get(m.get("tid"), []), ts) - 1
+        if i >= 0:
+            op_id = nodes[i].node_id
+            if nbytes > 0 and ts < nodes[i].end:
+                op_bytes[op_id] += nbytes
+        out.append([ts, int(args.get("Addr", 0)), nbytes, op_id])
+        if step_of(ts) is not None:
+            peak = max(peak, int(args.get("Total Allocated", 0)))
+    return out, dict(op_bytes), peak

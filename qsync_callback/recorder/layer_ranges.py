@@ -1,0 +1,62 @@
+"""Module hooks that open a ``qsync::layer::<name>`` profiler range around each layer's forward.
+
+Installed only while recording, so a run that is not being recorded pays nothing. The ranges let
+the trace conversion attribute every forward op to the innermost layer that ran it (and, through
+autograd sequence numbers, every backward op too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from qsync_callback.recorder.kineto import LAYER_PREFIX
+
+
+def layers_of(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules a plan can address: leaves, and any module holding parameters of its own
+    (``nn.MultiheadAttention`` keeps ``in_proj_weight`` itself besides its ``out_proj`` child)."""
+    found = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        has_children = next(module.children(), None) is not None
+        owns_params = next(module.parameters(recurse=False), None) is not None
+        if not has_children or owns_params:
+            found[name] = module
+    return found
+
+
+class LayerRanges:
+    """Forward pre/post hooks on the given layers; ``install()`` and ``remove()`` them."""
+
+    def __init__(self, layers: Mapping[str, torch.nn.Module]):
+        self._layers = dict(layers)
+        self._handles: list = []
+        self._open: list = []
+
+    def install(self) -> None:
+        for name, module in self._layers.items():
+            label = LAYER_PREFIX + name
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook(label)))
+            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
+
+    def _enter_hook(self, label: str):
+        def enter(module: torch.nn.Module, args: Iterable) -> None:
+            handle = torch.ops.profiler._record_function_enter_new(label, None)
+            self._open.append(handle)
+
+        return enter
+
+    def _exit_hook(self, module: torch.nn.Module, args: Iterable, output: object) -> None:
+        if self._open:
+            torch.ops.profiler._record_function_exit(self._open.pop())
+
+    def remove(self) -> None:
+        """Remove the hooks and close any range a failed forward left open."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        while self._open:
+            torch.ops.profiler._record_function_exit(self._open.pop())

@@ -1,0 +1,234 @@
+"""Record a window of a live torch training loop into a normalized trace.
+
+The training loop calls `TorchRecorder.step_boundary()` at the start of every step. Steps before
+``warmup_steps`` run untouched (and are timed), except the last of them, which runs under the
+profiler unrecorded (a profiler's first step is slower than the rest: torch.profiler's schedule
+has a warm-up phase for the same reason); the next ``profile_steps`` steps run under
+torch.profiler with shapes and memory, with layer ranges installed; when the window closes the
+raw Kineto trace and the normalized trace are written to ``<trace_dir>/rank<k>/``. Steps after the
+window are timed again: the median of the unprofiled steps is the measured step time.
+
+Before the window opens the recorder calibrates the profiler's per-event overhead, counts the
+bytes resident in parameters, buffers, gradients and optimizer state, and (with several ranks)
+waits at a barrier and marks ``qsync::clock_sync`` so that traces share one clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qsync_callback.recorder.kineto import CLOCK_SYNC, STEP_PREFIX, convert_kineto
+from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
+from qsync_callback.recorder.overhead import calibrate_profiler_overhead, profiler_kwargs
+from qsync_callback.recorder.trace import Trace, rank_trace_path
+
+RAW_TRACE_FILE = "kineto.json"
+COLD_STEPS = 2
+
+
+def resident_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes held across steps, by category, each storage counted once."""
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[torch.Tensor]) -> int:
+        nbytes = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            nbytes += storage.nbytes()
+        return nbytes
+
+    params = list(model.parameters())
+    state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
+    return {
+        "parameters": total(params),
+        "buffers": total(model.buffers()),
+        "gradients": total(p.grad for p in params if p.grad is not None),
+        "optimizer_state": total(state),
+    }
+
+
+def layer_table(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Name, type and own parameter bytes of each layer a plan can address."""
+    return [
+        {
+            "name": name,
+            "type": type(module).__name__,
+            "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)),
+        }
+        for name, module in layers_of(model).items()
+    ]
+
+
+def torch_fingerprint(
+    model: torch.nn.Module, batch_shapes: Sequence, world_size: int, device: str
+) -> dict[str, Any]:
+    """What a plan for this run depends on: structure, batch shapes, device, world size, versions."""
+    structure = [
+        (n, type(m).__name__, [list(p.shape) for p in m.parameters(recurse=False)])
+        for n, m in model.named_modules()
+    ]
+    digest = hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16]
+    from qsync_callback import __version__
+
+    return {
+        "model": digest,
+        "layers": list(layers_of(model)),
+        "batch_shapes": [list(s) for s in batch_shapes],
+        "device": device,
+        "world_size": world_size,
+        "versions": {"torch": torch.__version__.split("+")[0], "qsync_callback": __version__},
+    }
+
+
+def batch_shapes_of(batch: Any) -> list[list[int]]:
+    """Shapes of the tensors in a (nested) batch, in order."""
+    if isinstance(batch, torch.Tensor):
+        return [list(batch.shape)]
+    if isinstance(batch, Mapping):
+        return [s for v in batch.values() for s in batch_shapes_of(v)]
+    if isinstance(batch, (list, tuple)):
+        return [s for v in batch for s in batch_shapes_of(v)]
+    return []
+
+
+class TorchRecorder:
+    """Profile steps ``[warmup_steps, warmup_steps + profile_steps)`` of a live training loop."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        trace_dir: str | Path,
+        *,
+        warmup_steps: int,
+        profile_steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+        fingerprint: Mapping[str, Any] | None = None,
+    ):
+        if warmup_steps < 2 or profile_steps < 1:
+            raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
+        self.model = model
+        self.optimizers = list(optimizers)
+        self.trace_dir = Path(trace_dir)
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.fingerprint = dict(fingerprint or {})
+        self.unprofiled_ms: list[float] = []
+        self.trace: Trace | None = None
+        self._steps_started = 0
+        self._last_boundary: float | None = None
+        self._profiler: torch.profiler.profile | None = None
+        self._ranges: LayerRanges | None = None
+        self._step_range = None
+        self._resident: dict[str, int] = {}
+        self._overhead: dict[str, float] = {}
+
+    @property
+    def recording(self) -> bool:
+        return self._profiler is not None
+
+    def step_boundary(self) -> Trace | None:
+        """Mark the start of the next step. Returns the trace on the boundary that closes the window."""
+        now = time.perf_counter()
+        step = self._steps_started
+        if self._last_boundary is not None and not self.recording and step > COLD_STEPS:
+            self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
+        finished = None
+        if step == self.warmup_steps - 1:
+            self._open_window()
+        elif self.recording and step == self.warmup_steps + self.profile_steps:
+            finished = self._close_window()
+        if self.recording and step >= self.warmup_steps:
+            self._next_step_range(step)
+        self._steps_started += 1
+        self._last_boundary = time.perf_counter()
+        return finished
+
+    def _open_window(self) -> None:
+        self._overhead = calibrate_profiler_overhead(self.device)
+        self._resident = resident_bytes(self.model, self.optimizers)
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
+        self._profiler.__enter__()
+        with torch.profiler.record_function(CLOCK_SYNC):
+            pass
+        self._ranges = LayerRanges(layers_of(self.model))
+        self._ranges.install()
+
+    def _next_step_range(self, step: int) -> None:
+        self._close_step_range()
+        self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
+
+    def _close_step_range(self) -> None:
+        if self._step_range is not None:
+            torch.ops.profiler._record_function_exit(self._step_range)
+            self._step_range = None
+
+    def _close_window(self) -> Trace:
+        profiler = self._profiler
+        self.close()
+        rank_dir = rank_trace_path(self.trace_dir, self.rank).parent
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        raw_path = rank_dir / RAW_TRACE_FILE
+        profiler.export_chrome_trace(str(raw_path))
+        with open(raw_path) as f:
+            raw = json.load(f)
+        converted = convert_kineto(raw, device=self.device, overhead_us=self._overhead)
+        resident_total = sum(self._resident.values())
+        sync = converted["clock_sync_us"]
+        self.trace = Trace(
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            steps=converted["steps"],
+            ops=converted["ops"],
+            framework="torch",
+            framework_version=torch.__version__.split("+")[0],
+            clock_offset_us=-sync if sync is not None else 0.0,
+            memory_events=converted["memory_events"],
+            resident_bytes=self._resident,
+            layers=layer_table(self.model),
+            measured={
+                "peak_bytes": resident_total + converted["allocator_peak_delta_bytes"],
+                "peak_source": "resident bytes at the window's start + the profiler's 'Total Allocated'",
+            },
+            profiler_overhead_us=self._overhead,
+            fingerprint=self.fingerprint,
+            raw_trace=RAW_TRACE_FILE,
+        )
+        self.save()
+        return self.trace
+
+    def save(self) -> None:
+        """Write the normalized trace (with the unprofiled step times measured so far)."""
+        if self.trace is not None:
+            self.trace.measured["step_ms"] = list(self.unprofiled_ms)
+            self.trace.save(rank_trace_path(self.trace_dir, self.rank))
+
+    def close(self) -> None:
+        """Stop profiling and remove the hooks; safe to call at any time, more than once."""
+        self._close_step_range()
+        if self._ranges is not None:
+            self._ranges.remove()
+            self._ranges = None
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)

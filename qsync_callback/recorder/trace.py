@@ -1,0 +1,250 @@
+"""The normalized trace: one rank's recorded steps, framework-neutral, as JSON.
+
+Every recorder (torch.profiler here, the TF profiler plus Horovod's timeline later) writes this
+schema, and everything downstream (graph, replay, memory, report) reads only this schema.
+
+One file per rank, ``<trace_dir>/rank<k>/trace.json``::
+
+    {
+      "format": "qsync-trace", "version": 1,
+      "framework": "torch", "framework_version": "2.13.0",
+      "rank": 0, "world_size": 2, "device": "cpu",
+      "clock_offset_us": 12.5,          # add to this rank's timestamps to get the common clock
+      "steps": [{"index": 7, "start_us": ..., "end_us": ...}, ...],
+      "ops": [Op, ...],                 # see `Op`
+      "memory_events": [[ts_us, addr, bytes, op_id], ...],   # bytes < 0 is a free; op_id -1: none
+      "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...},
+      "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024}, ...],
+      "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "..."},
+      "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
+      "fingerprint": {...},
+      "raw_trace": "kineto.json"        # the profiler's own trace, beside this file
+    }
+
+Times are microseconds on this rank's clock. An op's ``dur_us`` and ``gap_us`` are as recorded;
+``overhead_us`` is the part of ``dur_us`` and ``gap_overhead_us`` the part of the idle time before
+the op that the profiler itself added (events recorded inside or before it, times the calibrated
+per-event cost); the graph subtracts them so that predictions are for runs without the profiler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qsync_callback.errors import QSyncInputError
+
+TRACE_FORMAT = "qsync-trace"
+TRACE_VERSION = 1
+TRACE_FILE = "trace.json"
+OP_KINDS = ("forward", "backward", "update", "comm", "cast", "copy", "other")
+
+
+@dataclass
+class Op:
+    """One node-to-be of the data-flow graph: an outermost op on one thread, or a collective.
+
+    ``thread`` names the queue it ran on: "main" (the training loop's thread, which also runs
+    backward on CPU), "comm:<n>" (a communication thread or stream), "cuda:<stream>", or
+    "tid:<n>" for any other thread. ``deps`` are ids of ops on other threads it waited for
+    (same-thread order is implied by start time). ``collective`` is set on communication ops:
+    {"op": "all_reduce", "numel": ..., "bytes": ..., "dtype": ...}.
+    """
+
+    id: int
+    name: str
+    kind: str
+    thread: str
+    start_us: float
+    dur_us: float
+    step: int
+    layer: str | None = None
+    seq: int | None = None
+    input_shapes: list = field(default_factory=list)
+    input_dtypes: list = field(default_factory=list)
+    bytes: int = 0
+    overhead_us: float = 0.0
+    gap_overhead_us: float = 0.0
+    deps: list[int] = field(default_factory=list)
+    collective: dict | None = None
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.dur_us
+
+
+@dataclass
+class Step:
+    """One training step's window on this rank's clock."""
+
+    index: int
+    start_us: float
+    end_us: float
+
+    @property
+    def dur_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+@dataclass
+class Trace:
+    """One rank's normalized trace (see the module docstring for the JSON layout)."""
+
+    rank: int
+    world_size: int
+    device: str
+    steps: list[Step]
+    ops: list[Op]
+    framework: str = "torch"
+    framework_version: str = ""
+    clock_offset_us: float = 0.0
+    memory_events: list[list] = field(default_factory=list)
+    resident_bytes: dict[str, int] = field(default_factory=dict)
+    layers: list[dict] = field(default_factory=list)
+    measured: dict[str, Any] = field(default_factory=dict)
+    profiler_overhead_us: dict[str, float] = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    raw_trace: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, **data}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write as JSON, atomically (a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":")))
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<trace>") -> Trace:
+        """Validate and build; any problem raises QSyncInputError naming ``source``."""
+        if not isinstance(data, Mapping):
+            raise QSyncInputError(f"{source}: not a qsync trace (expected a JSON object)")
+        if data.get("format") != TRACE_FORMAT:
+            raise QSyncInputError(f"{source}: not a qsync trace (format is {data.get('format')!r})")
+        if data.get("version") != TRACE_VERSION:
+            raise QSyncInputError(
+                f"{source}: trace version {data.get('version')!r}; this tool reads version {TRACE_VERSION}"
+            )
+        try:
+            steps = [Step(int(s["index"]), float(s["start_us"]), float(s["end_us"])) for s in data["steps"]]
+            ops = [_op_from_dict(o) for o in data["ops"]]
+            trace = cls(
+                rank=int(data["rank"]),
+                world_size=int(data["world_size"]),
+                device=str(data["device"]),
+                steps=steps,
+                ops=ops,
+                framework=str(data.get("framework", "")),
+                framework_version=str(data.get("framework_version", "")),
+                clock_offset_us=float(data.get("clock_offset_us", 0.0)),
+                memory_events=[list(e) for e in data.get("memory_events", [])],
+                resident_bytes={str(k): int(v) for k, v in data.get("resident_bytes", {}).items()},
+                layers=list(data.get("layers", [])),
+                measured=dict(data.get("measured", {})),
+                profiler_overhead_us={k: float(v) for k, v in data.get("profiler_overhead_us", {}).items()},
+                fingerprint=dict(data.get("fingerprint", {})),
+                raw_trace=data.get("raw_trace"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise QSyncInputError(f"{source}: malformed trace ({type(exc).__name__}: {exc})") from None
+        _check_consistency(trace, source)
+        return trace
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise QSyncInputError(f"{path}: no such file") from None
+        except OSError as exc:
+            raise QSyncInputError(f"{path}: cannot read ({exc.strerror})") from None
+        if not text.strip():
+            raise QSyncInputError(f"{path}: empty file")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise QSyncInputError(
+                f"{path}: truncated or invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg})"
+            ) from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _op_from_dict(o: Mapping) -> Op:
+    return Op(
+        id=int(o["id"]),
+        name=str(o["name"]),
+        kind=str(o["kind"]),
+        thread=str(o["thread"]),
+        start_us=float(o["start_us"]),
+        dur_us=float(o["dur_us"]),
+        step=int(o["step"]),
+        layer=o.get("layer"),
+        seq=o.get("seq"),
+        input_shapes=list(o.get("input_shapes", [])),
+        input_dtypes=list(o.get("input_dtypes", [])),
+        bytes=int(o.get("bytes", 0)),
+        overhead_us=float(o.get("overhead_us", 0.0)),
+        gap_overhead_us=float(o.get("gap_overhead_us", 0.0)),
+        deps=[int(d) for d in o.get("deps", [])],
+        collective=o.get("collective"),
+    )
+
+
+def _check_consistency(trace: Trace, source: str) -> None:
+    if not trace.steps:
+        raise QSyncInputError(f"{source}: the trace has no recorded steps")
+    ids = set()
+    step_indices = {s.index for s in trace.steps}
+    for op in trace.ops:
+        if op.kind not in OP_KINDS:
+            raise QSyncInputError(f"{source}: op {op.id} has unknown kind {op.kind!r}")
+        if not (math.isfinite(op.start_us) and math.isfinite(op.dur_us)) or op.dur_us < 0:
+            raise QSyncInputError(f"{source}: op {op.id} ({op.name}) has an invalid time")
+        if op.step not in step_indices:
+            raise QSyncInputError(f"{source}: op {op.id} ({op.name}) belongs to unrecorded step {op.step}")
+        ids.add(op.id)
+    if len(ids) != len(trace.ops):
+        raise QSyncInputError(f"{source}: op ids are not unique")
+    for op in trace.ops:
+        missing = [d for d in op.deps if d not in ids]
+        if missing:
+            raise QSyncInputError(f"{source}: op {op.id} depends on unknown op {missing[0]}")
+
+
+def rank_trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` writes its normalized trace under ``trace_dir``."""
+    return Path(trace_dir) / f"rank{rank}" / TRACE_FILE
+
+
+def load_trace_dir(trace_dir: str | os.PathLike) -> list[Trace]:
+    """Load every rank's trace under ``trace_dir`` (a directory of ``rank<k>/trace.json``).
+
+    Checks that the set of ranks is complete and that all ranks agree on the world size.
+    """
+    trace_dir = Path(trace_dir)
+    if not trace_dir.is_dir():
+        raise QSyncInputError(f"{trace_dir}: no such trace directory")
+    files = sorted(trace_dir.glob(f"rank*/{TRACE_FILE}"))
+    if not files and (trace_dir / TRACE_FILE).is_file():
+        files = [trace_dir / TRACE_FILE]
+    if not files:
+        raise QSyncInputError(f"{trace_dir}: no rank*/{TRACE_FILE} inside; is this a qsync trace directory?")
+    traces = sorted((Trace.load(f) for f in files), key=lambda t: t.rank)
+    world = traces[0].world_size
+    ranks = [t.rank for t in traces]
+    if any(t.world_size != world for t in traces):
+        raise QSyncInputError(f"{trace_dir}: ranks disagree on the world size")
+    if ranks != list(range(world)):
+        missing = sorted(set(range(world)) - set(ranks))
+        raise QSyncInputError(f"{trace_dir}: world size is {world} but traces of ranks {missing} are missing")
+    return traces

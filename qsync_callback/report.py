@@ -1,0 +1,117 @@
+"""The report: measured against predicted step time and peak memory, and per-op statistics.
+
+Built from a trace directory's traces (rank 0 of a live run builds it the same way), written as
+``report.json`` and printed as a summary. Measured step time is the median wall-clock time of the
+unprofiled steps (the slowest rank's median); measured peak is each rank's allocator figure (see
+the trace's ``measured.peak_source``), largest rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qsync_callback.plan import Plan
+from qsync_callback.predictor.predict import predict
+from qsync_callback.predictor.statistics import layer_statistics, op_statistics
+from qsync_callback.recorder.trace import Trace
+
+REPORT_FILE = "report.json"
+
+
+def _spread_pct(samples: Sequence[float]) -> float | None:
+    """Run-to-run spread of step time: (90th - 10th percentile) / median, in percent."""
+    if len(samples) < 3:
+        return None
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    return 100.0 * (deciles[-1] - deciles[0]) / statistics.median(samples)
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return 100.0 * abs(predicted - measured) / measured
+
+
+def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 15) -> dict[str, Any]:
+    """Measured and predicted figures, their errors, and the top ops, as a JSON-ready dict."""
+    prediction = predict(traces, plan)
+    medians = [statistics.median(t.measured["step_ms"]) for t in traces if t.measured.get("step_ms")]
+    slowest = max(range(len(medians)), key=medians.__getitem__) if medians else None
+    samples = traces[slowest].measured["step_ms"] if slowest is not None else []
+    peaks = [t.measured.get("peak_bytes") for t in traces if t.measured.get("peak_bytes") is not None]
+    measured_step = max(medians) if medians else None
+    measured_peak = max(peaks) if peaks else None
+    return {
+        "world_size": traces[0].world_size,
+        "device": traces[0].device,
+        "framework": f"{traces[0].framework} {traces[0].framework_version}".strip(),
+        "recorded_steps": [s.index for s in traces[0].steps],
+        "measured": {
+            "step_ms": measured_step,
+            "step_ms_samples": len(samples),
+            "step_ms_spread_pct": _spread_pct(samples),
+            "peak_bytes": measured_peak,
+            "peak_source": traces[0].measured.get("peak_source"),
+        },
+        "predicted": prediction.to_dict(),
+        "error_pct": {
+            "step_ms": _error_pct(prediction.step_ms, measured_step),
+            "peak_bytes": _error_pct(prediction.peak_bytes, measured_peak),
+        },
+        "profiler_overhead_us": traces[0].profiler_overhead_us,
+        "ops": op_statistics(traces)[:top],
+        "layers": layer_statistics(traces),
+        "plan": plan.to_dict() if plan is not None else None,
+    }
+
+
+def write_report(report: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``report`` as JSON (atomically) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def _mib(nbytes: float | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
+
+
+def format_summary(report: dict[str, Any], top: int = 10) -> str:
+    """The human-readable summary printed by the callback (rank 0) and by ``qsync report``."""
+    measured, predicted, error = report["measured"], report["predicted"], report["error_pct"]
+    share = predicted.get("critical_path_share", {})
+    lines = [
+        f"qsync report: {report['framework']} on {report['device']}, world size {report['world_size']}, "
+        f"recorded steps {report['recorded_steps']}",
+        f"  step time   measured {_ms(measured['step_ms'])} (median of {measured['step_ms_samples']}, "
+        f"spread {_pct(measured['step_ms_spread_pct'])})   predicted {_ms(predicted['step_ms'])}   "
+        f"error {_pct(error['step_ms'])}",
+        f"  peak memory measured {_mib(measured['peak_bytes'])}   "
+        f"predicted {_mib(predicted['peak_bytes'])}   error {_pct(error['peak_bytes'])}",
+        "  critical path: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
+        "  memory at peak: "
+        + ", ".join(f"{k} {_mib(v)}" for k, v in predicted.get("memory_breakdown", {}).items() if v),
+        "  top ops (ms per step, profiler overhead removed):",
+    ]
+    for row in report["ops"][:top]:
+        lines.append(
+            f"    {row['ms_per_step']:8.3f}  {100 * row['share']:5.1f}%  {row['calls_per_step']:6.1f}x  "
+            f"{row['kind']:<8} {row['name'][:70]}"
+        )
+    return "\n".join(lines)
