@@ -270,11 +270,13 @@ def _link_collectives(
 ) -> None:
     """Collective <- the main-thread op that launched it; waiting op <- collective.
 
-    For DDP the waiting op of the k-th bucket is the first of the k-th group of
-    ``copy_bucket_to_grad`` ops (groups matched to buckets by element count). Elsewhere it is the
-    first main-thread op that starts after the collective ends. A collective's duration is cut at
-    its waiting op's start: the op could not have started before the data arrived, and the event's
-    tail past that point is the backend's bookkeeping.
+    The main thread must have the collective's result by the time it runs the first op that uses
+    it: for DDP's k-th bucket, the first of the k-th group of ``copy_bucket_to_grad`` ops (groups
+    matched to buckets by element count); elsewhere the first op that starts after the collective
+    ends. The thread blocked somewhere between the launch and that op: the waiting op is the one
+    after the longest idle gap in that stretch. A collective's duration is cut at its waiting op's
+    start: the op could not have started before the data arrived, and the event's tail past that
+    point is the backend's bookkeeping.
     """
     main_nodes = node_events.get(main_tid, [])
     main_starts = [e.ts for e in main_events]
@@ -286,27 +288,27 @@ def _link_collectives(
         comms.sort(key=lambda o: o.start_us)
         step_nodes = [e for e in main_nodes if ops[e.node_id].step == step]
         starts = [e.ts for e in step_nodes]
-        copies = [e for e in step_nodes if DDP_COPY_BACK in e.name]
-        copy_numel = [_numel_of_first_input(e, main_events, main_starts) for e in copies]
+        copies = [p for p, e in enumerate(step_nodes) if DDP_COPY_BACK in e.name]
+        copy_numel = [_numel_of_first_input(step_nodes[p], main_events, main_starts) for p in copies]
         next_copy = 0
         for comm in comms:
-            i = bisect.bisect_right(starts, comm.start_us) - 1
-            if i >= 0:
-                comm.deps.append(step_nodes[i].node_id)
-            waiter = None
+            launch = bisect.bisect_right(starts, comm.start_us) - 1
+            if launch >= 0:
+                comm.deps.append(step_nodes[launch].node_id)
             if next_copy < len(copies):
-                waiter = copies[next_copy]
-                total = 0
-                numel = (comm.collective or {}).get("numel", 0)
+                user = copies[next_copy]
+                numel, total = (comm.collective or {}).get("numel", 0), 0
                 while next_copy < len(copies) and (total < numel or total == 0):
                     total += copy_numel[next_copy]
                     next_copy += 1
             else:
-                j = bisect.bisect_left(starts, comm.end_us)
-                waiter = step_nodes[j] if j < len(step_nodes) else None
-            if waiter is not None and waiter.ts >= comm.start_us:
-                ops[waiter.node_id].deps.append(comm.id)
-                comm.dur_us = min(comm.dur_us, waiter.ts - comm.start_us)
+                user = bisect.bisect_left(starts, comm.end_us)
+            if user >= len(step_nodes) or user <= launch:
+                continue
+            waiter = max(range(launch + 1, user + 1), key=lambda p: starts[p] - step_nodes[p - 1].end)
+            if starts[waiter] >= comm.start_us:
+                ops[step_nodes[waiter].node_id].deps.append(comm.id)
+                comm.dur_us = min(comm.dur_us, starts[waiter] - comm.start_us)
 
 
 def _event_cost(cat: str, costs: Mapping[str, float]) -> float:

@@ -161,9 +161,21 @@ class TorchRecorder:
         self._last_boundary = time.perf_counter()
         return finished
 
+    def restart_step_clock(self) -> None:
+        """Leave the time since the last boundary out of the measured steps (the caller did work of
+        its own there, such as waiting for other ranks)."""
+        self._last_boundary = time.perf_counter()
+
+    def prepare_window(self) -> None:
+        """Calibrate the profiler's overhead and count resident bytes (done at the window's opening
+        if not called before; a distributed caller calls it first, so that a failure here can be
+        agreed on before the ranks meet at the clock-sync barrier)."""
+        if not self._overhead:
+            self._overhead = calibrate_profiler_overhead(self.device)
+            self._resident = resident_bytes(self.model, self.optimizers)
+
     def _open_window(self) -> None:
-        self._overhead = calibrate_profiler_overhead(self.device)
-        self._resident = resident_bytes(self.model, self.optimizers)
+        self.prepare_window()
         if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
         self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))

@@ -1,0 +1,5 @@
+"""PyTorch Lightning integration: ``QSyncCallback``."""
+
+from qsync_callback.integrations.lightning.callback import QSyncCallback
+
+__all__ = ["QSyncCallback"]
