@@ -107,7 +107,9 @@ class QSyncCallback(pl.Callback):
             self._fail("training ended before the recorded window was complete; nothing was recorded")
         self._finish(trainer)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._close()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -208,7 +210,9 @@ class QSyncCallback(pl.Callback):
             try:
                 self._recorder.close()
             except Exception as exc:  # noqa: BLE001
-                warnings.warn(f"QSyncCallback could not stop the profiler: {exc}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"QSyncCallback could not stop the profiler: {exc}", RuntimeWarning, stacklevel=2
+                )
 
 
 def _gather_strings(trainer: pl.Trainer, text: str) -> list[str]:

@@ -131,6 +131,7 @@ class TorchRecorder:
         self.device = device
         self.fingerprint = dict(fingerprint or {})
         self.unprofiled_ms: list[float] = []
+        self.overhead_s = 0.0
         self.trace: Trace | None = None
         self._steps_started = 0
         self._last_boundary: float | None = None
@@ -152,9 +153,13 @@ class TorchRecorder:
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
         finished = None
         if step == self.warmup_steps - 1:
+            self.prepare_window()
+            opened = time.perf_counter()
             self._open_window()
+            self.overhead_s += time.perf_counter() - opened
         elif self.recording and step == self.warmup_steps + self.profile_steps:
             finished = self._close_window()
+            self.overhead_s += time.perf_counter() - now
         if self.recording and step >= self.warmup_steps:
             self._next_step_range(step)
         self._steps_started += 1
@@ -171,11 +176,12 @@ class TorchRecorder:
         if not called before; a distributed caller calls it first, so that a failure here can be
         agreed on before the ranks meet at the clock-sync barrier)."""
         if not self._overhead:
+            start = time.perf_counter()
             self._overhead = calibrate_profiler_overhead(self.device)
             self._resident = resident_bytes(self.model, self.optimizers)
+            self.overhead_s += time.perf_counter() - start
 
     def _open_window(self) -> None:
-        self.prepare_window()
         if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
         self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
@@ -233,6 +239,7 @@ class TorchRecorder:
         """Write the normalized trace (with the unprofiled step times measured so far)."""
         if self.trace is not None:
             self.trace.measured["step_ms"] = list(self.unprofiled_ms)
+            self.trace.measured["recorder_overhead_s"] = self.overhead_s
             self.trace.save(rank_trace_path(self.trace_dir, self.rank))
 
     def close(self) -> None:
