@@ -1,0 +1,81 @@
+"""Train a small classifier with PyTorch Lightning and let QSyncCallback record and report on it.
+
+    python examples/train_lightning.py                      # 1 process on CPU
+    python examples/train_lightning.py --devices 2          # 2 processes, DDP over gloo
+
+The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the warm-up
+the callback prints measured against predicted step time and peak memory and writes
+``<output_dir>/report.json`` and the traces under ``<output_dir>/trace/rank<k>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qsync_callback import QSyncCallback
+
+
+class Classifier(pl.LightningModule):
+    """An MLP over feature vectors."""
+
+    def __init__(self, features: int = 128, hidden: int = 1024, classes: int = 10):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(features, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, classes),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def cluster_data(samples: int = 8192, features: int = 128, classes: int = 10, seed: int = 0) -> TensorDataset:
+    """Gaussian clusters, one per class: a learnable task generated on the spot."""
+    generator = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, features, generator=generator) * 2
+    labels = torch.randint(0, classes, (samples,), generator=generator)
+    points = centers[labels] + torch.randn(samples, features, generator=generator)
+    return TensorDataset(points, labels)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=1, help="CPU processes (2 or more: DDP over gloo)")
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--mode", choices=("record", "report"), default="report")
+    parser.add_argument("--output-dir", default=None, help="default: <log_dir>/qsync")
+    parser.add_argument("--root-dir", default="runs", help="Lightning's default_root_dir")
+    args = parser.parse_args()
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=args.max_steps,
+        default_root_dir=args.root_dir,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        log_every_n_steps=10,
+        callbacks=[QSyncCallback(mode=args.mode, output_dir=args.output_dir)],
+    )
+    loader = DataLoader(cluster_data(), batch_size=args.batch_size, shuffle=True)
+    trainer.fit(Classifier(), loader)
+
+
+if __name__ == "__main__":
+    main()
