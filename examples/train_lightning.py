@@ -52,7 +52,9 @@ def cluster_data(samples: int = 8192, features: int = 128, classes: int = 10, se
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--devices", type=int, default=1, help="CPU processes (2 or more: DDP over gloo)")
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=256)

@@ -15,6 +15,7 @@ waits at a barrier and marks ``qsync::clock_sync`` so that traces share one cloc
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -233,6 +234,8 @@ class TorchRecorder:
             raw_trace=RAW_TRACE_FILE,
         )
         self.save()
+        del raw, converted
+        gc.collect()  # now, not as a pause in a measured step: conversion made many short-lived objects
         return self.trace
 
     def save(self) -> None:

@@ -1,0 +1,101 @@
+"""Graph building and replay on small hand-written traces whose answer is known."""
+
+import pytest
+
+from qsync_callback.predictor.graph import build_global_graph, build_step_graph, end_node
+from qsync_callback.predictor.replay import replay
+
+from tracebuilder import op, trace
+
+
+def test_chain_replays_to_the_recorded_step():
+    # three ops back to back with host gaps of 5 and 10 us, and 3 us after the last one
+    t = trace(
+        [
+            op(0, "a", "forward", "main", 5, 10),
+            op(1, "b", "forward", "main", 25, 20),
+            op(2, "c", "backward", "main", 45, 30),
+        ],
+        step_end=78,
+    )
+    graph = build_step_graph(t, 0)
+    assert [graph.nodes[f"r0/{i}"]["gap"] for i in range(3)] == [5, 10, 0]
+    result = replay(graph)
+    assert result.step_us == pytest.approx(78)
+    assert result.critical_path == ["r0/start", "r0/0", "r0/1", "r0/2", "r0/end"]
+    assert result.critical_share["host"] == pytest.approx((5 + 10 + 3) / 78)
+
+
+def test_what_if_shorter_op_shortens_the_chain():
+    t = trace([op(0, "a", "forward", "main", 0, 10), op(1, "b", "forward", "main", 10, 20)], step_end=30)
+    graph = build_step_graph(t, 0)
+    graph.nodes["r0/1"]["dur"] = 5
+    assert replay(graph).step_us == pytest.approx(15)
+
+
+def test_profiler_overhead_is_removed_from_durations_and_gaps():
+    t = trace([op(0, "a", "forward", "main", 10, 50, overhead_us=8, gap_overhead_us=4)], step_end=60)
+    result = replay(build_step_graph(t, 0))
+    assert result.step_us == pytest.approx(60 - 8 - 4)
+
+
+def test_fork_that_overlaps_hides_communication_behind_compute():
+    # main: launch (0-10), compute (10-60), waiter (70-75); comm thread: 10-40, waited by op 3
+    ops = [
+        op(0, "launch", "backward", "main", 0, 10),
+        op(1, "compute", "backward", "main", 10, 50),
+        op(2, "all_reduce", "comm", "comm:1", 12, 28, deps=[0]),
+        op(3, "copy_back", "other", "main", 60, 5, deps=[2]),
+    ]
+    graph = build_step_graph(trace(ops, step_end=65), 0)
+    assert graph.nodes["r0/2"]["gap"] == pytest.approx(2)
+    assert replay(graph).step_us == pytest.approx(65)
+    # slower communication: the waiter now waits for it instead of for compute
+    graph.nodes["r0/2"]["dur"] = 100
+    result = replay(graph)
+    assert result.step_us == pytest.approx(10 + 2 + 100 + 5)
+    assert "r0/2" in result.critical_path
+    assert result.critical_share["communication"] > 0.8
+
+
+def _rank(rank: int, launch_end: float, offset: float):
+    """backward overlapping an all-reduce: launch at launch_end, compute until 100, wait at 100."""
+    ops = [
+        op(0, "grad_a", "backward", "main", 0, launch_end),
+        op(1, "grad_b", "backward", "main", launch_end, 100 - launch_end),
+        op(
+            2,
+            "gloo:all_reduce",
+            "comm",
+            "comm:9",
+            launch_end,
+            150 - launch_end,
+            deps=[0],
+            collective={"op": "all_reduce", "numel": 10, "bytes": 40},
+        ),
+        op(3, "copy_bucket_to_grad", "other", "main", 150, 10, deps=[2]),
+    ]
+    for o in ops:
+        o.start_us -= offset
+    t = trace(ops, step_end=160, rank=rank, world_size=2, clock_offset_us=offset)
+    t.steps[0].start_us -= offset
+    t.steps[0].end_us -= offset
+    return t
+
+
+def test_global_graph_joins_ranks_through_the_collective():
+    # rank 1 launches later (at 40 instead of 20); its clock runs 1000 us behind the common clock
+    traces = [_rank(0, 20, 0.0), _rank(1, 40, 1000.0)]
+    graph = build_global_graph(traces, 0)
+    assert "comm/0" in graph and "r0/2" not in graph and "r1/2" not in graph
+    assert set(graph.predecessors("comm/0")) >= {"r0/0", "r1/0"}
+    # the collective starts when the last rank launched (40) and ends when it was seen done (150)
+    assert graph.nodes["comm/0"]["dur"] == pytest.approx(110)
+    result = replay(graph)
+    assert result.start["comm/0"] == pytest.approx(40)
+    assert result.step_us == pytest.approx(160)
+    # make rank 1's backward slower before the launch: both ranks now wait for it
+    graph.nodes["r1/0"]["dur"] = 90
+    result = replay(graph)
+    assert result.start["comm/0"] == pytest.approx(90)
+    assert result.end[end_node(0)] == pytest.approx(90 + 110 + 10)

@@ -1,0 +1,115 @@
+"""The torch recorder on a real training loop under the real torch.profiler."""
+
+import json
+
+import pytest
+import torch
+
+from qsync_callback.predictor.memory import tensor_lifetimes
+from qsync_callback.predictor.predict import predict
+from qsync_callback.recorder.torch_recorder import RAW_TRACE_FILE, TorchRecorder
+from qsync_callback.recorder.trace import Trace, load_trace_dir, rank_trace_path
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(32, 64)
+        self.attn = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = torch.nn.Linear(64, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.embed(x))
+        h, _ = self.attn(h, h, h)
+        return self.head(h.mean(dim=1))
+
+
+def _train(recorder, steps, fail_at=None):
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8, 32), torch.randint(0, 5, (16,))
+    for step in range(steps):
+        recorder.step_boundary()
+        if step == fail_at:
+            raise RuntimeError("user code failed")
+        loss = torch.nn.functional.cross_entropy(recorder.model(x), y)
+        loss.backward()
+        recorder.optimizers[0].step()
+        recorder.optimizers[0].zero_grad()
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trace")
+    model = Net()
+    recorder = TorchRecorder(
+        model, [torch.optim.Adam(model.parameters())], out, warmup_steps=3, profile_steps=2
+    )
+    _train(recorder, 9)
+    recorder.save()
+    return out, recorder
+
+
+def _profiler_enabled():
+    return torch._C._autograd._profiler_enabled()
+
+
+def test_writes_raw_and_normalized_trace(recorded):
+    out, recorder = recorded
+    raw = json.loads((out / "rank0" / RAW_TRACE_FILE).read_text())
+    assert any(e.get("name", "").startswith("qsync::step#") for e in raw["traceEvents"])
+    trace = Trace.load(rank_trace_path(out, 0))
+    assert [s.index for s in trace.steps] == [3, 4]
+    assert trace.raw_trace == RAW_TRACE_FILE
+    # steps 0-1 are cold, 2 is the profiler's warm-up, 3-4 recorded, 5-7 timed (8 has no closing boundary)
+    assert len(trace.measured["step_ms"]) == 3
+    assert not _profiler_enabled()
+
+
+def test_ops_have_phases_and_layers(recorded):
+    trace = Trace.load(rank_trace_path(recorded[0], 0))
+    kinds = {op.kind for op in trace.ops}
+    assert {"forward", "backward", "update"} <= kinds
+    forward_layers = {op.layer for op in trace.ops if op.kind == "forward"}
+    assert {"embed", "attn", "head"} <= forward_layers
+    # the attention's out_proj is read directly by MultiheadAttention: its ops belong to "attn"
+    backward_layers = {op.layer for op in trace.ops if op.kind == "backward" and "Addmm" in op.name}
+    assert {"embed", "head"} <= backward_layers
+    names = {op.name for op in trace.ops if op.kind == "update"}
+    assert any("lerp" in n or "add" in n for n in names)
+
+
+def test_memory_is_resident_plus_lifetimes(recorded):
+    out, recorder = recorded
+    trace = Trace.load(rank_trace_path(out, 0))
+    params = sum(p.numel() * 4 for p in recorder.model.parameters())
+    assert trace.resident_bytes["parameters"] == params
+    assert trace.resident_bytes["optimizer_state"] >= 2 * params
+    categories = {life.category for life in tensor_lifetimes(trace)}
+    assert {"activations", "temporaries", "gradients"} <= categories
+    prediction = predict(load_trace_dir(out))
+    assert prediction.peak_bytes == pytest.approx(trace.measured["peak_bytes"], rel=0.05)
+    assert prediction.memory_breakdown["parameters"] == params
+
+
+def test_overhead_is_calibrated_and_removed(recorded):
+    trace = Trace.load(rank_trace_path(recorded[0], 0))
+    assert set(trace.profiler_overhead_us) == {"op", "memory", "range"}
+    assert trace.profiler_overhead_us["op"] > 0
+    assert sum(op.overhead_us + op.gap_overhead_us for op in trace.ops) > 0
+    prediction = predict(load_trace_dir(recorded[0]))
+    recorded_ms = [s.dur_us / 1e3 for s in trace.steps]
+    assert prediction.step_ms < max(recorded_ms)
+
+
+def test_profiler_is_stopped_when_the_run_fails_inside_the_window(tmp_path):
+    model = Net()
+    recorder = TorchRecorder(
+        model, [torch.optim.SGD(model.parameters(), lr=0.1)], tmp_path, warmup_steps=2, profile_steps=3
+    )
+    with pytest.raises(RuntimeError, match="user code failed"):
+        _train(recorder, 9, fail_at=3)
+    assert _profiler_enabled()
+    recorder.close()
+    recorder.close()
+    assert not _profiler_enabled()
+    assert not any(module._forward_pre_hooks for module in model.modules())
