@@ -100,3 +100,10 @@ def test_cli_entry_point_runs_as_a_command(trace_dir):
     )
     assert result.returncode == 2
     assert result.stderr.startswith("qsync: error: ") and "Traceback" not in result.stderr
+
+
+def test_plan_for_another_run_is_refused(trace_dir):
+    traces = load_trace_dir(trace_dir)
+    traces[0].fingerprint = {"model": "abc", "world_size": 1}
+    with pytest.raises(QSyncInputError, match="made for another run.*world_size: plan made for 2, run has 1"):
+        predict(traces, Plan(fingerprint={"model": "abc", "world_size": 2}), plan_source="p.json")

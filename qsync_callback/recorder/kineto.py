@@ -78,8 +78,9 @@ def convert_kineto(
     """Read a Kineto trace dict; return steps, ops, memory events, clock zero and allocator figures.
 
     Returns a dict with keys ``steps`` (list[Step]), ``ops`` (list[Op]), ``memory_events``,
-    ``clock_sync_us`` (None when no sync mark was recorded) and ``allocator_peak_delta_bytes``
-    (the largest "Total Allocated" seen inside a step; on CPU it counts from the profiler's start).
+    ``clock_sync_us`` (None when no sync mark was recorded) and ``allocator_peak_bytes``
+    (the largest "Total Allocated" seen inside a step: absolute on CUDA, counted from the window's
+    start on CPU).
     Raises ValueError if the trace holds no ``qsync::step#`` ranges.
     """
     overhead_us = dict(overhead_us or {})
@@ -133,7 +134,7 @@ def convert_kineto(
         "ops": ops,
         "memory_events": mem_events,
         "clock_sync_us": clock_sync_us,
-        "allocator_peak_delta_bytes": peak_delta,
+        "allocator_peak_bytes": peak_delta,
     }
 
 
@@ -368,11 +369,15 @@ def _memory_events(
     starts = {tid: [n.ts for n in nodes] for tid, nodes in node_events.items()}
     out: list[list] = []
     op_bytes: dict[int, int] = defaultdict(int)
-    peak = 0
+    peak, baseline = 0, None
     for m in sorted(memory, key=lambda m: float(m["ts"])):
         args = m.get("args") or {}
         if args.get("Device Type") != device_type:
             continue
+        if baseline is None:
+            # CUDA's figure is absolute; the CPU one carries over whatever earlier profiler sessions
+            # counted and is read relative to the window's first event
+            baseline = 0 if device_type == _DEVICE_TYPE["cuda"] else args["Total Allocated"] - args["Bytes"]
         ts, nbytes = float(m["ts"]), int(args.get("Bytes", 0))
         op_id = -1
         nodes = node_events.get(m.get("tid"), [])
@@ -383,5 +388,5 @@ def _memory_events(
                 op_bytes[op_id] += nbytes
         out.append([ts, int(args.get("Addr", 0)), nbytes, op_id])
         if step_of(ts) is not None:
-            peak = max(peak, int(args.get("Total Allocated", 0)))
+            peak = max(peak, int(args.get("Total Allocated", 0)) - baseline)
     return out, dict(op_bytes), peak

@@ -211,7 +211,12 @@ class TorchRecorder:
         with open(raw_path) as f:
             raw = json.load(f)
         converted = convert_kineto(raw, device=self.device, overhead_us=self._overhead)
-        resident_total = sum(self._resident.values())
+        if self.device.startswith("cuda"):
+            measured_peak = converted["allocator_peak_bytes"]
+            peak_source = "the CUDA caching allocator's 'Total Allocated' in the profiler's memory events"
+        else:
+            measured_peak = sum(self._resident.values()) + converted["allocator_peak_bytes"]
+            peak_source = "resident bytes at the window's start + the profiler's CPU 'Total Allocated'"
         sync = converted["clock_sync_us"]
         self.trace = Trace(
             rank=self.rank,
@@ -225,10 +230,7 @@ class TorchRecorder:
             memory_events=converted["memory_events"],
             resident_bytes=self._resident,
             layers=layer_table(self.model),
-            measured={
-                "peak_bytes": resident_total + converted["allocator_peak_delta_bytes"],
-                "peak_source": "resident bytes at the window's start + the profiler's 'Total Allocated'",
-            },
+            measured={"peak_bytes": measured_peak, "peak_source": peak_source},
             profiler_overhead_us=self._overhead,
             fingerprint=self.fingerprint,
             raw_trace=RAW_TRACE_FILE,
