@@ -113,3 +113,16 @@ def test_profiler_is_stopped_when_the_run_fails_inside_the_window(tmp_path):
     recorder.close()
     assert not _profiler_enabled()
     assert not any(module._forward_pre_hooks for module in model.modules())
+
+
+def test_saved_activations_are_counted_per_layer(recorded):
+    trace = Trace.load(rank_trace_path(recorded[0], 0))
+    saved = trace.saved_activation_bytes
+    # embed saves its input (16x8x32 floats) for the weight gradient; head saves the mean (16x64)
+    assert saved["embed"] == 16 * 8 * 32 * 4
+    assert saved["head"] == 16 * 64 * 4
+    assert saved["attn"] > 0
+    # the phase-based liveness finds the attention's own saved tensors too (embed's saved input is
+    # the batch, allocated before the step, and relu/mean run outside any layer)
+    lives = tensor_lifetimes(trace)
+    assert "attn" in {life.layer for life in lives if life.category == "activations"}

@@ -38,20 +38,25 @@ class LayerRanges:
 
     def install(self) -> None:
         for name, module in self._layers.items():
-            label = LAYER_PREFIX + name
-            self._handles.append(module.register_forward_pre_hook(self._enter_hook(label)))
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook(name)))
             self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
 
-    def _enter_hook(self, label: str):
+    @property
+    def current_layer(self) -> str | None:
+        """The innermost layer whose forward is running, if any."""
+        return self._open[-1][0] if self._open else None
+
+    def _enter_hook(self, name: str):
+        label = LAYER_PREFIX + name
+
         def enter(module: torch.nn.Module, args: Iterable) -> None:
-            handle = torch.ops.profiler._record_function_enter_new(label, None)
-            self._open.append(handle)
+            self._open.append((name, torch.ops.profiler._record_function_enter_new(label, None)))
 
         return enter
 
     def _exit_hook(self, module: torch.nn.Module, args: Iterable, output: object) -> None:
         if self._open:
-            torch.ops.profiler._record_function_exit(self._open.pop())
+            torch.ops.profiler._record_function_exit(self._open.pop()[1])
 
     def remove(self) -> None:
         """Remove the hooks and close any range a failed forward left open."""
@@ -59,4 +64,4 @@ class LayerRanges:
             handle.remove()
         self._handles.clear()
         while self._open:
-            torch.ops.profiler._record_function_exit(self._open.pop())
+            torch.ops.profiler._record_function_exit(self._open.pop()[1])

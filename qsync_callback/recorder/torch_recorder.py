@@ -3,8 +3,9 @@
 The training loop calls `TorchRecorder.step_boundary()` at the start of every step. Steps before
 ``warmup_steps`` run untouched (and are timed), except the last of them, which runs under the
 profiler unrecorded (a profiler's first step is slower than the rest: torch.profiler's schedule
-has a warm-up phase for the same reason); the next ``profile_steps`` steps run under
-torch.profiler with shapes and memory, with layer ranges installed; when the window closes the
+has a warm-up phase for the same reason) and counts the bytes autograd saves per layer; the
+next ``profile_steps`` steps run under torch.profiler with shapes and memory, with layer ranges
+installed; when the window closes the
 raw Kineto trace and the normalized trace are written to ``<trace_dir>/rank<k>/``. Steps after the
 window are timed again: the median of the unprofiled steps is the measured step time.
 
@@ -28,6 +29,7 @@ import torch
 from qsync_callback.recorder.kineto import CLOCK_SYNC, STEP_PREFIX, convert_kineto
 from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
 from qsync_callback.recorder.overhead import calibrate_profiler_overhead, profiler_kwargs
+from qsync_callback.recorder.saved_tensors import SavedActivations
 from qsync_callback.recorder.trace import Trace, rank_trace_path
 
 RAW_TRACE_FILE = "kineto.json"
@@ -140,6 +142,8 @@ class TorchRecorder:
         self._ranges: LayerRanges | None = None
         self._step_range = None
         self._resident: dict[str, int] = {}
+        self._saved: SavedActivations | None = None
+        self._saved_bytes: dict[str, int] = {}
         self._overhead: dict[str, float] = {}
 
     @property
@@ -191,8 +195,11 @@ class TorchRecorder:
             pass
         self._ranges = LayerRanges(layers_of(self.model))
         self._ranges.install()
+        self._saved = SavedActivations(self._ranges, self.model.parameters())
+        self._saved.start()
 
     def _next_step_range(self, step: int) -> None:
+        self._stop_saved_activations()
         self._close_step_range()
         self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
 
@@ -229,6 +236,7 @@ class TorchRecorder:
             clock_offset_us=-sync if sync is not None else 0.0,
             memory_events=converted["memory_events"],
             resident_bytes=self._resident,
+            saved_activation_bytes=self._saved_bytes,
             layers=layer_table(self.model),
             measured={"peak_bytes": measured_peak, "peak_source": peak_source},
             profiler_overhead_us=self._overhead,
@@ -247,8 +255,14 @@ class TorchRecorder:
             self.trace.measured["recorder_overhead_s"] = self.overhead_s
             self.trace.save(rank_trace_path(self.trace_dir, self.rank))
 
+    def _stop_saved_activations(self) -> None:
+        if self._saved is not None:
+            self._saved_bytes = self._saved.stop()
+            self._saved = None
+
     def close(self) -> None:
         """Stop profiling and remove the hooks; safe to call at any time, more than once."""
+        self._stop_saved_activations()
         self._close_step_range()
         if self._ranges is not None:
             self._ranges.remove()

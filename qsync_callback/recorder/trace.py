@@ -14,6 +14,7 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "ops": [Op, ...],                 # see `Op`
       "memory_events": [[ts_us, addr, bytes, op_id], ...],   # bytes < 0 is a free; op_id -1: none
       "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...},
+      "saved_activation_bytes": {"net.0": ..., ...},   # saved for backward in one step, by layer
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024}, ...],
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "..."},
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
@@ -105,6 +106,7 @@ class Trace:
     clock_offset_us: float = 0.0
     memory_events: list[list] = field(default_factory=list)
     resident_bytes: dict[str, int] = field(default_factory=dict)
+    saved_activation_bytes: dict[str, int] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
     profiler_overhead_us: dict[str, float] = field(default_factory=dict)
@@ -148,6 +150,9 @@ class Trace:
                 clock_offset_us=float(data.get("clock_offset_us", 0.0)),
                 memory_events=[list(e) for e in data.get("memory_events", [])],
                 resident_bytes={str(k): int(v) for k, v in data.get("resident_bytes", {}).items()},
+                saved_activation_bytes={
+                    str(k): int(v) for k, v in data.get("saved_activation_bytes", {}).items()
+                },
                 layers=list(data.get("layers", [])),
                 measured=dict(data.get("measured", {})),
                 profiler_overhead_us={k: float(v) for k, v in data.get("profiler_overhead_us", {}).items()},
