@@ -76,7 +76,7 @@ def _check_report(report, world_size):
 
 def test_one_process_reports_and_logs(tmp_path):
     logger = CSVLogger(tmp_path, name="logs")
-    callback = QSyncCallback(warmup_steps=3, profile_steps=2, measure_steps=5)
+    callback = QSyncCallback(warmup_steps=3, profile_steps=3, measure_steps=5)
     trainer = _fit(tmp_path, callback, logger=logger)
     assert trainer.global_step == 20
     out = Path(logger.log_dir) / "qsync"
@@ -175,6 +175,8 @@ def test_two_processes_under_ddp(tmp_path):
     traces = load_trace_dir(out / "trace")
     assert [t.rank for t in traces] == [0, 1]
     for trace in traces:
+        params = trace.resident_bytes["parameters"]
+        assert trace.resident_bytes["gradient_buckets"] == params  # DDP's buckets hold every gradient
         comms = [op for op in trace.ops if op.kind == "comm"]
         assert any(c.collective["op"] == "all_reduce" and c.collective["numel"] > 0 for c in comms)
         assert all(c.deps for c in comms)

@@ -86,13 +86,15 @@ class QSyncCallback(pl.Callback):
         report_at = close_at + self.measure_steps
         if step == 0:
             self._guard(self._start, trainer, pl_module, batch)
-        if step == open_at:
+        if self._recorder is not None and self._failed is None:
+            self._guard(self._recorder.step_boundary)
+        if step == open_at - 1:
+            # calibrate before the ranks meet at the window's clock-sync barrier, and agree first
             if self._recorder is not None:
                 self._guard(self._recorder.prepare_window)
             if not self._agree(trainer):
                 return
-        if self._recorder is not None and self._failed is None:
-            self._guard(self._recorder.step_boundary)
+            self._recorder.restart_step_clock()
         if step == close_at:
             if not self._agree(trainer):
                 return
@@ -142,6 +144,7 @@ class QSyncCallback(pl.Callback):
             self.output_dir / "trace",
             warmup_steps=self.warmup_steps,
             profile_steps=self.profile_steps,
+            ddp_module=trainer.strategy.model,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             device=device.type if device.type != "cuda" else f"cuda ({device_name})",

@@ -152,7 +152,7 @@ def predict_memory(trace: Trace, lives: list[TensorLife] | None = None) -> Memor
                 peak_breakdown = dict(live_by_category)
     breakdown = {
         c: trace.resident_bytes.get(c, 0) + peak_breakdown.get(c, 0)
-        for c in ("parameters", "buffers", *CATEGORIES)
+        for c in ("parameters", "buffers", "gradient_buckets", *CATEGORIES)
     }
     breakdown["freed_resident"] = peak_breakdown.get("resident", 0)
     return MemoryPrediction(int(peak), peak_step, breakdown, step_peaks)

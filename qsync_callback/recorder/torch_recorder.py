@@ -36,7 +36,22 @@ RAW_TRACE_FILE = "kineto.json"
 COLD_STEPS = 2
 
 
-def resident_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
+def ddp_bucket_bytes(module: torch.nn.Module | None) -> int:
+    """Bytes of DDP's gradient buckets (separate from the gradients unless they are bucket views)."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    data = module._get_ddp_logging_data()
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    return sum(int(s) for s in str(sizes).replace(",", " ").split())
+
+
+def resident_bytes(
+    model: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    ddp_module: torch.nn.Module | None = None,
+) -> dict[str, int]:
     """Bytes held across steps, by category, each storage counted once."""
     seen: set[int] = set()
 
@@ -59,6 +74,7 @@ def resident_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Opti
         "buffers": total(model.buffers()),
         "gradients": total(p.grad for p in params if p.grad is not None),
         "optimizer_state": total(state),
+        "gradient_buckets": ddp_bucket_bytes(ddp_module),
     }
 
 
@@ -107,7 +123,11 @@ def batch_shapes_of(batch: Any) -> list[list[int]]:
 
 
 class TorchRecorder:
-    """Profile steps ``[warmup_steps, warmup_steps + profile_steps)`` of a live training loop."""
+    """Profile steps ``[warmup_steps, warmup_steps + profile_steps)`` of a live training loop.
+
+    ``model`` is the module whose layers are recorded; ``ddp_module``, if the model runs wrapped in
+    DistributedDataParallel, the wrapper (its gradient buckets count as resident memory).
+    """
 
     def __init__(
         self,
@@ -121,10 +141,12 @@ class TorchRecorder:
         world_size: int = 1,
         device: str = "cpu",
         fingerprint: Mapping[str, Any] | None = None,
+        ddp_module: torch.nn.Module | None = None,
     ):
         if warmup_steps < 2 or profile_steps < 1:
             raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
         self.model = model
+        self.ddp_module = ddp_module
         self.optimizers = list(optimizers)
         self.trace_dir = Path(trace_dir)
         self.warmup_steps = warmup_steps
@@ -183,7 +205,7 @@ class TorchRecorder:
         if not self._overhead:
             start = time.perf_counter()
             self._overhead = calibrate_profiler_overhead(self.device)
-            self._resident = resident_bytes(self.model, self.optimizers)
+            self._resident = resident_bytes(self.model, self.optimizers, self.ddp_module)
             self.overhead_s += time.perf_counter() - start
 
     def _open_window(self) -> None:

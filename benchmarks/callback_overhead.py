@@ -1,0 +1,149 @@
+"""What QSyncCallback costs per step when it is not recording (after it has finished).
+
+Runs a short real ``Trainer.fit`` of the MLP with the callback (warmup 2, profile 1, measure 1) and a
+step timer, then calls the finished callback's ``on_train_batch_start`` a few thousand times and
+compares the per-call cost with the MLP's median step time (steps after the callback finished).
+Writes ``<out>/callback_overhead.md``.
+
+    python benchmarks/callback_overhead.py [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from models import SEED, StepTimer, get_model
+
+from qsync_callback.integrations.lightning import QSyncCallback
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+WARMUP, PROFILE, MEASURE = 2, 1, 1
+STEPS_AFTER = 30  # timed steps after the callback has finished
+CALLS, BLOCKS = 5000, 7
+
+
+def _reexec_with_tcmalloc() -> None:
+    """Restart this script with tcmalloc preloaded (see README), once, if it is installed."""
+    if TCMALLOC.exists() and str(TCMALLOC) not in os.environ.get("LD_PRELOAD", "").split(":"):
+        env = dict(os.environ)
+        env["LD_PRELOAD"] = ":".join(p for p in (str(TCMALLOC), env.get("LD_PRELOAD", "")) if p)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def allocator() -> str:
+    """ "tcmalloc" if it is loaded in this process, else "glibc malloc"."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "tcmalloc" if "libtcmalloc" in maps else "glibc malloc"
+
+
+def time_call(fn: Callable[[], Any], calls: int = CALLS, blocks: int = BLOCKS) -> float:
+    """Per-call cost of ``fn`` in microseconds: the median over ``blocks`` blocks of ``calls`` calls."""
+    per_call = []
+    for _ in range(blocks):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter_ns() - start) / calls / 1e3)
+    return statistics.median(per_call)
+
+
+def measure(out: Path) -> dict[str, Any]:
+    """Fit the MLP with the callback, then time the finished callback's per-step hook."""
+    spec = get_model("mlp")
+    pl.seed_everything(SEED, verbose=False)
+    callback = QSyncCallback(
+        mode="report",
+        warmup_steps=WARMUP,
+        profile_steps=PROFILE,
+        measure_steps=MEASURE,
+        output_dir=out / "callback_overhead_run",
+    )
+    timer = StepTimer()
+    finished_at = WARMUP + PROFILE + MEASURE  # 0-based step at whose start the callback finishes
+    max_steps = finished_at + 1 + STEPS_AFTER
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[callback, timer],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    module = spec.build()
+    loader = spec.dataloader(max_steps)
+    trainer.fit(module, loader)
+    if callback.report is None:
+        raise SystemExit("the callback produced no report; see the warnings above")
+
+    # timer.step_ms[i] is step i's duration (the timer runs after the callback, so the report's work
+    # falls in step finished_at - 1); keep the steps from finished_at on.
+    after = timer.step_ms[finished_at:]
+    step_ms = statistics.median(after)
+    batch = next(iter(loader))
+    qsync_us = time_call(lambda: callback.on_train_batch_start(trainer, module, batch, 0))
+    bare = pl.Callback()
+    bare_us = time_call(lambda: bare.on_train_batch_start(trainer, module, batch, 0))
+    return {
+        "step_ms": step_ms,
+        "steps_timed": len(after),
+        "hook_us": qsync_us,
+        "bare_hook_us": bare_us,
+        "hook_pct_of_step": 100.0 * qsync_us / (step_ms * 1e3),
+        "extra_us": qsync_us - bare_us,
+        "allocator": allocator(),
+    }
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """The result as a short markdown table."""
+    return "\n".join(
+        [
+            "| quantity | value |",
+            "|---|---:|",
+            f"| MLP median step (callback finished, {r['steps_timed']} steps) | {r['step_ms']:.2f} ms |",
+            f"| finished QSyncCallback.on_train_batch_start per step | {r['hook_us']:.3f} us |",
+            f"| same, as % of a step | {r['hook_pct_of_step']:.5f} % |",
+            f"| a bare pl.Callback.on_train_batch_start, for reference | {r['bare_hook_us']:.3f} us |",
+            f"| difference to the bare hook | {r['extra_us']:.3f} us |",
+            "",
+            f"Hook cost: median over {BLOCKS} blocks of {CALLS} calls on the finished callback of a real "
+            f"Trainer.fit (warmup {WARMUP}, profile {PROFILE}, measure {MEASURE}); "
+            f"allocator: {r['allocator']}.",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print and write ``<out>/callback_overhead.md``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = measure(args.out)
+    text = markdown(result)
+    (args.out / "callback_overhead.md").write_text(text + "\n")
+    print(text)
+    print(
+        f"\nper-step cost when not recording: {result['hook_us']:.3f} us "
+        f"= {result['hook_pct_of_step']:.5f}% of a {result['step_ms']:.1f} ms step"
+    )
+    print(f"written to {args.out / 'callback_overhead.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    _reexec_with_tcmalloc()
+    sys.exit(main())

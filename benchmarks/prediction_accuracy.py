@@ -1,0 +1,370 @@
+"""Predictor accuracy and recorder overhead of QSyncCallback on real Lightning runs.
+
+For each model and process count, runs ``Trainer.fit`` in a fresh subprocess with
+``QSyncCallback(mode="report")``, repeated ``--repeats`` times, then reads each run's report.json
+and rank traces and writes a markdown table (``<out>/prediction_accuracy.md``) and the raw rows
+(``<out>/prediction_accuracy.json``). Exits non-zero if any run produced no report.
+
+    python benchmarks/prediction_accuracy.py [--models mlp,cnn,transformer] [--procs 1,2]
+        [--repeats 2] [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from models import MODELS, SEED, StepTimer, get_model
+
+WARMUP_STEPS = 5
+PROFILE_STEPS = 5
+MEASURE_STEPS = 20
+# The callback reports at the start of step WARMUP + PROFILE + MEASURE (0-based), so the run needs
+# one more step than that sum; two spare steps on top.
+MAX_STEPS = WARMUP_STEPS + PROFILE_STEPS + MEASURE_STEPS + 1 + 2
+TARGET_PCT = 5.0
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+STDERR_TAIL_LINES = 40
+STEP_TIMES_DIR = "step_times"  # per-rank wall time of every step, from the worker's own timer
+# 0-based steps whose time (between consecutive on_train_batch_start calls) holds the recording's
+# work: calibration, the profiled warm-up step, the profiled steps and the window's closing...
+COST_STEPS = list(range(WARMUP_STEPS - 2, WARMUP_STEPS + PROFILE_STEPS))
+# ... and rank 0's prediction and report (done at the start of the next step, so timed in this one).
+REPORT_STEP = WARMUP_STEPS + PROFILE_STEPS + MEASURE_STEPS - 1
+# Unprofiled steps before the window that carry no recorder work (not step 0: cold), from the step
+# timer: if the measured (post-window) median is well above their median, the recording left the
+# run slower than it was when profiled.
+PRE_WINDOW_STEPS = list(range(1, WARMUP_STEPS - 2))
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def run_worker(model: str, procs: int, run_dir: Path) -> None:
+    """One training run with the callback (executed in a subprocess; Lightning's DDP launcher
+    re-executes this same command line for rank 1)."""
+    import pytorch_lightning as pl
+
+    from qsync_callback.integrations.lightning import QSyncCallback
+
+    spec = get_model(model)
+    pl.seed_everything(SEED, verbose=False)
+    callback = QSyncCallback(
+        mode="report",
+        warmup_steps=WARMUP_STEPS,
+        profile_steps=PROFILE_STEPS,
+        measure_steps=MEASURE_STEPS,
+        output_dir=run_dir,
+    )
+    timer = StepTimer()  # after the callback, so a step's time includes the callback's work at its end
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=procs,
+        strategy="ddp" if procs > 1 else "auto",
+        max_steps=MAX_STEPS,
+        callbacks=[callback, timer],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(spec.build(), spec.dataloader(MAX_STEPS * procs))
+    path = run_dir / STEP_TIMES_DIR / f"rank{trainer.global_rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(timer.step_ms))
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a run: tcmalloc preloaded when present (see README)."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if TCMALLOC.exists():
+        preload = env.get("LD_PRELOAD", "")
+        if str(TCMALLOC) not in preload.split(":"):
+            env["LD_PRELOAD"] = f"{TCMALLOC}:{preload}" if preload else str(TCMALLOC)
+    return env
+
+
+def launch(model: str, procs: int, run_dir: Path, timeout_s: float) -> tuple[int, float]:
+    """Run one training run in a fresh subprocess; returns (exit code, wall seconds). Output goes to
+    ``run_dir/stdout.log`` and ``run_dir/stderr.log``."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, "--worker-procs", str(procs)]
+    cmd += ["--worker-dir", str(run_dir.resolve())]
+    start = time.perf_counter()
+    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+        # its own session, so that a timeout also ends the DDP launcher's other rank
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            err.write(f"\n[benchmark] timed out after {timeout_s:.0f} s\n")
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def stderr_tail(run_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a run's stderr."""
+    path = run_dir / "stderr.log"
+    text = path.read_text(errors="replace") if path.exists() else "(no stderr.log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def rank_costs(trace: dict[str, Any], step_ms: list[float] | None) -> dict[str, float | None]:
+    """One rank's costs in seconds: the recorder's own overhead (outside the profiled steps); the
+    extra time of the profiled steps over the unprofiled median; that of the profiled, unrecorded
+    warm-up step (from the clock-sync mark to the first recorded step); and, from the worker's step
+    timer, the total extra time of every step that carried the callback's work (``COST_STEPS`` and
+    ``REPORT_STEP``); plus the median time (ms) of the clean steps before the window."""
+    measured = trace.get("measured", {})
+    samples = measured.get("step_ms") or []
+    steps = trace.get("steps") or []
+    costs: dict[str, float | None] = {
+        "recorder_overhead_s": measured.get("recorder_overhead_s"),
+        "profiled_extra_s": None,
+        "warmup_extra_s": None,
+        "total_cost_s": None,
+        "pre_window_step_ms": None,
+    }
+    if not samples:
+        return costs
+    median_ms = statistics.median(samples)
+    if steps:
+        costs["profiled_extra_s"] = sum((s["end_us"] - s["start_us"]) / 1e3 - median_ms for s in steps) / 1e3
+        sync_us = -float(trace.get("clock_offset_us") or 0.0)  # the recorder stores -(clock-sync mark)
+        if sync_us:
+            first = min(s["start_us"] for s in steps)
+            costs["warmup_extra_s"] = ((first - sync_us) / 1e3 - median_ms) / 1e3
+    if step_ms and len(step_ms) > max(*COST_STEPS, REPORT_STEP):
+        costs["total_cost_s"] = sum(step_ms[i] - median_ms for i in [*COST_STEPS, REPORT_STEP]) / 1e3
+    if step_ms and len(step_ms) > PRE_WINDOW_STEPS[-1]:
+        costs["pre_window_step_ms"] = statistics.median(step_ms[i] for i in PRE_WINDOW_STEPS)
+    return costs
+
+
+def _max(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) -> dict[str, Any]:
+    """One table row from a finished run's report.json and rank traces (slowest rank for costs)."""
+    report = json.loads((run_dir / "report.json").read_text())
+    measured, predicted, error = report["measured"], report["predicted"], report["error_pct"]
+    per_rank = []
+    for path in sorted((run_dir / "trace").glob("rank*/trace.json")):
+        timer_path = run_dir / STEP_TIMES_DIR / f"{path.parent.name}.json"
+        step_ms = json.loads(timer_path.read_text()) if timer_path.exists() else None
+        per_rank.append(rank_costs(json.loads(path.read_text()), step_ms))
+    keys = ("recorder_overhead_s", "profiled_extra_s", "warmup_extra_s", "total_cost_s", "pre_window_step_ms")
+    costs = {key: _max([c[key] for c in per_rank]) for key in keys}
+    return {
+        "model": model,
+        "procs": procs,
+        "repeat": repeat,
+        "measured_step_ms": measured.get("step_ms"),
+        "step_ms_spread_pct": measured.get("step_ms_spread_pct"),
+        "step_ms_samples": measured.get("step_ms_samples"),
+        "predicted_step_ms": predicted.get("step_ms"),
+        "step_error_pct": error.get("step_ms"),
+        "measured_peak_bytes": measured.get("peak_bytes"),
+        "predicted_peak_bytes": predicted.get("peak_bytes"),
+        "peak_error_pct": error.get("peak_bytes"),
+        **costs,
+        "ranks_traced": len(per_rank),
+        "wall_s": wall_s,
+        "run_dir": str(run_dir),
+    }
+
+
+def noise_floor(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run-to-run noise of the measured median per (model, procs): (max - min) / mean over repeats,
+    in % (with two repeats: |median 1 - median 2| / mean)."""
+    groups: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        if row["measured_step_ms"] is not None:
+            groups.setdefault((row["model"], row["procs"]), []).append(row["measured_step_ms"])
+    out = []
+    for (model, procs), medians in groups.items():
+        noise = None
+        if len(medians) >= 2:
+            noise = 100.0 * (max(medians) - min(medians)) / statistics.fmean(medians)
+        out.append({"model": model, "procs": procs, "medians_ms": medians, "noise_pct": noise})
+    return out
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _mib(nbytes: float | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def _meets(value: float | None) -> bool:
+    return value is not None and value <= TARGET_PCT
+
+
+def summary_line(rows: list[dict[str, Any]]) -> str:
+    """How many rows meet the step-time and memory targets."""
+    n = len(rows)
+    step_ok = sum(_meets(r["step_error_pct"]) for r in rows)
+    peak_ok = sum(_meets(r["peak_error_pct"]) for r in rows)
+    return (
+        f"step time within {TARGET_PCT:g}%: {step_ok}/{n} rows; "
+        f"peak memory within {TARGET_PCT:g}%: {peak_ok}/{n} rows"
+    )
+
+
+def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: list[str]) -> str:
+    """The results as markdown: the accuracy table, the noise floor and the summary line."""
+    lines = [
+        "| model | procs | repeat | measured ms | spread % | predicted ms | step err % | "
+        "measured MiB | predicted MiB | mem err % | recorder overhead s | profiled extra s | total cost s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['procs']} | {r['repeat']} | {_f(r['measured_step_ms'], '.2f')} | "
+            f"{_f(r['step_ms_spread_pct'], '.1f')} | {_f(r['predicted_step_ms'], '.2f')} | "
+            f"{_f(r['step_error_pct'], '.1f')} | {_mib(r['measured_peak_bytes'])} | "
+            f"{_mib(r['predicted_peak_bytes'])} | {_f(r['peak_error_pct'], '.1f')} | "
+            f"{_f(r['recorder_overhead_s'], '.2f')} | {_f(r['profiled_extra_s'], '.3f')} | "
+            f"{_f(r['total_cost_s'], '.2f')} |"
+        )
+    lines += ["", "Run-to-run noise floor of the measured median step time:", ""]
+    lines += ["| model | procs | medians ms | noise % |", "|---|---:|---|---:|"]
+    for g in noise:
+        medians = ", ".join(f"{m:.2f}" for m in g["medians_ms"])
+        lines.append(f"| {g['model']} | {g['procs']} | {medians} | {_f(g['noise_pct'], '.1f')} |")
+    lines += ["", summary_line(rows)]
+    if failures:
+        lines += ["", f"FAILED runs (no report): {', '.join(failures)}"]
+    lines += [
+        "",
+        f"Columns: measured = median of {MEASURE_STEPS} unprofiled steps (slowest rank); spread = "
+        "(p90 - p10) / median within the run; err = |predicted - measured| / measured; recorder overhead = "
+        "time the recorder spent outside the profiled steps (slowest rank); profiled extra = sum over the "
+        f"{PROFILE_STEPS} profiled steps of (step - unprofiled median) (slowest rank); total cost = "
+        "sum of (step - unprofiled median) over every step that carried the callback's work (calibration, "
+        "the profiled warm-up step, the profiled steps, closing the window, the report), from the "
+        "benchmark's own step timer (slowest rank). Negative extras mean noise larger than the cost.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on, saved with the raw rows."""
+    import pytorch_lightning as pl
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pytorch_lightning": pl.__version__,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "tcmalloc": str(TCMALLOC) if TCMALLOC.exists() else None,
+        "load_avg_at_start": os.getloadavg(),
+        "steps": {
+            "warmup": WARMUP_STEPS,
+            "profile": PROFILE_STEPS,
+            "measure": MEASURE_STEPS,
+            "max": MAX_STEPS,
+        },
+    }
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (or, with --worker, one training run); returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
+    parser.add_argument("--procs", default="1,2", help="comma-separated process counts")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="smoke run: mlp, 1 process, 1 repeat")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-procs", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        run_worker(args.worker, args.worker_procs, args.worker_dir)
+        return 0
+
+    models, procs_list, repeats = _csv(args.models), [int(p) for p in _csv(args.procs)], args.repeats
+    if args.quick:
+        models, procs_list, repeats = ["mlp"], [1], 1
+    for name in models:
+        get_model(name)  # fail fast on a bad name
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    if not TCMALLOC.exists():
+        print(f"warning: {TCMALLOC} not found; runs use glibc malloc (noisier step times)", file=sys.stderr)
+
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for model in models:
+        for procs in procs_list:
+            for repeat in range(1, repeats + 1):
+                label = f"{model}-p{procs}-r{repeat}"
+                run_dir = out / "runs" / label
+                print(f"[benchmark] {label} ...", file=sys.stderr, flush=True)
+                rc, wall_s = launch(model, procs, run_dir, args.timeout)
+                if (run_dir / "report.json").exists():
+                    rows.append(read_row(model, procs, repeat, run_dir, wall_s))
+                    if rc != 0:
+                        print(
+                            f"[benchmark] {label}: exit code {rc} after writing its report", file=sys.stderr
+                        )
+                    print(f"[benchmark] {label} done in {wall_s:.0f} s", file=sys.stderr, flush=True)
+                else:
+                    failures.append(label)
+                    print(
+                        f"[benchmark] {label} FAILED (exit code {rc}, no report.json); stderr tail:\n"
+                        f"{stderr_tail(run_dir)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+    noise = noise_floor(rows)
+    table = markdown(rows, noise, failures)
+    (out / "prediction_accuracy.md").write_text(table)
+    raw = {
+        "environment": env,
+        "rows": rows,
+        "noise": noise,
+        "failures": failures,
+        "summary": summary_line(rows),
+    }
+    (out / "prediction_accuracy.json").write_text(json.dumps(raw, indent=2))
+    print(table)
+    print(f"written to {out / 'prediction_accuracy.md'} and {out / 'prediction_accuracy.json'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
