@@ -26,7 +26,7 @@ from typing import Any
 
 from models import MODELS, SEED, StepTimer, get_model
 
-WARMUP_STEPS = 5
+WARMUP_STEPS = 10
 PROFILE_STEPS = 5
 MEASURE_STEPS = 20
 # The callback reports at the start of step WARMUP + PROFILE + MEASURE (0-based), so the run needs

@@ -154,7 +154,7 @@ def test_two_processes_under_ddp(tmp_path):
             "--devices",
             "2",
             "--max-steps",
-            "24",
+            "30",
             "--batch-size",
             "64",
             "--output-dir",

@@ -4,6 +4,7 @@ import pytest
 
 from qsync_callback.predictor.graph import build_global_graph, build_step_graph, end_node
 from qsync_callback.predictor.replay import replay
+from qsync_callback.recorder.trace import clock_offsets_us
 
 from tracebuilder import op, trace
 
@@ -99,3 +100,14 @@ def test_global_graph_joins_ranks_through_the_collective():
     result = replay(graph)
     assert result.start["comm/0"] == pytest.approx(90)
     assert result.end[end_node(0)] == pytest.approx(90 + 110 + 10)
+
+
+def test_ranks_on_one_host_share_its_clock():
+    # the barrier-based offsets differ by the barrier's release skew; on one host they are not used
+    traces = [_rank(0, 20, 0.0), _rank(1, 40, 0.0)]
+    for t, skew in zip(traces, (0.0, 2500.0), strict=True):
+        t.host, t.clock_offset_us = "node-1", skew
+    assert clock_offsets_us(traces) == [0.0, 0.0]
+    assert replay(build_global_graph(traces, 0)).step_us == pytest.approx(160)
+    traces[1].host = "node-2"
+    assert clock_offsets_us(traces) == [0.0, 2500.0]

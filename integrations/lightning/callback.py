@@ -47,8 +47,8 @@ class QSyncCallback(pl.Callback):
     def __init__(
         self,
         mode: str = "report",
-        warmup_steps: int = 5,
-        profile_steps: int = 3,
+        warmup_steps: int = 10,
+        profile_steps: int = 5,
         measure_steps: int = 10,
         output_dir: str | Path | None = None,
     ):

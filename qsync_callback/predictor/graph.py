@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from qsync_callback.recorder.trace import Op, Trace
+from qsync_callback.recorder.trace import Op, Trace, clock_offsets_us
 
 
 def start_node(rank: int) -> str:
@@ -126,9 +126,9 @@ def build_global_graph(traces: Sequence[Trace], step_position: int) -> nx.DiGrap
     graph = nx.DiGraph(step=step_position, ranks=[t.rank for t in traces])
     times: dict[str, tuple[float, float]] = {}
     per_rank_comms: list[list[str]] = []
-    for trace in traces:
+    for trace, offset in zip(traces, clock_offsets_us(traces), strict=True):
         step_index = trace.steps[step_position].index
-        times.update(_add_rank(graph, trace, step_index, trace.clock_offset_us))
+        times.update(_add_rank(graph, trace, step_index, offset))
         comms = sorted(
             (n for n, a in graph.nodes(data=True) if a["rank"] == trace.rank and a["kind"] == "comm"),
             key=lambda n: times[n][0],

@@ -1,29 +1,33 @@
 """Calibrate what torch.profiler itself adds to a step, per recorded event, on this machine.
 
-Measured, not assumed: three tight loops run once without and once under a profiler configured as
-the recording is (shapes and memory on), best of a few repeats each:
+Measured, not assumed: three tight loops are timed once before the recording's profiler starts
+and once inside it (best of a few repeats each), with the profiler configured as the recording is
+(shapes and memory on):
 
 - ``op``: an in-place add on a small tensor (one ``cpu_op`` event, no allocation);
 - ``memory``: an out-of-place add (one ``cpu_op`` event plus one allocation and one free), minus
   ``op``, halved: the cost of one memory event;
 - ``range``: a call of a module carrying the recorder's layer hooks (one ``user_annotation`` event)
-  under the profiler, against the same call without hooks or profiler.
+  inside the profiler, against the same call without hooks before it.
 
-The normalized trace keeps these figures (``profiler_overhead_us``) and each op's share of them, so
-the replay can predict the run without the profiler.
+Timing the profiled half inside the recording's own profiler session (before its first step, in
+a ``qsync::calibration`` range) costs no extra profiler start and stop. The normalized trace keeps
+the figures (``profiler_overhead_us``) and each op's share of them, so the replay can predict the
+run without the profiler.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from qsync_callback.recorder.layer_ranges import LayerRanges
 
-_LOOPS = 600
-_REPEATS = 5
+CALIBRATION_RANGE = "qsync::calibration"
+_LOOPS = 200
+_REPEATS = 3
 
 
 def _best_time(fn: Callable[[], None]) -> float:
@@ -32,7 +36,7 @@ def _best_time(fn: Callable[[], None]) -> float:
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
-    return best
+    return best / _LOOPS
 
 
 def profiler_kwargs(device: str) -> dict:
@@ -43,8 +47,11 @@ def profiler_kwargs(device: str) -> dict:
     return {"activities": activities, "record_shapes": True, "profile_memory": True}
 
 
-def calibrate_profiler_overhead(device: str = "cpu") -> dict[str, float]:
-    """Microseconds the profiler adds per recorded op, memory event and layer range."""
+def calibration_loop_times(with_layer_hooks: bool) -> dict[str, float]:
+    """Seconds per iteration of each calibration loop, under whatever profiler is active now.
+
+    ``with_layer_hooks``: the module loop runs with the recorder's layer hooks installed (as when
+    recording) or without (as when not)."""
     x = torch.zeros(8)
     module = torch.nn.Identity()
 
@@ -60,18 +67,22 @@ def calibrate_profiler_overhead(device: str = "cpu") -> dict[str, float]:
         for _ in range(_LOOPS):
             module(x)
 
-    plain = {"op": _best_time(in_place), "memory": _best_time(allocating), "range": _best_time(module_calls)}
     ranges = LayerRanges({"calibration": module})
-    with torch.profiler.profile(**profiler_kwargs(device)):
-        profiled_op = _best_time(in_place)
-        profiled_alloc = _best_time(allocating)
+    if with_layer_hooks:
         ranges.install()
-        try:
-            profiled_range = _best_time(module_calls)
-        finally:
-            ranges.remove()
-    per_call = 1e6 / _LOOPS
-    op = max(0.0, (profiled_op - plain["op"]) * per_call)
-    memory = max(0.0, ((profiled_alloc - plain["memory"]) * per_call - op) / 2)
-    range_ = max(0.0, (profiled_range - plain["range"]) * per_call)
+    try:
+        return {
+            "op": _best_time(in_place),
+            "memory": _best_time(allocating),
+            "range": _best_time(module_calls),
+        }
+    finally:
+        ranges.remove()
+
+
+def overhead_per_event(plain: Mapping[str, float], profiled: Mapping[str, float]) -> dict[str, float]:
+    """Microseconds the profiler adds per recorded op, memory event and layer range."""
+    op = max(0.0, (profiled["op"] - plain["op"]) * 1e6)
+    memory = max(0.0, ((profiled["memory"] - plain["memory"]) * 1e6 - op) / 2)
+    range_ = max(0.0, (profiled["range"] - plain["range"]) * 1e6)
     return {"op": round(op, 3), "memory": round(memory, 3), "range": round(range_, 3)}

@@ -9,9 +9,10 @@ installed; when the window closes the
 raw Kineto trace and the normalized trace are written to ``<trace_dir>/rank<k>/``. Steps after the
 window are timed again: the median of the unprofiled steps is the measured step time.
 
-Before the window opens the recorder calibrates the profiler's per-event overhead, counts the
-bytes resident in parameters, buffers, gradients and optimizer state, and (with several ranks)
-waits at a barrier and marks ``qsync::clock_sync`` so that traces share one clock.
+Before the window opens the recorder times the overhead calibration loops (`overhead.py`), counts
+the bytes resident in parameters, buffers, gradients and optimizer state, and (with several ranks)
+waits at a barrier; the window opens with a ``qsync::clock_sync`` mark, so that traces share one
+clock, and the calibration loops' profiled half.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +30,12 @@ import torch
 
 from qsync_callback.recorder.kineto import CLOCK_SYNC, STEP_PREFIX, convert_kineto
 from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
-from qsync_callback.recorder.overhead import calibrate_profiler_overhead, profiler_kwargs
+from qsync_callback.recorder.overhead import (
+    CALIBRATION_RANGE,
+    calibration_loop_times,
+    overhead_per_event,
+    profiler_kwargs,
+)
 from qsync_callback.recorder.saved_tensors import SavedActivations
 from qsync_callback.recorder.trace import Trace, rank_trace_path
 
@@ -166,6 +173,7 @@ class TorchRecorder:
         self._resident: dict[str, int] = {}
         self._saved: SavedActivations | None = None
         self._saved_bytes: dict[str, int] = {}
+        self._plain_loops: dict[str, float] = {}
         self._overhead: dict[str, float] = {}
 
     @property
@@ -199,12 +207,12 @@ class TorchRecorder:
         self._last_boundary = time.perf_counter()
 
     def prepare_window(self) -> None:
-        """Calibrate the profiler's overhead and count resident bytes (done at the window's opening
-        if not called before; a distributed caller calls it first, so that a failure here can be
-        agreed on before the ranks meet at the clock-sync barrier)."""
-        if not self._overhead:
+        """Time the calibration loops without the profiler and count resident bytes (done at the
+        window's opening if not called before; a distributed caller calls it first, so that a
+        failure here can be agreed on before the ranks meet at the clock-sync barrier)."""
+        if not self._plain_loops:
             start = time.perf_counter()
-            self._overhead = calibrate_profiler_overhead(self.device)
+            self._plain_loops = calibration_loop_times(with_layer_hooks=False)
             self._resident = resident_bytes(self.model, self.optimizers, self.ddp_module)
             self.overhead_s += time.perf_counter() - start
 
@@ -215,6 +223,9 @@ class TorchRecorder:
         self._profiler.__enter__()
         with torch.profiler.record_function(CLOCK_SYNC):
             pass
+        with torch.profiler.record_function(CALIBRATION_RANGE):
+            profiled_loops = calibration_loop_times(with_layer_hooks=True)
+        self._overhead = overhead_per_event(self._plain_loops, profiled_loops)
         self._ranges = LayerRanges(layers_of(self.model))
         self._ranges.install()
         self._saved = SavedActivations(self._ranges, self.model.parameters())
@@ -255,6 +266,7 @@ class TorchRecorder:
             ops=converted["ops"],
             framework="torch",
             framework_version=torch.__version__.split("+")[0],
+            host=socket.gethostname(),
             clock_offset_us=-sync if sync is not None else 0.0,
             memory_events=converted["memory_events"],
             resident_bytes=self._resident,

@@ -8,8 +8,9 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
     {
       "format": "qsync-trace", "version": 1,
       "framework": "torch", "framework_version": "2.13.0",
-      "rank": 0, "world_size": 2, "device": "cpu",
+      "rank": 0, "world_size": 2, "device": "cpu", "host": "node-3",
       "clock_offset_us": 12.5,          # add to this rank's timestamps to get the common clock
+                                        # (ranks on one host share its clock and need none)
       "steps": [{"index": 7, "start_us": ..., "end_us": ...}, ...],
       "ops": [Op, ...],                 # see `Op`
       "memory_events": [[ts_us, addr, bytes, op_id], ...],   # bytes < 0 is a free; op_id -1: none
@@ -33,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class Trace:
     ops: list[Op]
     framework: str = "torch"
     framework_version: str = ""
+    host: str = ""
     clock_offset_us: float = 0.0
     memory_events: list[list] = field(default_factory=list)
     resident_bytes: dict[str, int] = field(default_factory=dict)
@@ -147,6 +149,7 @@ class Trace:
                 ops=ops,
                 framework=str(data.get("framework", "")),
                 framework_version=str(data.get("framework_version", "")),
+                host=str(data.get("host", "")),
                 clock_offset_us=float(data.get("clock_offset_us", 0.0)),
                 memory_events=[list(e) for e in data.get("memory_events", [])],
                 resident_bytes={str(k): int(v) for k, v in data.get("resident_bytes", {}).items()},
@@ -224,6 +227,18 @@ def _check_consistency(trace: Trace, source: str) -> None:
         missing = [d for d in op.deps if d not in ids]
         if missing:
             raise QSyncInputError(f"{source}: op {op.id} depends on unknown op {missing[0]}")
+
+
+def clock_offsets_us(traces: Sequence[Trace]) -> list[float]:
+    """What to add to each rank's timestamps to put all ranks on one clock.
+
+    Ranks on one host read the same clock: no offset (the barrier-based offset would only add the
+    barrier's release skew). Across hosts: each rank's ``clock_offset_us``, which puts the moment
+    every rank left the clock-sync barrier at zero.
+    """
+    if all(t.host and t.host == traces[0].host for t in traces):
+        return [0.0] * len(traces)
+    return [t.clock_offset_us for t in traces]
 
 
 def rank_trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
