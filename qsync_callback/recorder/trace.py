@@ -35,7 +35,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,10 @@ class Trace:
     raw_trace: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        """JSON-ready; the ops and steps are shallow copies (their fields are plain JSON values)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["ops"] = [dict(vars(op)) for op in self.ops]
+        data["steps"] = [dict(vars(step)) for step in self.steps]
         return {"format": TRACE_FORMAT, "version": TRACE_VERSION, **data}
 
     def save(self, path: str | os.PathLike) -> None:
