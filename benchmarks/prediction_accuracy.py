@@ -28,7 +28,7 @@ from models import MODELS, SEED, StepTimer, get_model
 
 WARMUP_STEPS = 10
 PROFILE_STEPS = 5
-MEASURE_STEPS = 20
+MEASURE_STEPS = 10  # the callback's defaults: warm-up 10, profile 5, measure 10
 # The callback reports at the start of step WARMUP + PROFILE + MEASURE (0-based), so the run needs
 # one more step than that sum; two spare steps on top.
 MAX_STEPS = WARMUP_STEPS + PROFILE_STEPS + MEASURE_STEPS + 1 + 2
@@ -195,18 +195,32 @@ def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) 
 
 
 def noise_floor(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run-to-run noise of the measured median per (model, procs): (max - min) / mean over repeats,
-    in % (with two repeats: |median 1 - median 2| / mean)."""
-    groups: dict[tuple[str, int], list[float]] = {}
+    """Per (model, procs): run-to-run noise of the measured median, (max - min) / mean over repeats in
+    % (with two repeats: |median 1 - median 2| / mean), and the signed step-time errors of the
+    repeats with their median |error| (a predictor without bias has signed errors on both sides)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
-        if row["measured_step_ms"] is not None:
-            groups.setdefault((row["model"], row["procs"]), []).append(row["measured_step_ms"])
+        if row["measured_step_ms"] is not None and row["predicted_step_ms"] is not None:
+            groups.setdefault((row["model"], row["procs"]), []).append(row)
     out = []
-    for (model, procs), medians in groups.items():
+    for (model, procs), group in groups.items():
+        medians = [r["measured_step_ms"] for r in group]
+        signed = [
+            100.0 * (r["predicted_step_ms"] - r["measured_step_ms"]) / r["measured_step_ms"] for r in group
+        ]
         noise = None
         if len(medians) >= 2:
             noise = 100.0 * (max(medians) - min(medians)) / statistics.fmean(medians)
-        out.append({"model": model, "procs": procs, "medians_ms": medians, "noise_pct": noise})
+        out.append(
+            {
+                "model": model,
+                "procs": procs,
+                "medians_ms": medians,
+                "noise_pct": noise,
+                "signed_errors_pct": signed,
+                "median_abs_error_pct": statistics.median(map(abs, signed)),
+            }
+        )
     return out
 
 
@@ -249,12 +263,21 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
             f"{_f(r['recorder_overhead_s'], '.2f')} | {_f(r['profiled_extra_s'], '.3f')} | "
             f"{_f(r['total_cost_s'], '.2f')} |"
         )
-    lines += ["", "Run-to-run noise floor of the measured median step time:", ""]
-    lines += ["| model | procs | medians ms | noise % |", "|---|---:|---|---:|"]
+    lines += ["", "Per model and process count, over the repeats:", ""]
+    lines += [
+        "| model | procs | measured medians ms | run-to-run noise % | signed step errors % "
+        "| median abs error % |",
+        "|---|---:|---|---:|---|---:|",
+    ]
     for g in noise:
         medians = ", ".join(f"{m:.2f}" for m in g["medians_ms"])
-        lines.append(f"| {g['model']} | {g['procs']} | {medians} | {_f(g['noise_pct'], '.1f')} |")
-    lines += ["", summary_line(rows)]
+        signed = ", ".join(f"{e:+.1f}" for e in g["signed_errors_pct"])
+        lines.append(
+            f"| {g['model']} | {g['procs']} | {medians} | {_f(g['noise_pct'], '.1f')} | {signed} | "
+            f"{g['median_abs_error_pct']:.1f} |"
+        )
+    within = sum(_meets(g["median_abs_error_pct"]) for g in noise)
+    lines += ["", summary_line(rows) + f"; median over repeats within {TARGET_PCT:g}%: {within}/{len(noise)}"]
     if failures:
         lines += ["", f"FAILED runs (no report): {', '.join(failures)}"]
     lines += [
