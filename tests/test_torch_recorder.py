@@ -9,6 +9,7 @@ from qsync_callback.predictor.memory import tensor_lifetimes
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.torch_recorder import RAW_TRACE_FILE, TorchRecorder
 from qsync_callback.recorder.trace import Trace, load_trace_dir, rank_trace_path
+from qsync_callback.report import build_report
 
 
 class Net(torch.nn.Module):
@@ -122,6 +123,10 @@ def test_saved_activations_are_counted_per_layer(recorded):
     assert saved["embed"] == 16 * 8 * 32 * 4
     assert saved["head"] == 16 * 64 * 4
     assert saved["attn"] > 0
+    layers = {row["layer"]: row for row in build_report(load_trace_dir(recorded[0]))["layers"]}
+    # out_proj's own forward never runs: MultiheadAttention reads its weight directly
+    assert list(layers) == ["embed", "attn", "head"]
+    assert layers["head"]["saved_bytes"] == saved["head"] and layers["attn"]["saved_bytes"] == saved["attn"]
     # the phase-based liveness finds the attention's own saved tensors too (embed's saved input is
     # the batch, allocated before the step, and relu/mean run outside any layer)
     lives = tensor_lifetimes(trace)

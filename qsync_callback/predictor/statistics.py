@@ -42,7 +42,8 @@ def op_statistics(traces: Sequence[Trace]) -> list[dict]:
 
 
 def layer_statistics(traces: Sequence[Trace]) -> list[dict]:
-    """One row per layer: forward and backward milliseconds per step; in model order."""
+    """One row per layer, in model order: forward and backward milliseconds per step, and the bytes
+    autograd saved for its backward in one step (largest rank)."""
     forward: dict[str, float] = defaultdict(float)
     backward: dict[str, float] = defaultdict(float)
     for trace in traces:
@@ -56,7 +57,13 @@ def layer_statistics(traces: Sequence[Trace]) -> list[dict]:
     order = [layer["name"] for layer in traces[0].layers] if traces else []
     names = [n for n in order if n in forward or n in backward]
     names += sorted((set(forward) | set(backward)) - set(names))
+    saved = {n: max(t.saved_activation_bytes.get(n, 0) for t in traces) for n in names} if traces else {}
     return [
-        {"layer": n, "forward_ms": forward[n] / per_step / 1e3, "backward_ms": backward[n] / per_step / 1e3}
+        {
+            "layer": n,
+            "forward_ms": forward[n] / per_step / 1e3,
+            "backward_ms": backward[n] / per_step / 1e3,
+            "saved_bytes": saved[n],
+        }
         for n in names
     ]

@@ -27,7 +27,7 @@ from qsync_callback.recorder.layer_ranges import LayerRanges
 
 CALIBRATION_RANGE = "qsync::calibration"
 _LOOPS = 200
-_REPEATS = 3
+_REPEATS = 5
 
 
 def _best_time(fn: Callable[[], None]) -> float:
