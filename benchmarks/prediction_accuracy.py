@@ -29,22 +29,25 @@ from models import MODELS, SEED, StepTimer, get_model
 WARMUP_STEPS = 10
 PROFILE_STEPS = 5
 MEASURE_STEPS = 10  # the callback's defaults: warm-up 10, profile 5, measure 10
-# The callback reports at the start of step WARMUP + PROFILE + MEASURE (0-based), so the run needs
-# one more step than that sum; two spare steps on top.
-MAX_STEPS = WARMUP_STEPS + PROFILE_STEPS + MEASURE_STEPS + 1 + 2
+# The callback records every other step from WARMUP_STEPS and closes the window at the boundary
+# after the last one; it reports MEASURE_STEPS later, so the run needs one step more than that.
+CLOSE_STEP = WARMUP_STEPS + 2 * PROFILE_STEPS - 1
+MAX_STEPS = CLOSE_STEP + MEASURE_STEPS + 1 + 2
 TARGET_PCT = 5.0
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 STDERR_TAIL_LINES = 40
 STEP_TIMES_DIR = "step_times"  # per-rank wall time of every step, from the worker's own timer
-# 0-based steps whose time (between consecutive on_train_batch_start calls) holds the recording's
-# work: calibration, the profiled warm-up step, the profiled steps and the window's closing...
-COST_STEPS = list(range(WARMUP_STEPS - 2, WARMUP_STEPS + PROFILE_STEPS))
-# ... and rank 0's prediction and report (done at the start of the next step, so timed in this one).
-REPORT_STEP = WARMUP_STEPS + PROFILE_STEPS + MEASURE_STEPS - 1
+# 0-based steps whose time holds the recording's work. The benchmark's timer runs after the callback
+# at each on_train_batch_start, so work done at boundary b is timed in step b - 1: calibration
+# (boundary WARMUP - 2), the profiled warm-up step, the recorded steps, the session ends and the
+# window's closing (boundary CLOSE_STEP)...
+COST_STEPS = list(range(WARMUP_STEPS - 3, CLOSE_STEP))
+# ... and rank 0's prediction and report (boundary CLOSE_STEP + MEASURE_STEPS).
+REPORT_STEP = CLOSE_STEP + MEASURE_STEPS - 1
 # Unprofiled steps before the window that carry no recorder work (not step 0: cold), from the step
-# timer: if the measured (post-window) median is well above their median, the recording left the
-# run slower than it was when profiled.
-PRE_WINDOW_STEPS = list(range(1, WARMUP_STEPS - 2))
+# timer: if the measured median is well above their median, the recording left the run slower
+# than it was when profiled.
+PRE_WINDOW_STEPS = list(range(1, WARMUP_STEPS - 3))
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -282,7 +285,8 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
         lines += ["", f"FAILED runs (no report): {', '.join(failures)}"]
     lines += [
         "",
-        f"Columns: measured = median of {MEASURE_STEPS} unprofiled steps (slowest rank); spread = "
+        "Columns: measured = median of the run's unprofiled steps (before the window, between the "
+        f"recorded steps and {MEASURE_STEPS} after; slowest rank); spread = "
         "(p90 - p10) / median within the run; err = |predicted - measured| / measured; recorder overhead = "
         "time the recorder spent outside the profiled steps (slowest rank); profiled extra = sum over the "
         f"{PROFILE_STEPS} profiled steps of (step - unprofiled median) (slowest rank); total cost = "

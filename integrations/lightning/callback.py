@@ -3,8 +3,9 @@
 Step by step, counted at ``on_train_batch_start``:
 
 - ``warmup_steps`` steps run untouched (the last one under the profiler, unrecorded);
-- ``profile_steps`` steps are recorded on every rank (`TorchRecorder`), then each rank writes its
-  raw and normalized trace to ``<output_dir>/trace/rank<k>/``;
+- ``profile_steps`` steps are recorded on every rank, every other step, the steps between them
+  timed (`TorchRecorder`); then each rank writes its raw and normalized trace to
+  ``<output_dir>/trace/rank<k>/``;
 - ``measure_steps`` more steps run without the profiler and are timed;
 - then (mode "report") rank 0 gathers every rank's trace, predicts, prints the summary, writes
   ``<output_dir>/report.json`` and logs the figures to the trainer's logger.
@@ -82,24 +83,26 @@ class QSyncCallback(pl.Callback):
         step = self._steps
         self._steps += 1
         open_at = self.warmup_steps - 1
-        close_at = self.warmup_steps + self.profile_steps
-        report_at = close_at + self.measure_steps
         if step == 0:
             self._guard(self._start, trainer, pl_module, batch)
-        if self._recorder is not None and self._failed is None:
-            self._guard(self._recorder.step_boundary)
+        if step == open_at and not self._agree(trainer):  # also the clock-sync barrier
+            return
+        recorder = self._recorder
+        if recorder is not None and self._failed is None:
+            self._guard(recorder.step_boundary)
         if step == open_at - 1:
-            # calibrate before the ranks meet at the window's clock-sync barrier, and agree first
-            if self._recorder is not None:
-                self._guard(self._recorder.prepare_window)
+            # calibrate before the ranks meet at the clock-sync barrier, and agree first
+            if recorder is not None:
+                self._guard(recorder.prepare_window)
             if not self._agree(trainer):
                 return
-            self._recorder.restart_step_clock()
-        if step == close_at:
+            recorder.restart_step_clock()
+        if recorder is not None and step in recorder.session_end_steps:
+            # the unprofiled step after a session starts together on all ranks
             if not self._agree(trainer):
                 return
-            self._recorder.restart_step_clock()
-        if step == report_at:
+            recorder.restart_step_clock()
+        if recorder is not None and step == recorder.close_step + self.measure_steps:
             self._finish(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

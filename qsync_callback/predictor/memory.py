@@ -1,20 +1,21 @@
 """Tensor liveness and the memory curve of recorded steps (G10's birth, death and inactive period).
 
-Every allocation in the profiled window is paired with its free by address, giving a tensor with
-a birth (the op that allocated it) and a death (the op that freed it, or none: still alive when
-the window closed). The phases of those two ops say what the tensor was:
+Every allocation in a recorded step is paired with its free by address, giving a tensor with a
+birth (the op that allocated it) and a death (the op that freed it, or none: still alive when the
+step ended). The phases of those two ops say what the tensor was:
 
 - born in forward, freed in backward: an **activation** saved for backward; the time between its
   last forward use and its backward use is its inactive period, what offload can exploit;
-- born and freed within one phase of one step: a **temporary**;
+- born and freed within one phase: a **temporary**;
 - born in backward and kept past the step's backward: a **gradient**;
 - born in the optimizer update and kept: **optimizer state**;
-- freed in the window but born before it: part of what was **resident** at the window's start.
+- freed in the step but born before it: part of what was **resident** at the step's start.
 
-The bytes resident at the window's start (parameters, buffers, gradients, optimizer state) come
-from the recorder, which counts the model's and optimizers' tensors. The curve is that baseline
-plus the bytes of every tensor alive at each moment; its maximum inside a step is the predicted
-peak, with the bytes of each category alive at that moment.
+The bytes resident at a step's start (parameters, buffers, gradients, optimizer state, DDP's
+gradient buckets) come from the recorder, which counts the model's and optimizers' tensors; every
+step starts from that same state. A step's curve is that baseline plus the bytes of every tensor
+alive at each moment; the largest over the recorded steps is the predicted peak, with the bytes of
+each category alive at that moment.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ CATEGORIES = ("activations", "temporaries", "gradients", "optimizer_state", "oth
 
 @dataclass
 class TensorLife:
-    """One tensor's lifetime in the window; ``birth_us`` None: allocated before the window,
-    ``death_us`` None: still alive when it closed."""
+    """One tensor's lifetime within a recorded step; ``birth_us`` None: allocated before the step,
+    ``death_us`` None: still alive when it ended."""
 
     addr: int
     bytes: int
+    step: int
     birth_us: float | None
     death_us: float | None
     birth_op: Op | None
@@ -51,7 +53,7 @@ class TensorLife:
 
 @dataclass
 class MemoryPrediction:
-    """Predicted peak bytes of one rank, when it happens, and what is alive then."""
+    """Predicted peak bytes of one rank, in which step, and what is alive then."""
 
     peak_bytes: int
     peak_step: int | None
@@ -62,30 +64,47 @@ class MemoryPrediction:
 def _category(birth: Op | None, death: Op | None) -> str:
     if birth is None:
         return "resident"
-    same_step = death is not None and death.step == birth.step
     if birth.kind == "forward":
-        if death is not None and death.kind == "backward" and same_step:
+        if death is not None and death.kind == "backward":
             return "activations"
-        return "temporaries" if same_step and death.kind == "forward" else "other"
+        return "temporaries" if death is not None and death.kind == "forward" else "other"
     if birth.kind == "backward":
-        return "temporaries" if same_step and death.kind == "backward" else "gradients"
+        return "temporaries" if death is not None and death.kind == "backward" else "gradients"
     if birth.kind == "update":
-        return "temporaries" if same_step and death.kind == "update" else "optimizer_state"
-    return "temporaries" if same_step and death.kind == birth.kind else "other"
+        return "temporaries" if death is not None and death.kind == "update" else "optimizer_state"
+    return "temporaries" if death is not None and death.kind == birth.kind else "other"
+
+
+def _step_of(trace: Trace):
+    steps = sorted(trace.steps, key=lambda s: s.start_us)
+
+    def step_of(ts: float) -> int | None:
+        for step in steps:
+            if step.start_us <= ts < step.end_us:
+                return step.index
+        return None
+
+    return step_of
 
 
 def tensor_lifetimes(trace: Trace) -> list[TensorLife]:
-    """Pair the window's allocations and frees by address (see the module docstring)."""
-    ops = {op.id: op for op in trace.ops}
-    open_allocs: dict[int, tuple[float, int, Op | None]] = {}
-    lives: list[TensorLife] = []
+    """Pair each step's allocations and frees by address (see the module docstring).
 
-    def close(addr: int, ts: float, death: Op | None) -> None:
+    Steps are paired separately: every recorded step starts from the same resident state, and
+    the steps need not be consecutive (the recorder profiles every other step)."""
+    ops = {op.id: op for op in trace.ops}
+    step_of = _step_of(trace)
+    lives: list[TensorLife] = []
+    open_allocs: dict[int, tuple[float, int, Op | None]] = {}
+    current: int | None = None
+
+    def close(addr: int, ts: float | None, death: Op | None) -> None:
         born_ts, nbytes, birth = open_allocs.pop(addr)
         lives.append(
             TensorLife(
                 addr,
                 nbytes,
+                current,
                 born_ts,
                 ts,
                 birth,
@@ -96,6 +115,13 @@ def tensor_lifetimes(trace: Trace) -> list[TensorLife]:
         )
 
     for ts, addr, nbytes, op_id in sorted(trace.memory_events, key=lambda e: e[0]):
+        step = step_of(ts)
+        if step is None:
+            continue
+        if step != current:
+            for left in list(open_allocs):
+                close(left, None, None)
+            current = step
         op = ops.get(op_id)
         if nbytes > 0:
             if addr in open_allocs:
@@ -104,52 +130,38 @@ def tensor_lifetimes(trace: Trace) -> list[TensorLife]:
         elif addr in open_allocs:
             close(addr, ts, op)
         else:
-            lives.append(TensorLife(addr, -nbytes, None, ts, None, op, "resident"))
-    for addr in list(open_allocs):
-        born_ts, nbytes, birth = open_allocs.pop(addr)
-        lives.append(
-            TensorLife(
-                addr,
-                nbytes,
-                born_ts,
-                None,
-                birth,
-                None,
-                _category(birth, None),
-                birth.layer if birth else None,
-            )
-        )
+            lives.append(TensorLife(addr, -nbytes, step, None, ts, None, op, "resident"))
+    for left in list(open_allocs):
+        close(left, None, None)
     return lives
 
 
 def predict_memory(trace: Trace, lives: list[TensorLife] | None = None) -> MemoryPrediction:
-    """The memory curve's maximum inside a recorded step, and the bytes by category then."""
+    """The memory curve's maximum over the recorded steps, and the bytes by category then.
+
+    Each step's curve starts from the resident bytes and follows its tensors' births and deaths."""
     lives = tensor_lifetimes(trace) if lives is None else lives
-    deltas: list[tuple[float, int, TensorLife]] = []
+    by_step: dict[int, list[tuple[float, int, TensorLife]]] = defaultdict(list)
     for life in lives:
         if life.birth_us is not None:
-            deltas.append((life.birth_us, life.bytes, life))
+            by_step[life.step].append((life.birth_us, life.bytes, life))
         if life.death_us is not None:
-            deltas.append((life.death_us, -life.bytes, life))
-    deltas.sort(key=lambda d: (d[0], d[1]))
+            by_step[life.step].append((life.death_us, -life.bytes, life))
     resident = sum(trace.resident_bytes.values())
-    live_by_category: dict[str, int] = defaultdict(int)
-    level = resident
-    steps = sorted(trace.steps, key=lambda s: s.start_us)
     step_peaks: dict[int, int] = {}
     peak, peak_step, peak_breakdown = resident, None, {}
-    i = 0
-    for ts, delta, life in deltas:
-        level += delta
-        live_by_category[life.category] += delta
-        while i < len(steps) and ts >= steps[i].end_us:
-            i += 1
-        if i < len(steps) and ts >= steps[i].start_us and delta > 0:
-            index = steps[i].index
-            step_peaks[index] = max(step_peaks.get(index, 0), level)
-            if level > peak or peak_step is None:
-                peak, peak_step = level, index
-                peak_breakdown = dict(live_by_category)
+    for step, deltas in sorted(by_step.items()):
+        deltas.sort(key=lambda d: (d[0], d[1]))
+        level = resident
+        live_by_category: dict[str, int] = defaultdict(int)
+        step_peaks[step] = resident
+        for _, delta, life in deltas:
+            level += delta
+            live_by_category[life.category] += delta
+            if delta > 0 and level > step_peaks[step]:
+                step_peaks[step] = level
+                if level > peak or peak_step is None:
+                    peak, peak_step, peak_breakdown = level, step, dict(live_by_category)
     breakdown = {
         c: trace.resident_bytes.get(c, 0) + peak_breakdown.get(c, 0)
         for c in ("parameters", "buffers", "gradient_buckets", *CATEGORIES)

@@ -360,8 +360,9 @@ def _memory_events(
     device: str,
     step_of,
 ) -> tuple[list[list], dict[int, int], int]:
-    """Allocations and frees of the trace's device as ``[ts, addr, bytes, op_id]``; bytes each op
-    allocated; the largest "Total Allocated" seen inside a step.
+    """Allocations and frees of the trace's device inside steps as ``[ts, addr, bytes, op_id]``;
+    bytes each op allocated; the largest "Total Allocated" seen inside a step, relative to the
+    step's start on CPU (where the figure carries over whatever earlier sessions counted).
 
     An event between ops is charged to the op before it on its thread: a tensor is freed when the
     last reference to it goes, right after the op that used it last."""
@@ -369,24 +370,23 @@ def _memory_events(
     starts = {tid: [n.ts for n in nodes] for tid, nodes in node_events.items()}
     out: list[list] = []
     op_bytes: dict[int, int] = defaultdict(int)
-    peak, baseline = 0, None
+    peak, baselines = 0, {}
     for m in sorted(memory, key=lambda m: float(m["ts"])):
         args = m.get("args") or {}
-        if args.get("Device Type") != device_type:
-            continue
-        if baseline is None:
-            # CUDA's figure is absolute; the CPU one carries over whatever earlier profiler sessions
-            # counted and is read relative to the window's first event
-            baseline = 0 if device_type == _DEVICE_TYPE["cuda"] else args["Total Allocated"] - args["Bytes"]
         ts, nbytes = float(m["ts"]), int(args.get("Bytes", 0))
+        step = step_of(ts)
+        if args.get("Device Type") != device_type or step is None:
+            continue
+        if step not in baselines:
+            cpu = device_type == _DEVICE_TYPE["cpu"]
+            baselines[step] = int(args.get("Total Allocated", 0)) - nbytes if cpu else 0
         op_id = -1
         nodes = node_events.get(m.get("tid"), [])
         i = bisect.bisect_right(starts.get(m.get("tid"), []), ts) - 1
-        if i >= 0:
+        if i >= 0 and step_of(nodes[i].ts) == step:
             op_id = nodes[i].node_id
             if nbytes > 0 and ts < nodes[i].end:
                 op_bytes[op_id] += nbytes
         out.append([ts, int(args.get("Addr", 0)), nbytes, op_id])
-        if step_of(ts) is not None:
-            peak = max(peak, int(args.get("Total Allocated", 0)) - baseline)
+        peak = max(peak, int(args.get("Total Allocated", 0)) - baselines[step])
     return out, dict(op_bytes), peak

@@ -1,18 +1,28 @@
 """Record a window of a live torch training loop into a normalized trace.
 
-The training loop calls `TorchRecorder.step_boundary()` at the start of every step. Steps before
-``warmup_steps`` run untouched (and are timed), except the last of them, which runs under the
-profiler unrecorded (a profiler's first step is slower than the rest: torch.profiler's schedule
-has a warm-up phase for the same reason) and counts the bytes autograd saves per layer; the
-next ``profile_steps`` steps run under torch.profiler with shapes and memory, with layer ranges
-installed; when the window closes the
-raw Kineto trace and the normalized trace are written to ``<trace_dir>/rank<k>/``. Steps after the
-window are timed again: the median of the unprofiled steps is the measured step time.
+The training loop calls `TorchRecorder.step_boundary()` at the start of every step:
 
-Before the window opens the recorder times the overhead calibration loops (`overhead.py`), counts
-the bytes resident in parameters, buffers, gradients and optimizer state, and (with several ranks)
-waits at a barrier; the window opens with a ``qsync::clock_sync`` mark, so that traces share one
-clock, and the calibration loops' profiled half.
+- steps before ``warmup_steps`` run untouched and are timed, except the last, which runs under
+  the profiler unrecorded (a profiler's first step is slower than the rest: torch.profiler's
+  schedule has a warm-up phase for the same reason) and counts the bytes autograd saves per layer;
+- then ``profile_steps`` steps are recorded, every other step, each in a profiler session of its
+  own (shapes and memory on, layer ranges installed); the unprofiled steps between them are
+  timed, so that measured and recorded steps see the same conditions of the machine (on a shared
+  host the speed of a step drifts by tens of percent over a few seconds);
+- at the boundary after the last recorded step the sessions' Kineto traces are merged into
+  ``<trace_dir>/rank<k>/kineto.json`` and converted to the normalized ``trace.json``;
+- steps after the window are timed again: the median of the unprofiled steps is the measured
+  step time.
+
+Before the window opens the recorder times the overhead calibration loops (`overhead.py`) and
+counts the bytes resident in parameters, buffers, gradients and optimizer state; the first
+session opens with a ``qsync::clock_sync`` mark and the calibration loops' profiled half.
+
+With several ranks the caller synchronizes them (the recorder makes no collective call of its
+own, so a failure on one rank can never leave another waiting in one): right before the boundary
+at ``warmup_steps - 1``, which opens the first session (so that the clock-sync marks of all ranks
+fall at one moment), and right after each of ``session_end_steps`` (so that the unprofiled step
+that follows starts together on all ranks, then `restart_step_clock`).
 """
 
 from __future__ import annotations
@@ -131,7 +141,7 @@ def batch_shapes_of(batch: Any) -> list[list[int]]:
 
 
 class TorchRecorder:
-    """Profile steps ``[warmup_steps, warmup_steps + profile_steps)`` of a live training loop.
+    """Profile ``profile_steps`` steps of a live training loop, every other step from ``warmup_steps``.
 
     ``model`` is the module whose layers are recorded; ``ddp_module``, if the model runs wrapped in
     DistributedDataParallel, the wrapper (its gradient buckets count as resident memory).
@@ -169,6 +179,7 @@ class TorchRecorder:
         self._steps_started = 0
         self._last_boundary: float | None = None
         self._profiler: torch.profiler.profile | None = None
+        self._sessions: list[torch.profiler.profile] = []
         self._ranges: LayerRanges | None = None
         self._step_range = None
         self._resident: dict[str, int] = {}
@@ -176,6 +187,22 @@ class TorchRecorder:
         self._saved_bytes: dict[str, int] = {}
         self._plain_loops: dict[str, float] = {}
         self._overhead: dict[str, float] = {}
+
+    @property
+    def profiled_steps(self) -> list[int]:
+        """The recorded steps: every other step from ``warmup_steps``, so that the unprofiled steps
+        between them, timed as measured steps, run in the same conditions of the machine."""
+        return [self.warmup_steps + 2 * j for j in range(self.profile_steps)]
+
+    @property
+    def session_end_steps(self) -> list[int]:
+        """The boundaries at which a profiler session ends (the last one closes the window)."""
+        return [step + 1 for step in self.profiled_steps]
+
+    @property
+    def close_step(self) -> int:
+        """The boundary at which the window closes and the trace is written."""
+        return self.session_end_steps[-1]
 
     @property
     def recording(self) -> bool:
@@ -187,17 +214,23 @@ class TorchRecorder:
         step = self._steps_started
         if self._last_boundary is not None and not self.recording and step > COLD_STEPS:
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
-        finished = None
         if step == self.warmup_steps - 1:
-            self.prepare_window()
-            opened = time.perf_counter()
+            self.prepare_window()  # counts its own time
+        work = time.perf_counter()
+        finished = None
+        if self.recording and step - 1 in self.profiled_steps:
+            self._end_session()
+            if step == self.close_step:
+                finished = self._close_window()
+        if step == self.warmup_steps - 1:
             self._open_window()
-            self.overhead_s += time.perf_counter() - opened
-        elif self.recording and step == self.warmup_steps + self.profile_steps:
-            finished = self._close_window()
-            self.overhead_s += time.perf_counter() - now
-        if self.recording and step >= self.warmup_steps:
-            self._next_step_range(step)
+        elif step in self.profiled_steps:
+            if not self.recording:
+                self._start_session()
+            self._stop_saved_activations()
+            self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
+        if self.warmup_steps - 1 <= step <= self.close_step:
+            self.overhead_s += time.perf_counter() - work
         self._steps_started += 1
         self._last_boundary = time.perf_counter()
         return finished
@@ -218,46 +251,44 @@ class TorchRecorder:
             self.overhead_s += time.perf_counter() - start
 
     def _open_window(self) -> None:
-        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
-        self._profiler.__enter__()
+        """The first session: clock sync, the calibration's profiled half, and the warm-up step."""
+        self._start_session()
         with torch.profiler.record_function(CLOCK_SYNC):
             pass
         with torch.profiler.record_function(CALIBRATION_RANGE):
             profiled_loops = calibration_loop_times(with_layer_hooks=True)
         self._overhead = overhead_per_event(self._plain_loops, profiled_loops)
-        self._ranges = LayerRanges(layers_of(self.model))
-        self._ranges.install()
         self._saved = SavedActivations(self._ranges, self.model.parameters())
         self._saved.start()
 
-    def _next_step_range(self, step: int) -> None:
-        self._stop_saved_activations()
-        self._close_step_range()
-        self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
+    def _start_session(self) -> None:
+        self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
+        self._profiler.__enter__()
+        self._ranges = LayerRanges(layers_of(self.model))
+        self._ranges.install()
 
-    def _close_step_range(self) -> None:
-        if self._step_range is not None:
-            torch.ops.profiler._record_function_exit(self._step_range)
-            self._step_range = None
-
-    def _close_window(self) -> Trace:
+    def _end_session(self) -> None:
+        """Stop the profiler after a recorded step and keep the session for the window's export."""
         profiler = self._profiler
         self.close()
+        self._sessions.append(profiler)
+
+    def _close_window(self) -> Trace:
         rank_dir = rank_trace_path(self.trace_dir, self.rank).parent
         rank_dir.mkdir(parents=True, exist_ok=True)
         raw_path = rank_dir / RAW_TRACE_FILE
-        profiler.export_chrome_trace(str(raw_path))
         # parsing and converting make many objects at once: with the collector paused they are made
-        # in a fraction of the time, and one collection at the end frees the transient ones
+        # in a fraction of the time, and one young-generation collection at the end frees the rest
         gc.disable()
         try:
-            self.trace = self._convert(orjson.loads(raw_path.read_bytes()))
+            raw = _export_sessions(self._sessions, raw_path)
+            self._sessions.clear()
+            self.trace = self._convert(raw)
+            del raw
         finally:
             gc.enable()
         self.save()
-        gc.collect(1)  # the young objects now, not as a pause in a measured step
+        gc.collect(1)
         return self.trace
 
     def _convert(self, raw: dict) -> Trace:
@@ -268,7 +299,7 @@ class TorchRecorder:
             peak_source = "the CUDA caching allocator's 'Total Allocated' in the profiler's memory events"
         else:
             measured_peak = sum(self._resident.values()) + converted["allocator_peak_bytes"]
-            peak_source = "resident bytes at the window's start + the profiler's CPU 'Total Allocated'"
+            peak_source = "resident bytes at the step's start + the profiler's CPU 'Total Allocated'"
         sync = converted["clock_sync_us"]
         return Trace(
             rank=self.rank,
@@ -305,10 +336,32 @@ class TorchRecorder:
     def close(self) -> None:
         """Stop profiling and remove the hooks; safe to call at any time, more than once."""
         self._stop_saved_activations()
-        self._close_step_range()
+        if self._step_range is not None:
+            torch.ops.profiler._record_function_exit(self._step_range)
+            self._step_range = None
         if self._ranges is not None:
             self._ranges.remove()
             self._ranges = None
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.__exit__(None, None, None)
+
+
+def _export_sessions(sessions: Sequence[torch.profiler.profile], path: Path) -> dict:
+    """Write the sessions' Kineto traces as one Chrome trace at ``path`` and return it parsed.
+
+    Every session of a process stamps events on the same clock, so their events merge into one
+    timeline; the metadata comes from the first session.
+    """
+    merged: dict | None = None
+    part = path.with_suffix(".part.json")
+    for session in sessions:
+        session.export_chrome_trace(str(part))
+        data = orjson.loads(part.read_bytes())
+        if merged is None:
+            merged = data
+        else:
+            merged["traceEvents"].extend(e for e in data["traceEvents"] if e.get("ph") != "M")
+    part.unlink(missing_ok=True)
+    path.write_bytes(orjson.dumps(merged))
+    return merged
