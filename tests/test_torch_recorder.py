@@ -59,10 +59,11 @@ def test_writes_raw_and_normalized_trace(recorded):
     raw = json.loads((out / "rank0" / RAW_TRACE_FILE).read_text())
     assert any(e.get("name", "").startswith("qsync::step#") for e in raw["traceEvents"])
     trace = Trace.load(rank_trace_path(out, 0))
-    assert [s.index for s in trace.steps] == [3, 5]  # every other step
+    assert [s.index for s in trace.steps] == [4, 6]  # every other step after the settling step 3
     assert trace.raw_trace == RAW_TRACE_FILE
-    # 0-1 cold, 2 the profiler's warm-up, 3 and 5 recorded; 4, 6 and 7 timed (8 has no closing boundary)
-    assert len(trace.measured["step_ms"]) == 3
+    # 0-1 cold, 2 the profiler's warm-up, 3 settles, 4 and 6 recorded; 5 and 7 timed (8 has no
+    # closing boundary)
+    assert len(trace.measured["step_ms"]) == 2
     assert not _profiler_enabled()
 
 
@@ -108,7 +109,7 @@ def test_profiler_is_stopped_when_the_run_fails_inside_the_window(tmp_path):
         model, [torch.optim.SGD(model.parameters(), lr=0.1)], tmp_path, warmup_steps=2, profile_steps=3
     )
     with pytest.raises(RuntimeError, match="user code failed"):
-        _train(recorder, 9, fail_at=4)  # recorded steps: 2, 4, 6
+        _train(recorder, 9, fail_at=5)  # recorded steps: 3, 5, 7
     assert _profiler_enabled()
     recorder.close()
     recorder.close()

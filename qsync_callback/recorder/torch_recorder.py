@@ -5,6 +5,8 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
 - steps before ``warmup_steps`` run untouched and are timed, except the last, which runs under
   the profiler unrecorded (a profiler's first step is slower than the rest: torch.profiler's
   schedule has a warm-up phase for the same reason) and counts the bytes autograd saves per layer;
+- the next step settles (the step right after the first profiler session ends runs slow) and is
+  neither recorded nor timed;
 - then ``profile_steps`` steps are recorded, every other step, each in a profiler session of its
   own (shapes and memory on, layer ranges installed); the unprofiled steps between them are
   timed, so that measured and recorded steps see the same conditions of the machine (on a shared
@@ -190,14 +192,17 @@ class TorchRecorder:
 
     @property
     def profiled_steps(self) -> list[int]:
-        """The recorded steps: every other step from ``warmup_steps``, so that the unprofiled steps
-        between them, timed as measured steps, run in the same conditions of the machine."""
-        return [self.warmup_steps + 2 * j for j in range(self.profile_steps)]
+        """The recorded steps: every other step from ``warmup_steps + 1``, so that the unprofiled
+        steps between them, timed as measured steps, run in the same conditions of the machine.
+        Step ``warmup_steps`` settles after the warm-up session (the step right after the first
+        profiler session ends runs slow) and is neither recorded nor timed."""
+        return [self.warmup_steps + 1 + 2 * j for j in range(self.profile_steps)]
 
     @property
     def session_end_steps(self) -> list[int]:
-        """The boundaries at which a profiler session ends (the last one closes the window)."""
-        return [step + 1 for step in self.profiled_steps]
+        """The boundaries at which a profiler session ends: the warm-up session's, then each
+        recorded step's (the last one closes the window)."""
+        return [self.warmup_steps] + [step + 1 for step in self.profiled_steps]
 
     @property
     def close_step(self) -> int:
@@ -212,13 +217,14 @@ class TorchRecorder:
         """Mark the start of the next step. Returns the trace on the boundary that closes the window."""
         now = time.perf_counter()
         step = self._steps_started
-        if self._last_boundary is not None and not self.recording and step > COLD_STEPS:
+        settling = step - 1 == self.warmup_steps
+        if self._last_boundary is not None and not self.recording and step > COLD_STEPS and not settling:
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
         if step == self.warmup_steps - 1:
             self.prepare_window()  # counts its own time
         work = time.perf_counter()
         finished = None
-        if self.recording and step - 1 in self.profiled_steps:
+        if self.recording and step in self.session_end_steps:
             self._end_session()
             if step == self.close_step:
                 finished = self._close_window()
