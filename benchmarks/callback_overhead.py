@@ -23,6 +23,7 @@ import pytorch_lightning as pl
 from models import SEED, StepTimer, get_model
 
 from qsync_callback.integrations.lightning import QSyncCallback
+from qsync_callback.recorder.torch_recorder import recorded_steps
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 WARMUP, PROFILE, MEASURE = 2, 1, 1
@@ -70,7 +71,8 @@ def measure(out: Path) -> dict[str, Any]:
         output_dir=out / "callback_overhead_run",
     )
     timer = StepTimer()
-    finished_at = WARMUP + PROFILE + MEASURE  # 0-based step at whose start the callback finishes
+    # 0-based step at whose start the callback finishes: MEASURE steps after the window closes
+    finished_at = recorded_steps(WARMUP, PROFILE)[-1] + 1 + MEASURE
     max_steps = finished_at + 1 + STEPS_AFTER
     trainer = pl.Trainer(
         accelerator="cpu",

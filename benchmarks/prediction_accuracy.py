@@ -26,12 +26,14 @@ from typing import Any
 
 from models import MODELS, SEED, StepTimer, get_model
 
+from qsync_callback.recorder.torch_recorder import recorded_steps
+
 WARMUP_STEPS = 10
 PROFILE_STEPS = 5
 MEASURE_STEPS = 10  # the callback's defaults: warm-up 10, profile 5, measure 10
-# The callback records every other step from WARMUP_STEPS + 1 and closes the window at the boundary
-# after the last one; it reports MEASURE_STEPS later, so the run needs one step more than that.
-CLOSE_STEP = WARMUP_STEPS + 2 * PROFILE_STEPS
+# The callback closes the window at the boundary after the last recorded step and reports
+# MEASURE_STEPS later, so the run needs one step more than that.
+CLOSE_STEP = recorded_steps(WARMUP_STEPS, PROFILE_STEPS)[-1] + 1
 MAX_STEPS = CLOSE_STEP + MEASURE_STEPS + 1 + 2
 TARGET_PCT = 5.0
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")

@@ -16,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.jsonio import parse_json, read_json, write_text_atomic
 
 PLAN_FORMAT = "qsync-plan"
 PLAN_VERSION = 1
@@ -197,60 +197,24 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, source: str = "<plan>") -> Plan:
         """Parse and validate JSON text; bad JSON raises QSyncInputError with line and column."""
-        if not text.strip():
-            raise QSyncInputError(f"{source}: plan is empty")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise QSyncInputError(
-                f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-            ) from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(parse_json(text, source, what="plan"), source=source)
 
     # --- files -------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Validate, then write the plan atomically (temp file in the same directory, then os.replace)."""
+        """Validate, then write the plan atomically."""
         path = os.fspath(path)
         try:
             text = self.to_json()
         except (TypeError, ValueError) as exc:
             raise QSyncInputError(f"{path}: plan is not plain JSON data: {exc}") from None
         Plan.from_dict(json.loads(text), source=path)  # never write a plan we could not read back
-        directory = os.path.dirname(os.path.abspath(path))
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=directory)
-        except OSError as exc:
-            raise QSyncInputError(f"{path}: cannot write plan: {exc.strerror or exc}") from None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise QSyncInputError(f"{path}: cannot write plan: {exc.strerror or exc}") from None
+        write_text_atomic(path, text + "\n", what="plan")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         """Read and validate a plan file; any problem raises QSyncInputError naming the path."""
-        path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except FileNotFoundError:
-            raise QSyncInputError(f"{path}: plan file not found") from None
-        except UnicodeDecodeError:
-            raise QSyncInputError(f"{path}: plan file is not UTF-8 text") from None
-        except OSError as exc:
-            raise QSyncInputError(f"{path}: cannot read plan file: {exc.strerror or exc}") from None
-        if not text.strip():
-            raise QSyncInputError(f"{path}: plan file is empty")
-        return cls.from_json(text, source=path)
+        return cls.from_dict(read_json(path, what="plan file"), source=os.fspath(path))
 
     # --- checks ------------------------------------------------------------------------------
 

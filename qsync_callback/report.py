@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from qsync_callback.jsonio import write_text_atomic
 from qsync_callback.plan import Plan
 from qsync_callback.predictor.predict import predict
 from qsync_callback.predictor.statistics import layer_statistics, op_statistics
@@ -74,9 +75,7 @@ def write_report(report: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write ``report`` as JSON (atomically) and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(report, indent=2), what="report")
     return path
 
 

@@ -142,6 +142,15 @@ def batch_shapes_of(batch: Any) -> list[list[int]]:
     return []
 
 
+def recorded_steps(warmup_steps: int, profile_steps: int) -> list[int]:
+    """The steps a recorder profiles: every other step from ``warmup_steps + 1``, so that the
+    unprofiled steps between them, timed as measured steps, run in the same conditions of the
+    machine. Step ``warmup_steps`` settles after the warm-up session (the step right after the
+    first profiler session ends runs slow) and is neither recorded nor timed. The window closes at
+    the boundary after the last of them."""
+    return [warmup_steps + 1 + 2 * j for j in range(profile_steps)]
+
+
 class TorchRecorder:
     """Profile ``profile_steps`` steps of a live training loop, every other step from ``warmup_steps``.
 
@@ -192,11 +201,7 @@ class TorchRecorder:
 
     @property
     def profiled_steps(self) -> list[int]:
-        """The recorded steps: every other step from ``warmup_steps + 1``, so that the unprofiled
-        steps between them, timed as measured steps, run in the same conditions of the machine.
-        Step ``warmup_steps`` settles after the warm-up session (the step right after the first
-        profiler session ends runs slow) and is neither recorded nor timed."""
-        return [self.warmup_steps + 1 + 2 * j for j in range(self.profile_steps)]
+        return recorded_steps(self.warmup_steps, self.profile_steps)
 
     @property
     def session_end_steps(self) -> list[int]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.jsonio import read_json, write_text_atomic
 
 TRACE_FORMAT = "qsync-trace"
 TRACE_VERSION = 1
@@ -124,11 +125,8 @@ class Trace:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write as JSON, atomically (a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":")))
-        os.replace(tmp, path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(self.to_dict(), separators=(",", ":")), what="trace")
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<trace>") -> Trace:
@@ -172,22 +170,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise QSyncInputError(f"{path}: no such file") from None
-        except OSError as exc:
-            raise QSyncInputError(f"{path}: cannot read ({exc.strerror})") from None
-        if not text.strip():
-            raise QSyncInputError(f"{path}: empty file")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise QSyncInputError(
-                f"{path}: truncated or invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg})"
-            ) from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json(path, what="trace file"), source=str(path))
 
 
 def _op_from_dict(o: Mapping) -> Op:
