@@ -22,6 +22,7 @@ from qsync_callback.predictor.statistics import layer_statistics, op_statistics
 from qsync_callback.recorder.trace import Trace
 
 REPORT_FILE = "report.json"
+NOISY_PAGE_FAULTS = 256  # per step: 1 MiB of fresh 4 KiB pages
 
 
 def _spread_pct(samples: Sequence[float]) -> float | None:
@@ -46,6 +47,7 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
     samples = traces[slowest].measured["step_ms"] if slowest is not None else []
     peaks = [t.measured.get("peak_bytes") for t in traces if t.measured.get("peak_bytes") is not None]
     measured_step = max(medians) if medians else None
+    faults = traces[slowest].measured.get("page_faults") if slowest is not None else None
     measured_peak = max(peaks) if peaks else None
     return {
         "world_size": traces[0].world_size,
@@ -58,6 +60,8 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
             "step_ms_spread_pct": _spread_pct(samples),
             "peak_bytes": measured_peak,
             "peak_source": traces[0].measured.get("peak_source"),
+            "page_faults_per_step": statistics.median(faults) if faults else None,
+            "page_size": traces[0].measured.get("page_size"),
         },
         "predicted": prediction.to_dict(),
         "error_pct": {
@@ -112,5 +116,13 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         lines.append(
             f"    {row['ms_per_step']:8.3f}  {100 * row['share']:5.1f}%  {row['calls_per_step']:6.1f}x  "
             f"{row['kind']:<8} {row['name'][:70]}"
+        )
+    faults = measured.get("page_faults_per_step")
+    if faults and faults >= NOISY_PAGE_FAULTS:
+        fresh = _mib(faults * (measured.get("page_size") or 4096))
+        lines.append(
+            f"  note: {faults:.0f} page faults per step ({fresh} of fresh pages): the memory allocator hands "
+            "memory back to the system between steps, which slows steps and makes their time vary on "
+            "virtual machines; an allocator that keeps it (LD_PRELOAD=libtcmalloc_minimal.so.4) avoids that"
         )
     return "\n".join(lines)

@@ -107,3 +107,14 @@ def test_plan_for_another_run_is_refused(trace_dir):
     traces[0].fingerprint = {"model": "abc", "world_size": 1}
     with pytest.raises(QSyncInputError, match="made for another run.*world_size: plan made for 2, run has 1"):
         predict(traces, Plan(fingerprint={"model": "abc", "world_size": 2}), plan_source="p.json")
+
+
+def test_report_notes_page_fault_noise_only_when_there_is_some(trace_dir, capsys):
+    code, out, _ = _run_cli(capsys, "report", str(trace_dir))
+    assert code == 0 and "page faults" not in out
+    path = rank_trace_path(trace_dir, 0)
+    data = json.loads(path.read_text())
+    data["measured"].update(page_faults=[2000, 2100, 1900], page_size=4096)
+    path.write_text(json.dumps(data))
+    code, out, _ = _run_cli(capsys, "report", str(trace_dir))
+    assert code == 0 and "2000 page faults per step (7.8 MiB of fresh pages)" in out

@@ -32,11 +32,17 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import mmap
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 import orjson
 import torch
@@ -142,6 +148,11 @@ def batch_shapes_of(batch: Any) -> list[list[int]]:
     return []
 
 
+def _minor_page_faults() -> int:
+    """Minor page faults of this process so far (0 where the platform does not count them)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
 def recorded_steps(warmup_steps: int, profile_steps: int) -> list[int]:
     """The steps a recorder profiles: every other step from ``warmup_steps + 1``, so that the
     unprofiled steps between them, timed as measured steps, run in the same conditions of the
@@ -185,10 +196,12 @@ class TorchRecorder:
         self.device = device
         self.fingerprint = dict(fingerprint or {})
         self.unprofiled_ms: list[float] = []
+        self.unprofiled_page_faults: list[int] = []
         self.overhead_s = 0.0
         self.trace: Trace | None = None
         self._steps_started = 0
         self._last_boundary: float | None = None
+        self._last_faults = 0
         self._profiler: torch.profiler.profile | None = None
         self._sessions: list[torch.profiler.profile] = []
         self._ranges: LayerRanges | None = None
@@ -221,10 +234,12 @@ class TorchRecorder:
     def step_boundary(self) -> Trace | None:
         """Mark the start of the next step. Returns the trace on the boundary that closes the window."""
         now = time.perf_counter()
+        faults = _minor_page_faults()
         step = self._steps_started
         settling = step - 1 == self.warmup_steps
         if self._last_boundary is not None and not self.recording and step > COLD_STEPS and not settling:
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
+            self.unprofiled_page_faults.append(faults - self._last_faults)
         if step == self.warmup_steps - 1:
             self.prepare_window()  # counts its own time
         work = time.perf_counter()
@@ -244,12 +259,14 @@ class TorchRecorder:
             self.overhead_s += time.perf_counter() - work
         self._steps_started += 1
         self._last_boundary = time.perf_counter()
+        self._last_faults = _minor_page_faults()
         return finished
 
     def restart_step_clock(self) -> None:
         """Leave the time since the last boundary out of the measured steps (the caller did work of
         its own there, such as waiting for other ranks)."""
         self._last_boundary = time.perf_counter()
+        self._last_faults = _minor_page_faults()
 
     def prepare_window(self) -> None:
         """Time the calibration loops without the profiler and count resident bytes (done at the
@@ -336,6 +353,8 @@ class TorchRecorder:
         """Write the normalized trace (with the unprofiled step times measured so far)."""
         if self.trace is not None:
             self.trace.measured["step_ms"] = list(self.unprofiled_ms)
+            self.trace.measured["page_faults"] = list(self.unprofiled_page_faults)
+            self.trace.measured["page_size"] = mmap.PAGESIZE
             self.trace.measured["recorder_overhead_s"] = self.overhead_s
             self.trace.save(rank_trace_path(self.trace_dir, self.rank))
 
