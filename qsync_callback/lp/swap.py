@@ -1,0 +1,102 @@
+"""Swap a model's Linear/Conv1d/Conv2d layers for their LP versions in place, set their precisions,
+and put the stock modules back. Parameters are shared throughout: nothing is copied.
+
+``nn.MultiheadAttention`` does not call its ``out_proj`` child: it passes ``out_proj.weight`` and
+``out_proj.bias`` to ``F.multi_head_attention_forward``, so an LP ``out_proj`` would never run its
+LP forward and its precision would be a lie. Such children are left out of the default swap and
+refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import nn
+
+from qsync_callback.lp.modules import LPConv1d, LPConv2d, LPLinear, LPModule
+from qsync_callback.recorder.layer_ranges import layers_of
+
+_LP_CLASSES: dict[type[nn.Module], type[LPModule]] = {
+    nn.Linear: LPLinear,
+    nn.Conv1d: LPConv1d,
+    nn.Conv2d: LPConv2d,
+}
+
+
+def _lp_class(module: nn.Module) -> type[LPModule] | None:
+    if isinstance(module, LPModule):
+        return None
+    return next((lp for stock, lp in _LP_CLASSES.items() if isinstance(module, stock)), None)
+
+
+def _registrations(model: nn.Module, target: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (parent, child name) under which ``target`` is registered in ``model``."""
+    return [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent._modules.items()
+        if child is target
+    ]
+
+
+def _under_mha(model: nn.Module, module: nn.Module) -> bool:
+    return any(isinstance(parent, nn.MultiheadAttention) for parent, _ in _registrations(model, module))
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent, name in _registrations(model, old):
+        setattr(parent, name, new)
+
+
+def swap_to_lp(model: nn.Module, layer_names: Iterable[str] | None = None) -> dict[str, LPModule]:
+    """Replace layers of ``model`` in place by LP modules at fp32 (sharing their Parameters).
+
+    By default every Linear/Conv1d/Conv2d among ``layers_of(model)`` except the children of
+    ``nn.MultiheadAttention``; named layers must be such modules (ValueError otherwise). Every
+    layer is checked and built before any is installed. Returns the LP modules by layer name.
+    """
+    layers = layers_of(model)
+    if layer_names is None:
+        names = [n for n, m in layers.items() if _lp_class(m) is not None and not _under_mha(model, m)]
+    else:
+        names = list(dict.fromkeys(layer_names))
+        for name in names:
+            module = layers.get(name)
+            if module is None:
+                raise ValueError(f"{name!r} is not a layer of the model (see layers_of)")
+            if _lp_class(module) is None:
+                kind = type(module).__name__
+                raise ValueError(f"layer {name!r} is a {kind}, not a Linear, Conv1d or Conv2d")
+            if _under_mha(model, module):
+                raise ValueError(
+                    f"layer {name!r} belongs to an nn.MultiheadAttention, which reads its weight directly "
+                    "instead of calling it: an LP version would never run"
+                )
+    swapped = {name: _lp_class(layers[name]).from_module(layers[name]) for name in names}
+    for name, lp in swapped.items():
+        _replace(model, layers[name], lp)
+    return swapped
+
+
+def set_precision(lp_modules: Mapping[str, LPModule], precisions: Mapping[str, str]) -> None:
+    """Set ``precisions`` (layer name -> precision) on the LP modules, all or nothing: every name and
+    precision is checked first, and a bad one raises ValueError with nothing changed."""
+    unknown = [name for name in precisions if name not in lp_modules]
+    if unknown:
+        raise ValueError(f"no LP module named {', '.join(map(repr, unknown))}")
+    for name, precision in precisions.items():
+        try:
+            lp_modules[name].check_precision(precision)
+        except ValueError as error:
+            raise ValueError(f"layer {name!r}: {error}") from None
+    for name, precision in precisions.items():
+        lp_modules[name].precision = precision
+
+
+def restore(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> None:
+    """Put the stock modules back in place of the LP ones (same Parameters); all or nothing."""
+    missing = [name for name, lp in lp_modules.items() if not _registrations(model, lp)]
+    if missing:
+        raise ValueError(f"LP module(s) {', '.join(map(repr, missing))} are not in the model")
+    for lp in lp_modules.values():
+        _replace(model, lp, lp.to_stock())
