@@ -15,6 +15,7 @@ What runs for real, per precision (``supported_precisions(device)`` measures it 
 Swapping shares Parameter objects, so DDP, the optimizer and checkpoints are untouched.
 """
 
+from qsync_callback.lp.costs import cast_costs, fit_cast_costs, fit_linear_cost, probe_layer_costs
 from qsync_callback.lp.modules import LPConv1d, LPConv2d, LPLinear, LPModule, supported_precisions
 from qsync_callback.lp.swap import restore, set_precision, swap_to_lp
 
@@ -27,4 +28,8 @@ __all__ = [
     "set_precision",
     "supported_precisions",
     "swap_to_lp",
+    "cast_costs",
+    "fit_cast_costs",
+    "fit_linear_cost",
+    "probe_layer_costs",
 ]

@@ -1,0 +1,474 @@
+"""Measured cost inputs of the precision planner: cast costs per device and per-layer probes.
+
+Two measurements, both taken on the device they describe:
+
+- **Cast costs** (``fit_cast_costs``, cached per device by ``cast_costs``): the time of each storage
+  cast the LP modules do (fp32 <-> bf16, fp32 <-> fp16, bf16 <-> fp16, fp32 -> int8 quantization,
+  int8 -> fp32 dequantization), timed on tensors of 1e3 .. 4e6 elements and fitted as
+  ``cost_us = alpha * numel + beta``. tf32 is a math mode, not a storage type: it has no casts.
+- **Layer probes** (``probe_layer_costs``): forward and backward time of one Linear/Conv1d/Conv2d
+  at each precision its LP module runs on the device, and the bytes autograd saves for backward at
+  that precision, on a private copy of the layer's parameters.
+
+Timings are wall-clock (``time.perf_counter``) with the device synchronized before and after the
+timed call, so on CUDA they include launch overhead, as the training step pays it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.lp.modules import (
+    LPConv1d,
+    LPConv2d,
+    LPLinear,
+    LPModule,
+    _normalize,
+    _quantize,
+    _rebuild,
+    supported_precisions,
+)
+from qsync_callback.plan import PRECISIONS
+
+CAST_PAIRS: tuple[tuple[str, str], ...] = (
+    ("fp32", "bf16"),
+    ("bf16", "fp32"),
+    ("fp32", "fp16"),
+    ("fp16", "fp32"),
+    ("bf16", "fp16"),
+    ("fp16", "bf16"),
+    ("fp32", "int8"),
+    ("int8", "fp32"),
+)
+"""Every cast the cost model knows, as (src, dst); a device gets those whose two ends it supports."""
+
+CAST_SIZES: tuple[int, ...] = tuple(round(1e3 * 4000 ** (i / 5)) for i in range(6))
+"""Tensor sizes (elements) the casts are timed on: 6 geometric steps from 1e3 to 4e6."""
+
+CACHE_FORMAT = "qsync-cast-costs"
+CACHE_VERSION = 1
+_COST_FIELDS = ("alpha_us_per_element", "beta_us", "r2")
+_FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LP_CLASSES: tuple[tuple[type[nn.Module], type[LPModule]], ...] = (
+    (nn.Linear, LPLinear),
+    (nn.Conv1d, LPConv1d),
+    (nn.Conv2d, LPConv2d),
+)
+
+
+# --- the fit -------------------------------------------------------------------------------------
+
+
+def fit_linear_cost(
+    sizes: Sequence[float], times_us: Sequence[float], relative: bool = True
+) -> dict[str, float]:
+    """Least-squares fit of ``time_us = alpha * size + beta``; returns alpha, beta and r2.
+
+    With ``relative`` (the default) each point is weighted by ``1 / time**2``, i.e. the fit
+    minimizes the squared *relative* error: the timed sizes span more than three decades, and an
+    unweighted fit would let the largest tensor decide alpha and leave beta (what the many small
+    tensors of a model pay) to noise. ``relative=False`` is the ordinary least-squares fit.
+
+    Costs are not negative: if the best line has ``beta < 0`` the fit is redone through the origin
+    (``beta = 0``), and if ``alpha < 0`` it becomes the constant (weighted) mean time. ``r2`` is the
+    coefficient of determination in the fit's own weighting (ordinary R^2 for ``relative=False``):
+    1 for points on the line. Raises ValueError for mismatched lengths, fewer than two distinct
+    sizes, or (with ``relative``) a time that is not positive.
+    """
+    xs, ys = [float(s) for s in sizes], [float(t) for t in times_us]
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} sizes but {len(ys)} times")
+    if len(set(xs)) < 2:
+        raise ValueError("fitting a line needs at least two distinct sizes")
+    if not all(math.isfinite(v) for v in xs + ys):
+        raise ValueError("sizes and times must be finite")
+    if relative and min(ys) <= 0:
+        raise ValueError("a relative fit needs positive times")
+    ws = [1.0 / (y * y) for y in ys] if relative else [1.0] * len(ys)
+    total = sum(ws)
+    x_mean = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+    y_mean = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+    sxx = sum(w * (x - x_mean) ** 2 for w, x in zip(ws, xs, strict=True))
+    sxy = sum(w * (x - x_mean) * (y - y_mean) for w, x, y in zip(ws, xs, ys, strict=True))
+    alpha = sxy / sxx
+    beta = y_mean - alpha * x_mean
+    if beta < 0:
+        beta = 0.0
+        sxy0 = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
+        alpha = sxy0 / sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    if alpha < 0:
+        alpha, beta = 0.0, y_mean
+    ss_res = sum(w * (y - alpha * x - beta) ** 2 for w, x, y in zip(ws, xs, ys, strict=True))
+    ss_tot = sum(w * (y - y_mean) ** 2 for w, y in zip(ws, ys, strict=True))
+    if ss_tot > 0:
+        r2 = 1.0 - ss_res / ss_tot
+    else:  # every time equal: a flat line explains them all
+        r2 = 1.0 if ss_res == 0 else 0.0
+    return {"alpha_us_per_element": alpha, "beta_us": beta, "r2": r2}
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize(device)
+
+
+def _best_time_us(
+    fn: Callable[[], object],
+    device: torch.device,
+    min_repeats: int = 5,
+    max_repeats: int = 50,
+    budget_s: float = 0.01,
+) -> float:
+    """Best (minimum) time of ``fn`` in microseconds, after one untimed warm-up call.
+
+    Repeats at least ``min_repeats`` times, then until ``budget_s`` of timed calls have run or
+    ``max_repeats`` is reached. The result of each call is freed after its timer stops, so the
+    time covers computing (and allocating) the result, not freeing it.
+    """
+    fn()
+    best, spent = math.inf, 0.0
+    for count in range(1, max_repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        result = fn()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        del result
+        best, spent = min(best, elapsed), spent + elapsed
+        if count >= min_repeats and spent >= budget_s:
+            break
+    return best * 1e6
+
+
+# --- cast costs ----------------------------------------------------------------------------------
+
+
+def _storage_precisions(device: torch.device, precisions: Iterable[str] | None) -> set[str]:
+    supported = supported_precisions(device)
+    if precisions is None:
+        return set(supported) - {"tf32"}
+    wanted = set(precisions)
+    unknown = sorted(wanted - set(PRECISIONS))
+    if unknown:
+        raise ValueError(f"unknown precision(s) {', '.join(unknown)}; known: {', '.join(PRECISIONS)}")
+    refused = [p for p in PRECISIONS if p in wanted and p not in supported]
+    if refused:
+        raise ValueError(f"{', '.join(refused)} do(es) not run on {device} (it runs {', '.join(supported)})")
+    return wanted - {"tf32"}
+
+
+def cast_pairs(device: torch.device | str, precisions: Iterable[str] | None = None) -> list[str]:
+    """The cast names (``"src->dst"``) ``fit_cast_costs`` measures on ``device`` for ``precisions``
+    (default: every precision the device supports)."""
+    have = _storage_precisions(_normalize(device), precisions)
+    return [f"{src}->{dst}" for src, dst in CAST_PAIRS if src in have and dst in have]
+
+
+def _cast_op(src: str, dst: str, x: torch.Tensor) -> Callable[[], object]:
+    """The timed cast of ``x`` (fp32) converted to ``src`` beforehand, untimed."""
+    if dst == "int8":  # symmetric per-tensor quantization, exactly as the LP modules do it
+        return lambda: _quantize(x)
+    if src == "int8":  # dequantization, as the int8 backward does it
+        q, scale = _quantize(x)
+        return lambda: q.to(torch.float32) * scale
+    source, dtype = x.to(_FLOAT_DTYPES[src]), _FLOAT_DTYPES[dst]
+    return lambda: source.to(dtype)
+
+
+def fit_cast_costs(
+    device: torch.device | str, precisions: Iterable[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """Time every storage cast between ``precisions`` on ``device`` and fit its cost per element.
+
+    The casts (see ``cast_pairs``): ``x.to(dtype)`` between fp32, bf16 and fp16; ``fp32->int8`` is
+    the LP modules' own symmetric per-tensor quantization (``qsync_callback.lp.modules._quantize``,
+    a private function, imported here so there is one copy of it: scale = max|x| / 127, then round
+    and clamp to [-127, 127]), scale included; ``int8->fp32`` is dequantization ``q.to(fp32) *
+    scale`` as the int8 backward does it. tf32 is not a storage type and has no casts.
+
+    Each cast runs on random tensors of ``CAST_SIZES`` elements (1e3 .. 4e6; from a private
+    generator, so the global RNG is untouched); the best of several repeats is kept per size (at
+    least 5, up to 10 ms of repeats) and ``fit_linear_cost`` fits ``cost_us = alpha * numel +
+    beta`` through the six points. About 0.4 s on a 2-core CPU. Returns ``{"fp32->bf16":
+    {"alpha_us_per_element": .., "beta_us": .., "r2": ..}, ...}``.
+
+    On CPU the large sizes also pay the page faults of freshly mapped outputs and temporaries (the
+    quantization makes three fp32 temporaries), which depend on the state of the C heap: a real
+    cost of CPU training, but not a linear one; ``r2`` says how well the line holds.
+    """
+    device = _normalize(device)
+    pairs = cast_pairs(device, precisions)
+    generator = torch.Generator(device=device).manual_seed(0)
+    times: dict[str, list[float]] = {pair: [] for pair in pairs}
+    for size in CAST_SIZES:
+        x = torch.randn(size, generator=generator, device=device)
+        for pair in pairs:
+            src, dst = pair.split("->")
+            times[pair].append(_best_time_us(_cast_op(src, dst, x), device))
+        del x
+    return {pair: fit_linear_cost(CAST_SIZES, times[pair]) for pair in pairs}
+
+
+# --- the per-device cache ------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cache_key(device: torch.device | str) -> dict[str, Any]:
+    """What a cached cast-cost fit is valid for: the device (CPU model name from /proc/cpuinfo,
+    else ``platform.processor()``; CUDA device name and compute capability), the torch version
+    (and its CUDA version) and ``torch.get_num_threads()``."""
+    device = _normalize(device)
+    if device.type == "cpu":
+        name = f"cpu: {_cpu_name()}"
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = f"cuda: {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    else:
+        name = device.type
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/qsync_callback`` (an absolute XDG_CACHE_HOME only, as the XDG spec says),
+    else ``~/.cache/qsync_callback``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qsync_callback")
+
+
+def cache_path(device: torch.device | str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """The cache file for ``device``: named by a hash of ``cache_key(device)``."""
+    key = json.dumps(cache_key(device), sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    directory = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
+    return os.path.join(directory, f"cast-costs-{digest}.json")
+
+
+def _cache_problem(data: Any, key: dict[str, Any], pairs: list[str]) -> str | None:
+    """Why ``data`` is not a valid cache document for ``key`` and ``pairs``; None if it is."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    if data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
+        return f"not a {CACHE_FORMAT} version {CACHE_VERSION} document"
+    if data.get("key") != key:
+        return "made for another device or software"
+    costs = data.get("costs")
+    if not isinstance(costs, dict) or sorted(costs) != sorted(pairs):
+        return "does not hold this device's casts"
+    for pair, fit in costs.items():
+        if not isinstance(fit, dict) or sorted(fit) != sorted(_COST_FIELDS):
+            return f"bad entry for {pair}"
+        values = [fit[name] for name in _COST_FIELDS]
+        if not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+        ):
+            return f"bad numbers for {pair}"
+        if fit["alpha_us_per_element"] < 0 or fit["beta_us"] < 0:
+            return f"negative cost for {pair}"
+    return None
+
+
+def cast_costs(
+    device: torch.device | str, cache_dir: str | os.PathLike[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """``fit_cast_costs(device)``, cached in a JSON file per device (``cache_path``).
+
+    A valid cache file for this exact ``cache_key`` is returned as it is, without timing anything.
+    A missing one is fitted and written (atomically). One that cannot be read, is not JSON, or does
+    not hold a valid fit for this key is never trusted: it is refitted and overwritten, with a
+    one-line warning. A cache that cannot be written only warns: the fit is still returned.
+    """
+    device = _normalize(device)
+    key, path = cache_key(device), cache_path(device, cache_dir)
+    if os.path.exists(path):
+        try:
+            data = read_json(path, "cast-cost cache")
+            problem = _cache_problem(data, key, cast_pairs(device))
+        except QSyncInputError as error:
+            problem = str(error).removeprefix(f"{path}: ")
+        if problem is None:
+            return {
+                pair: {name: float(fit[name]) for name in _COST_FIELDS} for pair, fit in data["costs"].items()
+            }
+        warnings.warn(f"{path}: ignoring the cast-cost cache ({problem}); refitting", stacklevel=2)
+    costs = fit_cast_costs(device)
+    document = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": key, "costs": costs}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", "cast-cost cache")
+    except (OSError, QSyncInputError) as error:
+        warnings.warn(f"cannot write the cast-cost cache: {error}", stacklevel=2)
+    return costs
+
+
+# --- layer probes --------------------------------------------------------------------------------
+
+
+def _private_lp(module: nn.Module) -> LPModule:
+    """An LP module of ``module``'s class and configuration on its own copies of the parameters and
+    buffers, without the original's hooks (a recorder's hooks must not fire, or be deep-copied)."""
+    stock = module.to_stock() if isinstance(module, LPModule) else module
+    lp_cls = next((lp for cls, lp in _LP_CLASSES if isinstance(stock, cls)), None)
+    if lp_cls is None:
+        raise TypeError(f"probe_layer_costs needs a Linear, Conv1d or Conv2d, not {type(module).__name__}")
+    if next(stock.children(), None) is not None:
+        raise ValueError(f"the {type(module).__name__} has child modules (a parametrization?)")
+    twin = _rebuild(type(stock), stock)  # modules.py's private rebuild: config only, fresh hook dicts
+    with torch.no_grad():
+        for name, param in twin._parameters.items():
+            if param is not None:
+                twin._parameters[name] = nn.Parameter(param.detach().clone(), param.requires_grad)
+        for name, buffer in twin._buffers.items():
+            if buffer is not None:
+                twin._buffers[name] = buffer.detach().clone()
+    return lp_cls.from_module(twin)
+
+
+def _saved_bytes(lp: LPModule, x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward of ``lp`` on ``x``: each saved tensor
+    counted once per storage, the LP module's own parameters left out (as the recorder counts)."""
+    skip = {p.untyped_storage().data_ptr() for p in lp.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = lp(x)
+    del out
+    return sum(seen.values())
+
+
+def _doubled(lp: LPModule, x: torch.Tensor) -> torch.Tensor:
+    """``x`` with twice the batch: concatenated along the batch dimension when there is one, else
+    stacked into a batch of two (an unbatched conv input, a 1-D linear input)."""
+    batched = x.dim() >= 2 if isinstance(lp, LPLinear) else x.dim() == lp.weight.dim()
+    return torch.cat([x, x]) if batched else torch.stack([x, x])
+
+
+def probe_layer_costs(
+    module: nn.Module,
+    input_shape: Sequence[int],
+    precisions: Iterable[str] | None = None,
+    repeats: int = 5,
+) -> dict[str, dict[str, float]]:
+    """Forward and backward time, and saved-for-backward bytes, of one layer at each precision.
+
+    ``module`` is an ``nn.Linear``, ``nn.Conv1d`` or ``nn.Conv2d`` (or an LP module); it is probed
+    on its weight's device at ``precisions`` (default: every precision its LP module runs there,
+    ``allowed_precisions``; one it cannot run raises ValueError). Probing leaves training alone:
+    the probe runs an LP module built on private clones of the parameters (not the real ones, whose
+    values and ``.grad`` stay as they were; not its hooks, which do not fire), on a random fp32
+    input of ``input_shape`` with ``requires_grad`` (so the input gradient is part of the backward)
+    and a random output gradient, both from a private generator (the global RNG is untouched).
+
+    Per precision: one untimed warm-up forward + backward, then ``repeats`` timed ones;
+    ``forward_us`` and ``backward_us`` are the medians, in microseconds, of ``lp(x)`` and
+    ``out.backward(grad)``, the device synchronized around each. ``saved_bytes`` is what autograd
+    holds for backward after one forward (``torch.autograd.graph.saved_tensors_hooks``, once per
+    storage, the probe's parameters left out): the activation memory at that precision, including
+    the cast or quantized copies of the weight the low-precision backward keeps. It is split by a
+    second forward on twice the batch (saved bytes are affine in the batch):
+    ``saved_activation_bytes`` grows with the batch, ``saved_weight_bytes`` does not. The int8
+    entry also has ``fp32_fallback``: 1.0 if ``_int_mm`` could not take the shape on the device and
+    the stock fp32 op ran instead (so the int8 numbers are fp32 ones), else 0.0.
+
+    Returns ``{"fp32": {"forward_us": .., "backward_us": .., "saved_bytes": ..,
+    "saved_activation_bytes": .., "saved_weight_bytes": ..}, "bf16": {...}, ...}`` in
+    ``PRECISIONS`` order.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, not {repeats}")
+    lp = _private_lp(module)
+    device = lp.weight.device
+    allowed = lp.allowed_precisions(device)
+    if precisions is None:
+        chosen = list(allowed)
+    else:
+        wanted = list(dict.fromkeys(precisions))
+        refused = [p for p in wanted if p not in allowed]
+        if refused:
+            names, runs = ", ".join(refused), ", ".join(allowed)
+            raise ValueError(f"{type(lp).__name__} cannot run {names} on {device} (it runs {runs})")
+        chosen = [p for p in PRECISIONS if p in wanted]
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tuple(input_shape), generator=generator, device=device).requires_grad_()
+    grad: torch.Tensor | None = None
+    params = list(lp.parameters())
+    results: dict[str, dict[str, float]] = {}
+    with torch.enable_grad():
+        for precision in chosen:
+            lp.precision = precision
+            lp.int8_fallbacks = 0
+            saved = _saved_bytes(lp, x)
+            saved_double = _saved_bytes(lp, _doubled(lp, x.detach()).requires_grad_())
+            activation = min(max(saved_double - saved, 0), saved)
+            forward, backward = [], []
+            for step in range(repeats + 1):  # step 0 is the warm-up
+                x.grad = None
+                for p in params:
+                    p.grad = None
+                _sync(device)
+                start = time.perf_counter()
+                out = lp(x)
+                _sync(device)
+                middle = time.perf_counter()
+                if grad is None:
+                    grad = torch.randn(out.shape, generator=generator, device=device, dtype=out.dtype)
+                out.backward(grad)
+                _sync(device)
+                end = time.perf_counter()
+                del out
+                if step:
+                    forward.append((middle - start) * 1e6)
+                    backward.append((end - middle) * 1e6)
+            entry = {
+                "forward_us": statistics.median(forward),
+                "backward_us": statistics.median(backward),
+                "saved_bytes": float(saved),
+                "saved_activation_bytes": float(activation),
+                "saved_weight_bytes": float(saved - activation),
+            }
+            if precision == "int8":
+                entry["fp32_fallback"] = 1.0 if lp.int8_fallbacks else 0.0
+            results[precision] = entry
+    return results
