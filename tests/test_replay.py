@@ -111,3 +111,16 @@ def test_ranks_on_one_host_share_its_clock():
     assert replay(build_global_graph(traces, 0)).step_us == pytest.approx(160)
     traces[1].host = "node-2"
     assert clock_offsets_us(traces) == [0.0, 2500.0]
+
+
+def test_timeline_lists_every_op_with_its_replayed_times():
+    t = trace(
+        [op(0, "a", "forward", "main", 5, 10, layer="fc"), op(1, "b", "backward", "main", 25, 20)],
+        step_end=50,
+    )
+    graph = build_step_graph(t, 0)
+    rows = replay(graph).timeline(graph)
+    assert [(r["name"], r["start_us"], r["end_us"], r["layer"]) for r in rows] == [
+        ("a", 5, 15, "fc"),
+        ("b", 25, 45, None),
+    ]
