@@ -203,7 +203,7 @@ class TorchRecorder:
         self._last_boundary: float | None = None
         self._last_faults = 0
         self._profiler: torch.profiler.profile | None = None
-        self._sessions: list[torch.profiler.profile] = []
+        self._parts: list[Path] = []
         self._ranges: LayerRanges | None = None
         self._step_range = None
         self._resident: dict[str, int] = {}
@@ -296,21 +296,25 @@ class TorchRecorder:
         self._ranges.install()
 
     def _end_session(self) -> None:
-        """Stop the profiler after a recorded step and keep the session for the window's export."""
+        """Stop the profiler after a recorded step and write its trace now (a profiler holding its
+        results would stay in memory through the unprofiled steps that follow)."""
         profiler = self._profiler
         self.close()
-        self._sessions.append(profiler)
+        part = self._raw_path().with_suffix(f".part{len(self._parts)}.json")
+        part.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(part))
+        self._parts.append(part)
+
+    def _raw_path(self) -> Path:
+        return rank_trace_path(self.trace_dir, self.rank).parent / RAW_TRACE_FILE
 
     def _close_window(self) -> Trace:
-        rank_dir = rank_trace_path(self.trace_dir, self.rank).parent
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        raw_path = rank_dir / RAW_TRACE_FILE
         # parsing and converting make many objects at once: with the collector paused they are made
         # in a fraction of the time, and one young-generation collection at the end frees the rest
         gc.disable()
         try:
-            raw = _export_sessions(self._sessions, raw_path)
-            self._sessions.clear()
+            raw = _merge_parts(self._parts, self._raw_path())
+            self._parts.clear()
             self.trace = self._convert(raw)
             del raw
         finally:
@@ -377,21 +381,21 @@ class TorchRecorder:
             profiler.__exit__(None, None, None)
 
 
-def _export_sessions(sessions: Sequence[torch.profiler.profile], path: Path) -> dict:
-    """Write the sessions' Kineto traces as one Chrome trace at ``path`` and return it parsed.
+def _merge_parts(parts: Sequence[Path], path: Path) -> dict:
+    """Merge the sessions' Kineto traces ``parts`` into one Chrome trace at ``path``, remove the
+    parts, and return the merged trace parsed.
 
     Every session of a process stamps events on the same clock, so their events merge into one
     timeline; the metadata comes from the first session.
     """
     merged: dict | None = None
-    part = path.with_suffix(".part.json")
-    for session in sessions:
-        session.export_chrome_trace(str(part))
+    for part in parts:
         data = orjson.loads(part.read_bytes())
         if merged is None:
             merged = data
         else:
             merged["traceEvents"].extend(e for e in data["traceEvents"] if e.get("ph") != "M")
-    part.unlink(missing_ok=True)
     path.write_bytes(orjson.dumps(merged))
+    for part in parts:
+        part.unlink(missing_ok=True)
     return merged
