@@ -35,6 +35,7 @@ ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 OPTIMIZER_ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
 DDP_COPY_BACK = "copy_bucket_to_grad"
+C10D_PREFIX = "c10d::"
 _COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(?!barrier)(\w+)", re.IGNORECASE)
 _DTYPE_BYTES = {
     "float": 4,
@@ -271,6 +272,9 @@ def _link_collectives(
 ) -> None:
     """Collective <- the main-thread op that launched it; waiting op <- collective.
 
+    The launching op is the one around the k-th ``c10d::`` launch event of the step (the k-th
+    collective to start); the backend's thread may start the collective while the training thread
+    is already in a later op, so the op running at the collective's start is not the launcher.
     The main thread must have the collective's result by the time it runs the first op that uses
     it: for DDP's k-th bucket, the first of the k-th group of ``copy_bucket_to_grad`` ops (groups
     matched to buckets by element count); elsewhere the first op that starts after the collective
@@ -281,6 +285,7 @@ def _link_collectives(
     """
     main_nodes = node_events.get(main_tid, [])
     main_starts = [e.ts for e in main_events]
+    launch_ts = [e.ts for e in main_events if e.name.startswith(C10D_PREFIX) and "barrier" not in e.name]
     comm_by_step: dict[int, list[Op]] = defaultdict(list)
     for op in ops:
         if op.kind == "comm":
@@ -291,12 +296,15 @@ def _link_collectives(
         starts = [e.ts for e in step_nodes]
         copies = [p for p, e in enumerate(step_nodes) if DDP_COPY_BACK in e.name]
         copy_numel = [_numel_of_first_input(step_nodes[p], main_events, main_starts) for p in copies]
+        launches = [ts for ts in launch_ts if step_nodes and starts[0] <= ts <= step_nodes[-1].end]
         next_copy = 0
-        for comm in comms:
-            launch = bisect.bisect_right(starts, comm.start_us) - 1
+        for k, comm in enumerate(comms):
+            launched_at = launches[k] if len(launches) == len(comms) else comm.start_us
+            launch = bisect.bisect_right(starts, launched_at) - 1
             if launch >= 0:
                 comm.deps.append(step_nodes[launch].node_id)
-            if next_copy < len(copies):
+            from_backward = launch >= 0 and ops[step_nodes[launch].node_id].kind == "backward"
+            if from_backward and next_copy < len(copies):
                 user = copies[next_copy]
                 numel, total = (comm.collective or {}).get("numel", 0), 0
                 while next_copy < len(copies) and (total < numel or total == 0):
