@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from models import SEED, StepTimer, get_model
+from models import get_model, timed_fit
 
 from qsync_callback.integrations.lightning import QSyncCallback
-from qsync_callback.recorder.torch_recorder import recorded_steps
+from qsync_callback.recorder.torch_recorder import window_close_step
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 WARMUP, PROFILE, MEASURE = 2, 1, 1
@@ -61,8 +61,6 @@ def time_call(fn: Callable[[], Any], calls: int = CALLS, blocks: int = BLOCKS) -
 
 def measure(out: Path) -> dict[str, Any]:
     """Fit the MLP with the callback, then time the finished callback's per-step hook."""
-    spec = get_model("mlp")
-    pl.seed_everything(SEED, verbose=False)
     callback = QSyncCallback(
         mode="report",
         warmup_steps=WARMUP,
@@ -70,23 +68,9 @@ def measure(out: Path) -> dict[str, Any]:
         measure_steps=MEASURE,
         output_dir=out / "callback_overhead_run",
     )
-    timer = StepTimer()
     # 0-based step at whose start the callback finishes: MEASURE steps after the window closes
-    finished_at = recorded_steps(WARMUP, PROFILE)[-1] + 1 + MEASURE
-    max_steps = finished_at + 1 + STEPS_AFTER
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        callbacks=[callback, timer],
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        logger=False,
-    )
-    module = spec.build()
-    loader = spec.dataloader(max_steps)
-    trainer.fit(module, loader)
+    finished_at = window_close_step(WARMUP, PROFILE) + MEASURE
+    trainer, timer, module, loader = timed_fit(get_model("mlp"), finished_at + 1 + STEPS_AFTER, [callback])
     if callback.report is None:
         raise SystemExit("the callback produced no report; see the warnings above")
 

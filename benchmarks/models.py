@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytorch_lightning as pl
@@ -179,23 +179,34 @@ class StepTimer(pl.Callback):
         self._last = now
 
 
-def time_steps(name: str, steps: int = 30, skip: int = 5) -> list[float]:
-    """Per-step wall-clock times (ms) of a plain one-process ``Trainer.fit`` of model ``name``,
-    without the first ``skip`` steps."""
-    spec = get_model(name)
+def timed_fit(
+    spec: ModelSpec, max_steps: int, callbacks: Sequence[pl.Callback] = (), procs: int = 1
+) -> tuple[pl.Trainer, StepTimer, pl.LightningModule, DataLoader]:
+    """Fit ``spec``'s model for ``max_steps`` on CPU (DDP over gloo when ``procs`` > 1) with
+    ``callbacks`` and a `StepTimer` after them: work a callback does at the start of step b is then
+    timed in step b - 1. No logger, progress bar or checkpoints."""
     pl.seed_everything(SEED, verbose=False)
     timer = StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        max_steps=steps + 1,
-        callbacks=[timer],
+        devices=procs,
+        strategy="ddp" if procs > 1 else "auto",
+        max_steps=max_steps,
+        callbacks=[*callbacks, timer],
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
         logger=False,
     )
-    trainer.fit(spec.build(), spec.dataloader(steps + 1))
+    module, loader = spec.build(), spec.dataloader(max_steps * procs)
+    trainer.fit(module, loader)
+    return trainer, timer, module, loader
+
+
+def time_steps(name: str, steps: int = 30, skip: int = 5) -> list[float]:
+    """Per-step wall-clock times (ms) of a plain one-process ``Trainer.fit`` of model ``name``,
+    without the first ``skip`` steps."""
+    _, timer, _, _ = timed_fit(get_model(name), steps + 1)
     return timer.step_ms[skip:]
 
 

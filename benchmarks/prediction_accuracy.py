@@ -24,16 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from models import MODELS, SEED, StepTimer, get_model
+from models import MODELS, get_model, timed_fit
 
-from qsync_callback.recorder.torch_recorder import recorded_steps
+from qsync_callback.recorder.torch_recorder import window_close_step
 
 WARMUP_STEPS = 10
 PROFILE_STEPS = 5
 MEASURE_STEPS = 10  # the callback's defaults: warm-up 10, profile 5, measure 10
 # The callback closes the window at the boundary after the last recorded step and reports
 # MEASURE_STEPS later, so the run needs one step more than that.
-CLOSE_STEP = recorded_steps(WARMUP_STEPS, PROFILE_STEPS)[-1] + 1
+CLOSE_STEP = window_close_step(WARMUP_STEPS, PROFILE_STEPS)
 MAX_STEPS = CLOSE_STEP + MEASURE_STEPS + 1 + 2
 TARGET_PCT = 5.0
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -58,12 +58,8 @@ PRE_WINDOW_STEPS = list(range(1, WARMUP_STEPS - 3))
 def run_worker(model: str, procs: int, run_dir: Path) -> None:
     """One training run with the callback (executed in a subprocess; Lightning's DDP launcher
     re-executes this same command line for rank 1)."""
-    import pytorch_lightning as pl
-
     from qsync_callback.integrations.lightning import QSyncCallback
 
-    spec = get_model(model)
-    pl.seed_everything(SEED, verbose=False)
     callback = QSyncCallback(
         mode="report",
         warmup_steps=WARMUP_STEPS,
@@ -71,19 +67,7 @@ def run_worker(model: str, procs: int, run_dir: Path) -> None:
         measure_steps=MEASURE_STEPS,
         output_dir=run_dir,
     )
-    timer = StepTimer()  # after the callback, so a step's time includes the callback's work at its end
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=procs,
-        strategy="ddp" if procs > 1 else "auto",
-        max_steps=MAX_STEPS,
-        callbacks=[callback, timer],
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        logger=False,
-    )
-    trainer.fit(spec.build(), spec.dataloader(MAX_STEPS * procs))
+    trainer, timer, _, _ = timed_fit(get_model(model), MAX_STEPS, [callback], procs)
     path = run_dir / STEP_TIMES_DIR / f"rank{trainer.global_rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(timer.step_ms))

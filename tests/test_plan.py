@@ -248,26 +248,30 @@ def test_missing_version() -> None:
         Plan.from_dict(data, source="p.json")
 
 
-def test_unknown_precision(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "field, layer, value, expected",
+    [
+        (
+            "precision",
+            "fc1",
+            "fp8",
+            "precision of layer 'fc1' is 'fp8'; expected one of fp32, tf32, bf16, fp16, int8",
+        ),
+        (
+            "activation",
+            "fc2",
+            "discard",
+            "activation policy of layer 'fc2' is 'discard'; expected one of keep, offload, recompute",
+        ),
+    ],
+)
+def test_unknown_decision_value(tmp_path, field, layer, value, expected) -> None:
     data = valid_dict()
-    data["precision"]["fc1"] = "fp8"
+    data[field][layer] = value
     path = write(tmp_path, json.dumps(data))
     with pytest.raises(QSyncInputError) as info:
         Plan.load(path)
-    assert str(info.value) == (
-        f"{path}: precision of layer 'fc1' is 'fp8'; expected one of fp32, tf32, bf16, fp16, int8"
-    )
-
-
-def test_unknown_activation_policy(tmp_path) -> None:
-    data = valid_dict()
-    data["activation"]["fc2"] = "discard"
-    path = write(tmp_path, json.dumps(data))
-    with pytest.raises(QSyncInputError) as info:
-        Plan.load(path)
-    assert str(info.value) == (
-        f"{path}: activation policy of layer 'fc2' is 'discard'; expected one of keep, offload, recompute"
-    )
+    assert str(info.value) == f"{path}: {expected}"
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,11 @@ def recorded_steps(warmup_steps: int, profile_steps: int) -> list[int]:
     return [warmup_steps + 1 + 2 * j for j in range(profile_steps)]
 
 
+def window_close_step(warmup_steps: int, profile_steps: int) -> int:
+    """The step boundary at which the recorder closes its window and writes the trace."""
+    return recorded_steps(warmup_steps, profile_steps)[-1] + 1
+
+
 class TorchRecorder:
     """Profile ``profile_steps`` steps of a live training loop, every other step from ``warmup_steps``.
 
@@ -225,7 +230,7 @@ class TorchRecorder:
     @property
     def close_step(self) -> int:
         """The boundary at which the window closes and the trace is written."""
-        return self.session_end_steps[-1]
+        return window_close_step(self.warmup_steps, self.profile_steps)
 
     @property
     def recording(self) -> bool:
