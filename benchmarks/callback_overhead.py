@@ -21,11 +21,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 from models import get_model, timed_fit
+from runs import subprocess_env
 
 from qsync_callback.integrations.lightning import QSyncCallback
 from qsync_callback.recorder.torch_recorder import window_close_step
 
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 WARMUP, PROFILE, MEASURE = 2, 1, 1
 STEPS_AFTER = 30  # timed steps after the callback has finished
 CALLS, BLOCKS = 5000, 7
@@ -33,9 +33,8 @@ CALLS, BLOCKS = 5000, 7
 
 def _reexec_with_tcmalloc() -> None:
     """Restart this script with tcmalloc preloaded (see README), once, if it is installed."""
-    if TCMALLOC.exists() and str(TCMALLOC) not in os.environ.get("LD_PRELOAD", "").split(":"):
-        env = dict(os.environ)
-        env["LD_PRELOAD"] = ":".join(p for p in (str(TCMALLOC), env.get("LD_PRELOAD", "")) if p)
+    env = subprocess_env()
+    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 

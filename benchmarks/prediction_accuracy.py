@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
+from runs import environment, launch, stderr_tail, warn_without_tcmalloc
 
 from qsync_callback.recorder.torch_recorder import window_close_step
 
@@ -36,8 +31,6 @@ MEASURE_STEPS = 10  # the callback's defaults: warm-up 10, profile 5, measure 10
 CLOSE_STEP = window_close_step(WARMUP_STEPS, PROFILE_STEPS)
 MAX_STEPS = CLOSE_STEP + MEASURE_STEPS + 1 + 2
 TARGET_PCT = 5.0
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-STDERR_TAIL_LINES = 40
 STEP_TIMES_DIR = "step_times"  # per-rank wall time of every step, from the worker's own timer
 # 0-based steps whose time holds the recording's work. The benchmark's timer runs after the callback
 # at each on_train_batch_start, so work done at boundary b is timed in step b - 1: calibration
@@ -76,44 +69,10 @@ def run_worker(model: str, procs: int, run_dir: Path) -> None:
 # ----------------------------------------------------------------------------- the driver
 
 
-def subprocess_env() -> dict[str, str]:
-    """The environment of a run: tcmalloc preloaded when present (see README)."""
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    if TCMALLOC.exists():
-        preload = env.get("LD_PRELOAD", "")
-        if str(TCMALLOC) not in preload.split(":"):
-            env["LD_PRELOAD"] = f"{TCMALLOC}:{preload}" if preload else str(TCMALLOC)
-    return env
-
-
-def launch(model: str, procs: int, run_dir: Path, timeout_s: float) -> tuple[int, float]:
-    """Run one training run in a fresh subprocess; returns (exit code, wall seconds). Output goes to
-    ``run_dir/stdout.log`` and ``run_dir/stderr.log``."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, "--worker-procs", str(procs)]
-    cmd += ["--worker-dir", str(run_dir.resolve())]
-    start = time.perf_counter()
-    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        # its own session, so that a timeout also ends the DDP launcher's other rank
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(), start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            err.write(f"\n[benchmark] timed out after {timeout_s:.0f} s\n")
-            rc = 124
-    return rc, time.perf_counter() - start
-
-
-def stderr_tail(run_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a run's stderr."""
-    path = run_dir / "stderr.log"
-    text = path.read_text(errors="replace") if path.exists() else "(no stderr.log)"
-    return "\n".join(text.splitlines()[-lines:])
+def launch_run(model: str, procs: int, run_dir: Path, timeout_s: float) -> tuple[int, float]:
+    """One training run of ``model`` on ``procs`` processes in a fresh subprocess."""
+    args = ["--worker", model, "--worker-procs", str(procs), "--worker-dir", str(run_dir.resolve())]
+    return launch(Path(__file__).resolve(), args, run_dir, timeout_s)
 
 
 def rank_costs(trace: dict[str, Any], step_ms: list[float] | None) -> dict[str, float | None]:
@@ -283,28 +242,6 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
     return "\n".join(lines) + "\n"
 
 
-def environment() -> dict[str, Any]:
-    """What the numbers depend on, saved with the raw rows."""
-    import pytorch_lightning as pl
-    import torch
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "pytorch_lightning": pl.__version__,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "tcmalloc": str(TCMALLOC) if TCMALLOC.exists() else None,
-        "load_avg_at_start": os.getloadavg(),
-        "steps": {
-            "warmup": WARMUP_STEPS,
-            "profile": PROFILE_STEPS,
-            "measure": MEASURE_STEPS,
-            "max": MAX_STEPS,
-        },
-    }
-
-
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -334,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         get_model(name)  # fail fast on a bad name
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    env = environment()
-    if not TCMALLOC.exists():
-        print(f"warning: {TCMALLOC} not found; runs use glibc malloc (noisier step times)", file=sys.stderr)
+    env = environment(
+        steps={"warmup": WARMUP_STEPS, "profile": PROFILE_STEPS, "measure": MEASURE_STEPS, "max": MAX_STEPS}
+    )
+    warn_without_tcmalloc()
 
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -346,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"{model}-p{procs}-r{repeat}"
                 run_dir = out / "runs" / label
                 print(f"[benchmark] {label} ...", file=sys.stderr, flush=True)
-                rc, wall_s = launch(model, procs, run_dir, args.timeout)
+                rc, wall_s = launch_run(model, procs, run_dir, args.timeout)
                 if (run_dir / "report.json").exists():
                     rows.append(read_row(model, procs, repeat, run_dir, wall_s))
                     if rc != 0:

@@ -58,7 +58,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="CPU processes (2 or more: DDP over gloo)")
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--mode", choices=("record", "report"), default="report")
+    parser.add_argument("--mode", choices=("record", "report", "apply"), default="report")
+    parser.add_argument("--memory-budget", default=None, help="mode apply: e.g. 2GB (default: none)")
+    parser.add_argument("--max-step-time", type=float, default=None, help="mode apply: seconds per step")
+    parser.add_argument("--precisions", default="fp32,bf16,fp16,int8", help="mode apply: allowed precisions")
+    parser.add_argument("--plan", default=None, help="a plan file to apply from step 0")
+    parser.add_argument("--no-plan-cache", action="store_true", help="neither use nor keep cached plans")
     parser.add_argument("--output-dir", default=None, help="default: <log_dir>/qsync")
     parser.add_argument("--root-dir", default="runs", help="Lightning's default_root_dir")
     args = parser.parse_args()
@@ -73,7 +78,17 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         log_every_n_steps=10,
-        callbacks=[QSyncCallback(mode=args.mode, output_dir=args.output_dir)],
+        callbacks=[
+            QSyncCallback(
+                mode=args.mode,
+                output_dir=args.output_dir,
+                memory_budget=args.memory_budget,
+                max_step_time=args.max_step_time,
+                precisions=args.precisions.split(","),
+                plan=args.plan,
+                plan_cache=not args.no_plan_cache,
+            )
+        ],
     )
     loader = DataLoader(cluster_data(), batch_size=args.batch_size, shuffle=True)
     trainer.fit(Classifier(), loader)

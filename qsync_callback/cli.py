@@ -2,6 +2,11 @@
 
     qsync report  TRACE_DIR [--json] [--top N]     measured vs predicted, per-op statistics
     qsync predict TRACE_DIR [--plan PLAN] [--json]  the prediction for a plan (default: as recorded)
+    qsync plan    TRACE_DIR [--memory-budget 6GB] [--max-step-ms MS] [--precisions fp32,bf16,...]
+                  [--out PLAN]                      choose a per-layer precision plan
+
+``qsync plan`` needs a trace recorded with ``QSyncCallback(mode="apply")`` (it carries the
+per-precision probes and the indicator's statistics).
 
 Bad input (a missing, truncated or foreign trace; a bad plan) prints one line,
 ``qsync: error: <file>: <what is wrong>``, and exits with code 2.
@@ -15,10 +20,12 @@ import sys
 from collections.abc import Sequence
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Plan
+from qsync_callback.plan import PRECISIONS, Plan
+from qsync_callback.planner.precision import plan_precision
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import build_report, format_summary
+from qsync_callback.report import build_report, format_precision_plan, format_summary
+from qsync_callback.units import format_bytes, parse_bytes, parse_share
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,14 +41,50 @@ def _parser() -> argparse.ArgumentParser:
     pred.add_argument("trace_dir", help="a trace directory (rank<k>/trace.json inside)")
     pred.add_argument("--plan", help="a plan JSON file (default: the recorded configuration)")
     pred.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    plan = sub.add_parser("plan", help="choose a per-layer precision plan for a recorded run")
+    plan.add_argument("trace_dir", help="a trace directory recorded in mode 'apply'")
+    plan.add_argument("--memory-budget", help="largest predicted peak: 6GB, 512MiB, 90%% (of the recorded)")
+    plan.add_argument(
+        "--max-step-ms", type=float, help="longest predicted step (default: fastest plan + 5%%)"
+    )
+    plan.add_argument(
+        "--precisions", default=",".join(PRECISIONS), help="allowed precisions, comma-separated"
+    )
+    plan.add_argument("--out", help="write the plan here (JSON)")
     return parser
+
+
+def _plan(args: argparse.Namespace, traces: list) -> None:
+    """``qsync plan``: print the chosen plan's table; write it with --out."""
+    budget = None
+    if args.memory_budget is not None:
+        try:
+            share = parse_share(args.memory_budget)
+            budget = parse_bytes(args.memory_budget) if share is None else None
+        except ValueError as exc:
+            raise QSyncInputError(f"--memory-budget: {exc}") from None
+        if share is not None:
+            budget = int(share * predict(traces).peak_bytes)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise QSyncInputError(
+            f"--precisions: unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}"
+        )
+    choice, indicator = plan_precision(traces, precisions, max_step_ms=args.max_step_ms, memory_budget=budget)
+    print(format_precision_plan(choice, indicator, predict(traces).to_dict()))
+    if args.out:
+        choice.plan.save(args.out)
+        print(f"written to {args.out}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         traces = load_trace_dir(args.trace_dir)
-        if args.command == "report":
+        if args.command == "plan":
+            _plan(args, traces)
+        elif args.command == "report":
             report = build_report(traces, top=max(args.top, 1))
             print(json.dumps(report, indent=2) if args.json else format_summary(report, top=args.top))
         else:
@@ -52,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(
                     f"predicted step time {prediction.step_ms:.2f} ms, "
-                    f"peak memory {prediction.peak_bytes / 2**20:.1f} MiB"
+                    f"peak memory {format_bytes(prediction.peak_bytes)}"
                 )
     except QSyncInputError as exc:
         print(f"qsync: error: {exc}", file=sys.stderr)

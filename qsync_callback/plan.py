@@ -26,6 +26,7 @@ from qsync_callback.jsonio import parse_json, read_json, write_text_atomic
 PLAN_FORMAT = "qsync-plan"
 PLAN_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8")
+FULL_PRECISION = "fp32"  # what a layer runs at when a plan says nothing about it
 ACTIVATION_POLICIES = ("keep", "offload", "recompute")
 
 _FIELDS = ("fingerprint", "precision", "buckets", "fused_regions", "activation", "prediction")

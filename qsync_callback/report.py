@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from qsync_callback.jsonio import write_text_atomic
-from qsync_callback.plan import Plan
+from qsync_callback.plan import FULL_PRECISION, Plan
+from qsync_callback.planner.precision import PrecisionChoice
 from qsync_callback.predictor.predict import predict
 from qsync_callback.predictor.statistics import layer_statistics, op_statistics
 from qsync_callback.recorder.trace import Trace
+from qsync_callback.units import format_bytes
 
 REPORT_FILE = "report.json"
 NOISY_PAGE_FAULTS = 256  # per step: 1 MiB of fresh 4 KiB pages
@@ -33,7 +35,7 @@ def _spread_pct(samples: Sequence[float]) -> float | None:
     return 100.0 * (deciles[-1] - deciles[0]) / statistics.median(samples)
 
 
-def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+def error_pct(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or not measured:
         return None
     return 100.0 * abs(predicted - measured) / measured
@@ -65,8 +67,8 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
         },
         "predicted": prediction.to_dict(),
         "error_pct": {
-            "step_ms": _error_pct(prediction.step_ms, measured_step),
-            "peak_bytes": _error_pct(prediction.peak_bytes, measured_peak),
+            "step_ms": error_pct(prediction.step_ms, measured_step),
+            "peak_bytes": error_pct(prediction.peak_bytes, measured_peak),
         },
         "profiler_overhead_us": traces[0].profiler_overhead_us,
         "ops": op_statistics(traces)[:top],
@@ -81,10 +83,6 @@ def write_report(report: dict[str, Any], path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(report, indent=2), what="report")
     return path
-
-
-def _mib(nbytes: float | None) -> str:
-    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _ms(value: float | None) -> str:
@@ -105,11 +103,11 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         f"  step time   measured {_ms(measured['step_ms'])} (median of {measured['step_ms_samples']}, "
         f"spread {_pct(measured['step_ms_spread_pct'])})   predicted {_ms(predicted['step_ms'])}   "
         f"error {_pct(error['step_ms'])}",
-        f"  peak memory measured {_mib(measured['peak_bytes'])}   "
-        f"predicted {_mib(predicted['peak_bytes'])}   error {_pct(error['peak_bytes'])}",
+        f"  peak memory measured {format_bytes(measured['peak_bytes'])}   "
+        f"predicted {format_bytes(predicted['peak_bytes'])}   error {_pct(error['peak_bytes'])}",
         "  critical path: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
         "  memory at peak: "
-        + ", ".join(f"{k} {_mib(v)}" for k, v in predicted.get("memory_breakdown", {}).items() if v),
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in predicted.get("memory_breakdown", {}).items() if v),
         "  top ops (ms per step, profiler overhead removed):",
     ]
     for row in report["ops"][:top]:
@@ -119,10 +117,53 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         )
     faults = measured.get("page_faults_per_step")
     if faults and faults >= NOISY_PAGE_FAULTS:
-        fresh = _mib(faults * (measured.get("page_size") or 4096))
+        fresh = format_bytes(faults * (measured.get("page_size") or 4096))
         lines.append(
             f"  note: {faults:.0f} page faults per step ({fresh} of fresh pages): the memory allocator hands "
             "memory back to the system between steps, which slows steps and makes their time vary on "
             "virtual machines; an allocator that keeps it (LD_PRELOAD=libtcmalloc_minimal.so.4) avoids that"
         )
     return "\n".join(lines)
+
+
+def format_precision_plan(
+    choice: PrecisionChoice, indicator: Mapping[str, Mapping[str, float]], baseline: Mapping[str, Any]
+) -> str:
+    """The chosen per-layer plan as a table: layer, precision, predicted time share, indicator;
+    ``baseline`` is the recorded configuration's ``predicted`` figures (report["predicted"])."""
+    prediction = choice.prediction
+    target = "n/a" if choice.target_step_ms is None else _ms(choice.target_step_ms)
+    budget = "none" if choice.memory_budget is None else format_bytes(choice.memory_budget)
+    lines = [
+        f"qsync precision plan ({'meets' if choice.feasible else 'DOES NOT meet'} the constraints; "
+        f"{choice.plans_priced} plans priced)",
+        f"  step time   predicted {_ms(prediction.step_ms)} (recorded configuration "
+        f"{_ms(baseline['step_ms'])}, target {target})",
+        f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
+        f"{format_bytes(baseline['peak_bytes'])}, budget {budget})",
+        f"  summed indicator {choice.indicator:.3g}",
+        f"  {'layer':<40} {'precision':<9} {'time share':>10} {'indicator':>10}",
+    ]
+    precision = choice.plan.precision
+    for layer in indicator:
+        p = precision.get(layer, FULL_PRECISION)
+        share = prediction.layer_ms.get(layer, 0.0) / prediction.step_ms if prediction.step_ms else 0.0
+        damage = 0.0 if p == FULL_PRECISION else indicator[layer].get(p, 0.0)
+        lines.append(f"  {layer[:40]:<40} {p:<9} {100 * share:9.1f}% {damage:10.3g}")
+    return "\n".join(lines)
+
+
+def format_verification(verification: Mapping[str, Any]) -> str:
+    """Measured against predicted for an applied plan, and what was kept."""
+    predicted, measured = verification["predicted"], verification["measured"]
+    return "\n".join(
+        [
+            f"qsync plan verified: {verification['decision']} ({verification['reason']})",
+            f"  step time   baseline measured {_ms(verification['baseline_step_ms'])}   plan measured "
+            f"{_ms(measured['step_ms'])}   predicted {_ms(predicted['step_ms'])}   "
+            f"error {_pct(verification['error_pct']['step_ms'])}",
+            f"  peak memory plan measured {format_bytes(measured['peak_bytes'])}   predicted "
+            f"{format_bytes(predicted['peak_bytes'])}   "
+            f"error {_pct(verification['error_pct']['peak_bytes'])}",
+        ]
+    )

@@ -87,7 +87,9 @@ def test_plan_for_other_layers_is_refused(trace_dir, tmp_path, capsys):
 
 def test_plan_decisions_not_priced_yet_are_refused_not_ignored(trace_dir):
     traces = load_trace_dir(trace_dir)
-    with pytest.raises(QSyncInputError, match="precision decisions cannot be priced yet"):
+    with pytest.raises(QSyncInputError, match="activation decisions cannot be priced yet"):
+        predict(traces, Plan(activation={"fc": "offload"}))
+    with pytest.raises(QSyncInputError, match="no per-precision costs"):
         predict(traces, Plan(precision={"fc": "fp16"}))
     assert predict(traces, Plan.empty()).step_ms == pytest.approx(0.012)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from qsync_callback import cache
 from qsync_callback.lp import LPLinear, costs
 from qsync_callback.lp.costs import (
     cache_key,
@@ -165,10 +166,10 @@ def test_cache_key_names_device_software_and_threads(monkeypatch):
 
 def test_default_cache_dir_follows_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert costs.default_cache_dir() == str(tmp_path / "qsync_callback")
+    assert cache.default_cache_dir() == str(tmp_path / "qsync_callback")
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert costs.default_cache_dir() == str(tmp_path / ".cache" / "qsync_callback")
+    assert cache.default_cache_dir() == str(tmp_path / ".cache" / "qsync_callback")
     monkeypatch.setattr(costs, "fit_cast_costs", _fake_fit)
     cast_costs("cpu")  # creates the missing directories
     assert (tmp_path / ".cache" / "qsync_callback").is_dir()

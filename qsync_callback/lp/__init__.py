@@ -17,9 +17,18 @@ Swapping shares Parameter objects, so DDP, the optimizer and checkpoints are unt
 
 from qsync_callback.lp.costs import cast_costs, fit_cast_costs, fit_linear_cost, probe_layer_costs
 from qsync_callback.lp.modules import LPConv1d, LPConv2d, LPLinear, LPModule, supported_precisions
-from qsync_callback.lp.swap import restore, set_precision, swap_to_lp
+from qsync_callback.lp.swap import (
+    apply_precision_plan,
+    restore,
+    runnable_precisions,
+    set_precision,
+    swap_to_lp,
+    swappable_layers,
+)
 
 __all__ = [
+    "apply_precision_plan",
+    "runnable_precisions",
     "LPConv1d",
     "LPConv2d",
     "LPLinear",
@@ -28,6 +37,7 @@ __all__ = [
     "set_precision",
     "supported_precisions",
     "swap_to_lp",
+    "swappable_layers",
     "cast_costs",
     "fit_cast_costs",
     "fit_linear_cost",

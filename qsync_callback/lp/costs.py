@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qsync_callback.cache import default_cache_dir
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_json, write_text_atomic
 from qsync_callback.lp.modules import (
@@ -59,6 +61,9 @@ CAST_PAIRS: tuple[tuple[str, str], ...] = (
 CAST_SIZES: tuple[int, ...] = tuple(round(1e3 * 4000 ** (i / 5)) for i in range(6))
 """Tensor sizes (elements) the casts are timed on: 6 geometric steps from 1e3 to 4e6."""
 
+_PROBE_FORWARD = "qsync::probe_forward"
+_PROBE_BACKWARD = "qsync::probe_backward"
+_PROBE_RANGES = (_PROBE_FORWARD, _PROBE_BACKWARD)
 CACHE_FORMAT = "qsync-cast-costs"
 CACHE_VERSION = 1
 _COST_FIELDS = ("alpha_us_per_element", "beta_us", "r2")
@@ -263,15 +268,6 @@ def cache_key(device: torch.device | str) -> dict[str, Any]:
     }
 
 
-def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/qsync_callback`` (an absolute XDG_CACHE_HOME only, as the XDG spec says),
-    else ``~/.cache/qsync_callback``."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "qsync_callback")
-
-
 def cache_path(device: torch.device | str, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """The cache file for ``device``: named by a hash of ``cache_key(device)``."""
     key = json.dumps(cache_key(device), sort_keys=True)
@@ -378,6 +374,41 @@ def _saved_bytes(lp: LPModule, x: torch.Tensor) -> int:
     return sum(seen.values())
 
 
+def _transient_bytes(lp: LPModule, x: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
+    """Bytes one forward and one backward of ``lp`` hold at their peak beyond what they keep: the
+    forward's temporaries (peak less what is still allocated when it returns: output and saved
+    tensors), and the backward's peak over what was allocated when it started. Read from the
+    profiler's allocation events ("Total Allocated"), the one allocator view on CPU and CUDA."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if x.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as folder:
+        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+            with torch.profiler.record_function(_PROBE_FORWARD):
+                out = lp(x)
+            with torch.profiler.record_function(_PROBE_BACKWARD):
+                out.backward(grad)
+            del out
+        path = os.path.join(folder, "probe.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            events = json.load(file)["traceEvents"]
+    ranges = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") in _PROBE_RANGES}
+    memory = sorted(
+        (e["ts"], int(e["args"].get("Total Allocated", 0))) for e in events if e.get("name") == "[memory]"
+    )
+
+    def totals(name: str) -> list[int]:
+        start, end = ranges[name]
+        return [total for ts, total in memory if start <= ts <= end]
+
+    forward, backward = totals(_PROBE_FORWARD), totals(_PROBE_BACKWARD)
+    if not forward:
+        return 0, 0
+    kept = forward[-1]
+    return max(forward) - kept, max(max(backward, default=kept) - kept, 0)
+
+
 def _doubled(lp: LPModule, x: torch.Tensor) -> torch.Tensor:
     """``x`` with twice the batch: concatenated along the batch dimension when there is one, else
     stacked into a batch of two (an unbatched conv input, a 1-D linear input)."""
@@ -401,12 +432,14 @@ def probe_layer_costs(
     input of ``input_shape`` with ``requires_grad`` (so the input gradient is part of the backward)
     and a random output gradient, both from a private generator (the global RNG is untouched).
 
-    Per precision: one untimed warm-up forward + backward, then ``repeats`` timed ones;
-    ``forward_us`` and ``backward_us`` are the medians, in microseconds, of ``lp(x)`` and
-    ``out.backward(grad)``, the device synchronized around each. ``saved_bytes`` is what autograd
-    holds for backward after one forward (``torch.autograd.graph.saved_tensors_hooks``, once per
-    storage, the probe's parameters left out): the activation memory at that precision, including
-    the cast or quantized copies of the weight the low-precision backward keeps. It is split by a
+    One untimed warm-up forward + backward per precision, then ``repeats`` timed rounds, each
+    running every precision once in turn (so that a drift of the machine's speed during the probe
+    slows every precision alike); ``forward_us`` and ``backward_us`` are the medians, in
+    microseconds, of ``lp(x)`` and ``out.backward(grad)``, the device synchronized around each.
+    ``saved_bytes`` is what autograd holds for backward after one forward
+    (``torch.autograd.graph.saved_tensors_hooks``, once per storage, the probe's parameters left
+    out): the activation memory at that precision, including the cast or quantized copies of the
+    weight the low-precision backward keeps. It is split by a
     second forward on twice the batch (saved bytes are affine in the batch):
     ``saved_activation_bytes`` grows with the batch, ``saved_weight_bytes`` does not. The int8
     entry also has ``fp32_fallback``: 1.0 if ``_int_mm`` could not take the shape on the device and
@@ -435,15 +468,25 @@ def probe_layer_costs(
     grad: torch.Tensor | None = None
     params = list(lp.parameters())
     results: dict[str, dict[str, float]] = {}
+    forward: dict[str, list[float]] = {p: [] for p in chosen}
+    backward: dict[str, list[float]] = {p: [] for p in chosen}
+    fallbacks: dict[str, int] = {}
     with torch.enable_grad():
         for precision in chosen:
             lp.precision = precision
-            lp.int8_fallbacks = 0
             saved = _saved_bytes(lp, x)
             saved_double = _saved_bytes(lp, _doubled(lp, x.detach()).requires_grad_())
             activation = min(max(saved_double - saved, 0), saved)
-            forward, backward = [], []
-            for step in range(repeats + 1):  # step 0 is the warm-up
+            results[precision] = {
+                "saved_bytes": float(saved),
+                "saved_activation_bytes": float(activation),
+                "saved_weight_bytes": float(saved - activation),
+            }
+        # round robin over the precisions, so that a machine whose speed drifts slows them alike
+        for step in range(repeats + 1):  # step 0 is the warm-up
+            for precision in chosen:
+                lp.precision = precision
+                lp.int8_fallbacks = 0
                 x.grad = None
                 for p in params:
                     p.grad = None
@@ -458,17 +501,21 @@ def probe_layer_costs(
                 _sync(device)
                 end = time.perf_counter()
                 del out
+                fallbacks[precision] = lp.int8_fallbacks
                 if step:
-                    forward.append((middle - start) * 1e6)
-                    backward.append((end - middle) * 1e6)
-            entry = {
-                "forward_us": statistics.median(forward),
-                "backward_us": statistics.median(backward),
-                "saved_bytes": float(saved),
-                "saved_activation_bytes": float(activation),
-                "saved_weight_bytes": float(saved - activation),
-            }
-            if precision == "int8":
-                entry["fp32_fallback"] = 1.0 if lp.int8_fallbacks else 0.0
-            results[precision] = entry
+                    forward[precision].append((middle - start) * 1e6)
+                    backward[precision].append((end - middle) * 1e6)
+    for precision in chosen:
+        lp.precision = precision
+        with torch.enable_grad():
+            forward_transient, backward_transient = _transient_bytes(lp, x, grad)
+        results[precision] = {
+            "forward_us": statistics.median(forward[precision]),
+            "forward_transient_bytes": float(forward_transient),
+            "backward_transient_bytes": float(backward_transient),
+            "backward_us": statistics.median(backward[precision]),
+            **results[precision],
+        }
+        if precision == "int8":
+            results[precision]["fp32_fallback"] = 1.0 if fallbacks[precision] else 0.0
     return results

@@ -265,8 +265,9 @@ class LPModule(nn.Module):
         self.check_precision(value)
         self._precision = value
 
-    def allowed_precisions(self, device: torch.device | str) -> tuple[str, ...]:
-        """The precisions this module can run on ``device``."""
+    @classmethod
+    def allowed_precisions(cls, device: torch.device | str) -> tuple[str, ...]:
+        """The precisions this kind of module can run on ``device``."""
         return supported_precisions(device)
 
     def check_precision(self, precision: str) -> None:
@@ -340,7 +341,8 @@ class LPLinear(LPModule, nn.Linear):
 
 
 class _LPConv(LPModule):
-    def allowed_precisions(self, device: torch.device | str) -> tuple[str, ...]:
+    @classmethod
+    def allowed_precisions(cls, device: torch.device | str) -> tuple[str, ...]:
         return tuple(p for p in supported_precisions(device) if p != "int8")
 
     def _refusal(self, precision: str, device: torch.device) -> str:

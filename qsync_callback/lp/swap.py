@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import torch
 from torch import nn
 
 from qsync_callback.lp.modules import LPConv1d, LPConv2d, LPLinear, LPModule
@@ -48,6 +49,24 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
         setattr(parent, name, new)
 
 
+def swappable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers a precision plan can address: every Linear/Conv1d/Conv2d among ``layers_of(model)``
+    (already-swapped LP modules included) except the children of ``nn.MultiheadAttention``."""
+    return {
+        name: module
+        for name, module in layers_of(model).items()
+        if isinstance(module, (LPModule, *_LP_CLASSES)) and not _under_mha(model, module)
+    }
+
+
+def runnable_precisions(module: nn.Module, device: torch.device | str) -> tuple[str, ...]:
+    """The precisions ``module`` (a stock swappable layer or an LP module) can run on ``device``."""
+    lp_class = type(module) if isinstance(module, LPModule) else _lp_class(module)
+    if lp_class is None:
+        raise ValueError(f"a {type(module).__name__} has no LP version")
+    return lp_class.allowed_precisions(device)
+
+
 def swap_to_lp(model: nn.Module, layer_names: Iterable[str] | None = None) -> dict[str, LPModule]:
     """Replace layers of ``model`` in place by LP modules at fp32 (sharing their Parameters).
 
@@ -57,7 +76,7 @@ def swap_to_lp(model: nn.Module, layer_names: Iterable[str] | None = None) -> di
     """
     layers = layers_of(model)
     if layer_names is None:
-        names = [n for n, m in layers.items() if _lp_class(m) is not None and not _under_mha(model, m)]
+        names = [n for n, m in swappable_layers(model).items() if _lp_class(m) is not None]
     else:
         names = list(dict.fromkeys(layer_names))
         for name in names:
@@ -100,3 +119,16 @@ def restore(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> None:
         raise ValueError(f"LP module(s) {', '.join(map(repr, missing))} are not in the model")
     for lp in lp_modules.values():
         _replace(model, lp, lp.to_stock())
+
+
+def apply_precision_plan(model: nn.Module, precision: Mapping[str, str]) -> dict[str, LPModule]:
+    """Swap the layers ``precision`` names for LP modules at those precisions; all or nothing: on
+    any problem (a layer that is not swappable, a precision it cannot run here) the model is left
+    as it was and ValueError says why. Returns the LP modules (give them to ``restore`` to undo)."""
+    lp_modules = swap_to_lp(model, precision)
+    try:
+        set_precision(lp_modules, precision)
+    except ValueError:
+        restore(model, lp_modules)
+        raise
+    return lp_modules

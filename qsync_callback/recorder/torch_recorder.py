@@ -16,6 +16,10 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
 - steps after the window are timed again: the median of the unprofiled steps is the measured
   step time.
 
+On request the recorder also gathers the precision indicator's layer statistics over the first
+``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
+every swappable layer at each precision asked for (`precision_probes.py`); both go into the trace.
+
 Before the window opens the recorder times the overhead calibration loops (`overhead.py`) and
 counts the bytes resident in parameters, buffers, gradients and optimizer state; the first
 session opens with a ``qsync::clock_sync`` mark and the calibration loops' profiled half.
@@ -47,14 +51,17 @@ except ImportError:  # not on Windows
 import orjson
 import torch
 
+from qsync_callback.lp.modules import LPModule
 from qsync_callback.recorder.kineto import CLOCK_SYNC, STEP_PREFIX, convert_kineto
 from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
+from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.overhead import (
     CALIBRATION_RANGE,
     calibration_loop_times,
     overhead_per_event,
     profiler_kwargs,
 )
+from qsync_callback.recorder.precision_probes import probe_precision_costs
 from qsync_callback.recorder.saved_tensors import SavedActivations
 from qsync_callback.recorder.trace import Trace, rank_trace_path
 
@@ -187,6 +194,8 @@ class TorchRecorder:
         device: str = "cpu",
         fingerprint: Mapping[str, Any] | None = None,
         ddp_module: torch.nn.Module | None = None,
+        probe_precisions: Sequence[str] = (),
+        layer_statistics: bool = False,
     ):
         if warmup_steps < 2 or profile_steps < 1:
             raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
@@ -200,6 +209,9 @@ class TorchRecorder:
         self.world_size = world_size
         self.device = device
         self.fingerprint = dict(fingerprint or {})
+        self.probe_precisions = list(probe_precisions)
+        self._statistics = LayerStatistics(model) if layer_statistics else None
+        self._statistics_data: dict[str, Any] = {}
         self.unprofiled_ms: list[float] = []
         self.unprofiled_page_faults: list[int] = []
         self.overhead_s = 0.0
@@ -245,6 +257,8 @@ class TorchRecorder:
         if self._last_boundary is not None and not self.recording and step > COLD_STEPS and not settling:
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
             self.unprofiled_page_faults.append(faults - self._last_faults)
+        if self._statistics is not None and step in (0, COLD_STEPS):
+            self._gather_statistics(step)
         if step == self.warmup_steps - 1:
             self.prepare_window()  # counts its own time
         work = time.perf_counter()
@@ -272,6 +286,14 @@ class TorchRecorder:
         its own there, such as waiting for other ranks)."""
         self._last_boundary = time.perf_counter()
         self._last_faults = _minor_page_faults()
+
+    def _gather_statistics(self, step: int) -> None:
+        """The indicator's layer statistics, over the cold steps (which are not timed)."""
+        if step == 0:
+            self._statistics.start()
+        else:
+            self._statistics.stop()
+            self._statistics_data = self._statistics.to_dict()
 
     def prepare_window(self) -> None:
         """Time the calibration loops without the profiler and count resident bytes (done at the
@@ -324,6 +346,8 @@ class TorchRecorder:
             del raw
         finally:
             gc.enable()
+        if self.probe_precisions:
+            self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
         self.save()
         gc.collect(1)
         return self.trace
@@ -351,6 +375,12 @@ class TorchRecorder:
             memory_events=converted["memory_events"],
             resident_bytes=self._resident,
             saved_activation_bytes=self._saved_bytes,
+            layer_statistics=self._statistics_data,
+            precision={
+                name: module.precision
+                for name, module in layers_of(self.model).items()
+                if isinstance(module, LPModule) and module.precision != "fp32"
+            },
             layers=layer_table(self.model),
             measured={"peak_bytes": measured_peak, "peak_source": peak_source},
             profiler_overhead_us=self._overhead,
@@ -375,6 +405,8 @@ class TorchRecorder:
     def close(self) -> None:
         """Stop profiling and remove the hooks; safe to call at any time, more than once."""
         self._stop_saved_activations()
+        if self._statistics is not None:
+            self._statistics.stop()
         if self._step_range is not None:
             torch.ops.profiler._record_function_exit(self._step_range)
             self._step_range = None

@@ -16,6 +16,10 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "memory_events": [[ts_us, addr, bytes, op_id], ...],   # bytes < 0 is a free; op_id -1: none
       "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...},
       "saved_activation_bytes": {"net.0": ..., ...},   # saved for backward in one step, by layer
+      "precision": {"net.0": "bf16", ...},   # the precision each layer ran at (absent: fp32)
+      "precision_costs": {...},         # per-layer probes at each precision and the fitted casts
+                                        # (`recorder/precision_probes.py`); absent if not probed
+      "layer_statistics": {...},        # per-layer value statistics for the precision indicator
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024}, ...],
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "..."},
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
@@ -110,6 +114,9 @@ class Trace:
     memory_events: list[list] = field(default_factory=list)
     resident_bytes: dict[str, int] = field(default_factory=dict)
     saved_activation_bytes: dict[str, int] = field(default_factory=dict)
+    precision: dict[str, str] = field(default_factory=dict)
+    precision_costs: dict[str, Any] = field(default_factory=dict)
+    layer_statistics: dict[str, Any] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
     profiler_overhead_us: dict[str, float] = field(default_factory=dict)
@@ -157,6 +164,9 @@ class Trace:
                 saved_activation_bytes={
                     str(k): int(v) for k, v in data.get("saved_activation_bytes", {}).items()
                 },
+                precision={str(k): str(v) for k, v in data.get("precision", {}).items()},
+                precision_costs=dict(data.get("precision_costs", {})),
+                layer_statistics=dict(data.get("layer_statistics", {})),
                 layers=list(data.get("layers", [])),
                 measured=dict(data.get("measured", {})),
                 profiler_overhead_us={k: float(v) for k, v in data.get("profiler_overhead_us", {}).items()},

@@ -1,0 +1,275 @@
+"""Precision plans, predicted against measured, on real Lightning runs; and the greedy allocator's
+gap to the exact search.
+
+For each model: one recording run with ``QSyncCallback(mode="apply")`` (probes every layer at every
+precision, gathers the indicator's statistics; planning with no constraint keeps fp32, so nothing
+is applied). From its traces the predictor prices a set of plans: every layer at fp32 (through
+the LP modules), each uniform low precision (where a layer runs it), the allocator's choice for
+speed (its default target) and for a memory budget of 90% of the recorded peak, and two random
+mixed plans. Each plan then runs in a fresh process with ``QSyncCallback(mode="report",
+plan=...)``: applied at step 0 and recorded, so its measured step time (median of the unprofiled
+steps) and peak memory can be set against the prediction made from the fp32 recording. Finally
+the exact search prices every combination (when there are at most ``--exact-limit``) and the
+greedy's summed indicator is compared with the optimum under the same constraints.
+
+    python benchmarks/precision_plans.py [--models mlp,cnn,transformer] [--precisions fp32,bf16,int8]
+        [--out benchmarks/results]
+
+fp16 is left out by default: on these CPUs an fp16 matmul is 20-40x slower than fp32 (a uniform
+fp16 MLP step takes seconds); pass it in ``--precisions`` to include it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from models import MODELS, get_model, timed_fit
+from runs import environment, launch, stderr_tail, warn_without_tcmalloc
+
+from qsync_callback.plan import FULL_PRECISION, Plan
+from qsync_callback.planner.precision import allocate_precision, candidate_precisions, exact_precision
+from qsync_callback.predictor.indicator import sensitivity
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.torch_recorder import window_close_step
+from qsync_callback.recorder.trace import load_trace_dir
+
+WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
+MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
+TARGET_PCT = 5.0
+MEMORY_SHARE = 0.9
+RANDOM_PLANS = 2
+
+
+def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None, precisions: list[str]) -> None:
+    """One training run (in a subprocess): the recording (mode "apply") or one plan (mode "report")."""
+    from qsync_callback.integrations.lightning import QSyncCallback
+
+    callback = QSyncCallback(
+        mode=mode,
+        warmup_steps=WARMUP_STEPS,
+        profile_steps=PROFILE_STEPS,
+        measure_steps=MEASURE_STEPS,
+        output_dir=run_dir,
+        precisions=precisions,
+        max_step_time=1e6 if mode == "apply" else None,  # plan nothing: this run only records
+        plan=plan,
+        plan_cache=False,
+    )
+    timed_fit(get_model(model), MAX_STEPS, [callback])
+
+
+def _random_plan(candidates: dict[str, list[str]], seed: int) -> dict[str, str]:
+    rng = random.Random(seed)
+    return {name: rng.choice(options) for name, options in candidates.items()}
+
+
+def candidate_plans(predictor: Predictor, precisions: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """The plans to measure, by name (layer -> precision)."""
+    candidates = candidate_precisions(predictor, precisions)
+    indicator = sensitivity(predictor.traces[0].layer_statistics, precisions)
+    plans = [("fp32 (LP modules)", {name: FULL_PRECISION for name in candidates})]
+    for p in precisions:
+        if p != FULL_PRECISION:
+            uniform = {name: p for name, options in candidates.items() if p in options}
+            if uniform:
+                plans.append((f"{p} where it runs", uniform))
+    speed = allocate_precision(predictor, indicator, precisions)
+    plans.append(("allocator: speed (fastest + 5%)", speed.plan.precision))
+    budget = int(MEMORY_SHARE * predictor.predict().peak_bytes)
+    try:
+        memory = allocate_precision(predictor, indicator, precisions, memory_budget=budget)
+        plans.append((f"allocator: memory <= {MEMORY_SHARE:.0%} of recorded", memory.plan.precision))
+    except Exception as error:  # noqa: BLE001 - an impossible budget is a finding, not a failure
+        print(f"[benchmark] no memory plan: {error}", file=sys.stderr)
+    plans += [(f"random mixed {i + 1}", _random_plan(candidates, seed=i)) for i in range(RANDOM_PLANS)]
+    return plans
+
+
+def greedy_gap(predictor: Predictor, precisions: list[str], limit: int) -> dict[str, Any]:
+    """The greedy's summed indicator against the exact search's, for the speed target."""
+    indicator = sensitivity(predictor.traces[0].layer_statistics, precisions)
+    candidates = candidate_precisions(predictor, precisions)
+    combos = math.prod(len(options) for options in candidates.values())
+    greedy = allocate_precision(predictor, indicator, precisions)
+    row: dict[str, Any] = {
+        "combinations": combos,
+        "greedy_indicator": greedy.indicator,
+        "greedy_plans_priced": greedy.plans_priced,
+        "target_step_ms": greedy.target_step_ms,
+    }
+    if combos > limit:
+        row["exact_indicator"] = None
+        return row
+    exact = exact_precision(
+        predictor, indicator, precisions, max_step_ms=greedy.target_step_ms, max_plans=limit
+    )
+    row.update(
+        exact_indicator=exact.indicator, exact_plans_priced=exact.plans_priced, exact_feasible=exact.feasible
+    )
+    return row
+
+
+def _error(predicted: float, measured: float | None) -> float | None:
+    return None if not measured else 100.0 * (predicted - measured) / measured
+
+
+def measure_plans(model: str, out: Path, precisions: list[str], timeout: float, limit: int) -> dict[str, Any]:
+    """Record ``model``, then run and compare every candidate plan; returns its rows."""
+    script = Path(__file__).resolve()
+    base_dir = out / "precision_runs" / f"{model}-record"
+    common = ["--worker", model, "--precisions", ",".join(precisions)]
+    rc, _ = launch(
+        script, [*common, "--worker-dir", str(base_dir), "--worker-mode", "apply"], base_dir, timeout
+    )
+    if rc != 0 or not (base_dir / "report.json").exists():
+        raise RuntimeError(f"{model}: the recording run failed (exit {rc}):\n{stderr_tail(base_dir)}")
+    traces = load_trace_dir(base_dir / "trace")
+    predictor = Predictor(traces)
+    rows = []
+    for i, (name, precision) in enumerate(candidate_plans(predictor, precisions)):
+        plan = Plan(fingerprint=traces[0].fingerprint, precision=precision)
+        predicted = predictor.predict(plan)
+        run_dir = out / "precision_runs" / f"{model}-plan{i}"
+        plan_file = out / "precision_runs" / f"{model}-plan{i}.json"
+        plan.save(plan_file)
+        print(f"[benchmark] {model}: {name} ...", file=sys.stderr, flush=True)
+        args = [
+            *common,
+            "--worker-dir",
+            str(run_dir),
+            "--worker-mode",
+            "report",
+            "--worker-plan",
+            str(plan_file),
+        ]
+        rc, wall_s = launch(script, args, run_dir, timeout)
+        report_path = run_dir / "report.json"
+        if rc != 0 or not report_path.exists():
+            print(f"[benchmark] {model}: {name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+            rows.append({"plan": name, "precision": precision, "failed": True})
+            continue
+        measured = json.loads(report_path.read_text())["measured"]
+        rows.append(
+            {
+                "plan": name,
+                "precision": precision,
+                "predicted_step_ms": predicted.step_ms,
+                "measured_step_ms": measured["step_ms"],
+                "measured_spread_pct": measured["step_ms_spread_pct"],
+                "step_error_pct": _error(predicted.step_ms, measured["step_ms"]),
+                "predicted_peak_bytes": predicted.peak_bytes,
+                "measured_peak_bytes": measured["peak_bytes"],
+                "peak_error_pct": _error(predicted.peak_bytes, measured["peak_bytes"]),
+                "wall_s": wall_s,
+            }
+        )
+    recorded = json.loads((base_dir / "report.json").read_text())
+    return {
+        "model": model,
+        "recorded_step_ms": recorded["measured"]["step_ms"],
+        "probe_s": traces[0].precision_costs.get("probe_s"),
+        "rows": rows,
+        "greedy_gap": greedy_gap(predictor, precisions, limit),
+    }
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _mix(precision: dict[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for p in precision.values():
+        counts[p] = counts.get(p, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "recorded"
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | plan | layers | predicted ms | measured ms (spread) | step error | "
+        "predicted peak MiB | measured peak MiB | peak error |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    step_errors, peak_errors = [], []
+    for result in results:
+        for row in result["rows"]:
+            if row.get("failed"):
+                lines.append(
+                    f"| {result['model']} | {row['plan']} | {_mix(row['precision'])} | FAILED | | | | | |"
+                )
+                continue
+            step_errors.append(abs(row["step_error_pct"]))
+            peak_errors.append(abs(row["peak_error_pct"]))
+            lines.append(
+                f"| {result['model']} | {row['plan']} | {_mix(row['precision'])} | "
+                f"{row['predicted_step_ms']:.1f} | {row['measured_step_ms']:.1f} "
+                f"({_f(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
+                f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
+                f"{row['peak_error_pct']:+.1f}% |"
+            )
+    if step_errors:
+        within_t = sum(e <= TARGET_PCT for e in step_errors)
+        within_m = sum(e <= TARGET_PCT for e in peak_errors)
+        lines += [
+            "",
+            f"Step time within {TARGET_PCT:.0f}%: {within_t} of {len(step_errors)} plans "
+            f"(median |error| {statistics.median(step_errors):.1f}%); peak memory within {TARGET_PCT:.0f}%: "
+            f"{within_m} of {len(peak_errors)} (median |error| {statistics.median(peak_errors):.1f}%).",
+        ]
+    lines += [
+        "",
+        "| model | combinations | greedy indicator | exact indicator | plans priced (greedy / exact) |",
+    ]
+    lines.append("|---|---:|---:|---:|---|")
+    for result in results:
+        gap = result["greedy_gap"]
+        lines.append(
+            f"| {result['model']} | {gap['combinations']} | {gap['greedy_indicator']:.3g} | "
+            f"{_f(gap['exact_indicator'], '.3g')} | "
+            f"{gap['greedy_plans_priced']} / {gap.get('exact_plans_priced', 'n/a')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--precisions", default="fp32,bf16,int8")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--exact-limit", type=int, default=4096, help="most combinations the exact search prices"
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-mode", default="report", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if args.worker:
+        run_worker(args.worker, args.worker_dir, args.worker_mode, args.worker_plan, precisions)
+        return 0
+    warn_without_tcmalloc()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [
+        measure_plans(name, args.out, precisions, args.timeout, args.exact_limit)
+        for name in args.models.split(",")
+    ]
+    table = markdown(results)
+    (args.out / "precision_plans.md").write_text(table)
+    raw = {"environment": environment(precisions=precisions), "results": results}
+    (args.out / "precision_plans.json").write_text(json.dumps(raw, indent=2))
+    print(table)
+    failed = any(row.get("failed") for result in results for row in result["rows"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Running benchmark workers: each training run in a fresh subprocess, its output in its folder."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+STDERR_TAIL_LINES = 40
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a run: tcmalloc preloaded when present (see README)."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if TCMALLOC.exists():
+        preload = env.get("LD_PRELOAD", "")
+        if str(TCMALLOC) not in preload.split(":"):
+            env["LD_PRELOAD"] = f"{TCMALLOC}:{preload}" if preload else str(TCMALLOC)
+    return env
+
+
+def warn_without_tcmalloc() -> None:
+    if not TCMALLOC.exists():
+        print(f"warning: {TCMALLOC} not found; runs use glibc malloc (noisier step times)", file=sys.stderr)
+
+
+def launch(script: Path, args: list[str], run_dir: Path, timeout_s: float) -> tuple[int, float]:
+    """Run ``python script args`` in a fresh subprocess, in an emptied ``run_dir``; returns (exit
+    code, wall seconds). Output goes to ``run_dir/stdout.log`` and ``run_dir/stderr.log``."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, str(script), *args]
+    start = time.perf_counter()
+    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+        # its own session, so that a timeout also ends the DDP launcher's other rank
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            err.write(f"\n[benchmark] timed out after {timeout_s:.0f} s\n")
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def stderr_tail(run_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a run's stderr."""
+    path = run_dir / "stderr.log"
+    text = path.read_text(errors="replace") if path.exists() else "(no stderr.log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """What the numbers depend on, saved with the raw rows."""
+    import pytorch_lightning as pl
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pytorch_lightning": pl.__version__,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "tcmalloc": str(TCMALLOC) if TCMALLOC.exists() else None,
+        "load_avg_at_start": os.getloadavg(),
+        **extra,
+    }

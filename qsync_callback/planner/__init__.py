@@ -1,0 +1,1 @@
+"""Planners: search over Plans with the predictor as the judge (precision allocation)."""

@@ -1,0 +1,332 @@
+"""Choose a precision for every layer: QSync's allocator over the predictor.
+
+The problem: minimise the summed indicator (the damage to training, `predictor/indicator.py`) of
+the chosen per-layer precisions, subject to predicted step time <= ``max_step_ms`` and predicted
+peak memory <= ``memory_budget``. Every plan is priced by the predictor (graph transforms and a
+replay, `predictor/precision.py`), never by a formula of its own.
+
+- ``fastest_plan``: each layer at the precision that alone makes the step fastest, checked by a
+  replay (the default time target is this plan's predicted time + 5%).
+- ``allocate_precision`` (greedy, as in QSync): start from the recorded precision (fp32, no
+  damage). While a constraint is violated, lower the layer whose move buys the most violation per
+  unit of indicator (estimated from each move priced alone), and price the new plan by replay.
+  Then recover: raise layers back, most sensitive first, wherever the plan stays feasible.
+- ``exact_precision``: every combination priced by the predictor; for small instances, so that
+  the greedy's gap is measured rather than assumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import FULL_PRECISION, PRECISIONS, Plan
+from qsync_callback.predictor.indicator import sensitivity
+from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.recorder.trace import Trace
+from qsync_callback.units import format_bytes
+
+DEFAULT_SLACK = 0.05
+
+
+@dataclass
+class PrecisionChoice:
+    """The chosen plan, what it is predicted to do, its summed indicator, and how it was found."""
+
+    plan: Plan
+    prediction: Prediction
+    indicator: float
+    target_step_ms: float | None
+    memory_budget: int | None
+    feasible: bool
+    plans_priced: int
+
+
+def candidate_precisions(predictor: Predictor, precisions: Iterable[str]) -> dict[str, list[str]]:
+    """Per probed layer, the wanted precisions probed on every rank (the recorded one first)."""
+    wanted = [p for p in PRECISIONS if p in set(precisions) and p != FULL_PRECISION]
+    per_rank = [t.precision_costs.get("layers", {}) for t in predictor.traces]
+    names = set.intersection(*(set(layers) for layers in per_rank)) if per_rank else set()
+    return {
+        name: [FULL_PRECISION, *(p for p in wanted if all(p in layers[name]["costs"] for layers in per_rank))]
+        for name in sorted(names)
+    }
+
+
+class _Pricer:
+    """Prices plans given as layer -> precision, counting how many."""
+
+    def __init__(self, predictor: Predictor):
+        self.predictor = predictor
+        self.fingerprint = predictor.traces[0].fingerprint
+        self.priced = 0
+
+    def __call__(self, choice: Mapping[str, str]) -> Prediction:
+        self.priced += 1
+        return self.predictor.predict(self.plan(choice))
+
+    def plan(self, choice: Mapping[str, str]) -> Plan:
+        return Plan(
+            fingerprint=dict(self.fingerprint),
+            precision={k: v for k, v in choice.items() if v != FULL_PRECISION},
+        )
+
+
+def _violation(prediction: Prediction, target_ms: float | None, budget: int | None) -> float:
+    """How far a prediction is outside the constraints, as relative excess (0: feasible)."""
+    excess = 0.0
+    if target_ms is not None:
+        excess += max(0.0, prediction.step_ms - target_ms) / target_ms
+    if budget is not None:
+        excess += max(0.0, prediction.peak_bytes - budget) / budget
+    return excess
+
+
+def _damage(indicator: Mapping[str, Mapping[str, float]], name: str, precision: str) -> float:
+    """The indicator of one layer at one precision (0 at full precision)."""
+    return 0.0 if precision == FULL_PRECISION else indicator.get(name, {}).get(precision, 0.0)
+
+
+def _indicator_sum(choice: Mapping[str, str], indicator: Mapping[str, Mapping[str, float]]) -> float:
+    return sum(_damage(indicator, name, p) for name, p in choice.items())
+
+
+def _single_moves(pricer: _Pricer, candidates: Mapping[str, list[str]]) -> dict[tuple[str, str], Prediction]:
+    """Every (layer, precision) move away from the recording, each priced alone."""
+    return {(name, p): pricer({name: p}) for name, options in candidates.items() for p in options[1:]}
+
+
+def _fastest(
+    pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction
+) -> tuple[dict[str, str], Prediction]:
+    choice: dict[str, str] = {}
+    for (name, p), single in alone.items():
+        held = alone.get((name, choice[name]), base) if name in choice else base
+        if single.step_ms < held.step_ms:
+            choice[name] = p
+    combined = pricer(choice)
+    return (choice, combined) if combined.step_ms <= base.step_ms else ({}, base)
+
+
+def fastest_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
+    """Each layer at the precision that alone gives the fastest predicted step, checked by replay;
+    returns the choice and its prediction (the recorded configuration if that is faster)."""
+    pricer = _Pricer(predictor)
+    alone = _single_moves(pricer, candidate_precisions(predictor, precisions))
+    return _fastest(pricer, alone, predictor.predict())
+
+
+def _fastest_fit(
+    pricer: _Pricer,
+    alone: Mapping[tuple[str, str], Prediction],
+    base: Prediction,
+    choice: dict[str, str],
+    current: Prediction,
+    budget: int,
+) -> Prediction:
+    """From the fastest plan, the moves that buy the most memory per time lost until the plan fits
+    ``budget`` (as far as they can); the prediction of where that ends."""
+    moves = dict(alone)
+    while current.peak_bytes > budget and moves:
+        best, best_score = None, 0.0
+        for (name, p), single in moves.items():
+            held = alone.get((name, choice.get(name, FULL_PRECISION)), base)
+            gain = held.peak_bytes - single.peak_bytes
+            if p == choice.get(name, FULL_PRECISION) or gain <= 0:
+                continue
+            score = gain / max(single.step_ms - held.step_ms, 1e-3)
+            if score > best_score:
+                best, best_score = (name, p), score
+        if best is None:
+            break
+        moves.pop(best)
+        trial = {**choice, best[0]: best[1]}
+        priced = pricer(trial)
+        if priced.peak_bytes < current.peak_bytes:
+            choice, current = trial, priced
+    return current
+
+
+def _check_budget(
+    pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction, budget: int | None
+) -> None:
+    """Refuse a memory budget that even the least-memory plan cannot meet."""
+    if budget is None:
+        return
+    if budget <= 0:
+        raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
+    least: dict[str, str] = {}
+    for (name, p), single in alone.items():
+        held = alone.get((name, least[name]), base) if name in least else base
+        if single.peak_bytes < held.peak_bytes:
+            least[name] = p
+    smallest = min(pricer(least).peak_bytes, base.peak_bytes)
+    if smallest > budget:
+        raise QSyncInputError(
+            f"memory budget {format_bytes(budget)} is below the smallest predicted peak "
+            f"{format_bytes(smallest)} (every layer at its least-memory precision)"
+        )
+
+
+def allocate_precision(
+    predictor: Predictor,
+    indicator: Mapping[str, Mapping[str, float]],
+    precisions: Iterable[str] = PRECISIONS,
+    *,
+    max_step_ms: float | None = None,
+    memory_budget: int | None = None,
+) -> PrecisionChoice:
+    """QSync's greedy allocation (see the module docstring). With no ``max_step_ms`` the target is
+    the fastest plan's predicted step time + 5%; with a ``memory_budget`` the fastest plan is the
+    fastest found that fits it (moves chosen by memory saved per time lost). Raises
+    QSyncInputError for a memory budget no plan can meet; a time target no plan meets gives the
+    least-violating plan with ``feasible=False``."""
+    precisions = list(precisions)
+    pricer = _Pricer(predictor)
+    candidates = candidate_precisions(predictor, precisions)
+    base = pricer({})
+    alone = _single_moves(pricer, candidates)
+    _check_budget(pricer, alone, base, memory_budget)
+    if max_step_ms is None:
+        fastest_choice, fastest = _fastest(pricer, alone, base)
+        if memory_budget is not None and fastest.peak_bytes > memory_budget:
+            fastest = _fastest_fit(pricer, alone, base, fastest_choice, fastest, memory_budget)
+        max_step_ms = fastest.step_ms * (1 + DEFAULT_SLACK)
+    choice = {name: FULL_PRECISION for name in candidates}
+    current = base
+    while _violation(current, max_step_ms, memory_budget) > 0:
+        best, best_score = None, 0.0
+        for (name, p), single in alone.items():
+            if choice[name] == p:
+                continue
+            was = alone.get((name, choice[name]), base)
+            gain_t = was.step_ms - single.step_ms
+            gain_m = was.peak_bytes - single.peak_bytes
+            estimate = Prediction(
+                step_ms=current.step_ms - gain_t,
+                peak_bytes=current.peak_bytes - gain_m,
+                replayed_step_ms=[],
+                per_rank_peak_bytes=[],
+            )
+            gained = _violation(current, max_step_ms, memory_budget) - _violation(
+                estimate, max_step_ms, memory_budget
+            )
+            if gained <= 0:
+                continue
+            cost = _damage(indicator, name, p) - _damage(indicator, name, choice[name])
+            score = gained / max(cost, 1e-12)
+            if score > best_score:
+                best, best_score = (name, p), score
+        if best is None:
+            break
+        trial = {**choice, best[0]: best[1]}
+        priced = pricer(trial)
+        if _violation(priced, max_step_ms, memory_budget) >= _violation(current, max_step_ms, memory_budget):
+            alone.pop(best)  # the estimate did not hold together with the other moves: drop this move
+            continue
+        choice, current = trial, priced
+    feasible = _violation(current, max_step_ms, memory_budget) == 0
+    if feasible:
+        choice, current = _recover(pricer, choice, current, candidates, indicator, max_step_ms, memory_budget)
+    plan = pricer.plan(choice)
+    plan.prediction = {"step_ms": current.step_ms, "peak_bytes": current.peak_bytes}
+    return PrecisionChoice(
+        plan, current, _indicator_sum(choice, indicator), max_step_ms, memory_budget, feasible, pricer.priced
+    )
+
+
+def _recover(
+    pricer: _Pricer,
+    choice: dict[str, str],
+    current: Prediction,
+    candidates: Mapping[str, list[str]],
+    indicator: Mapping[str, Mapping[str, float]],
+    max_step_ms: float | None,
+    memory_budget: int | None,
+) -> tuple[dict[str, str], Prediction]:
+    """Raise lowered layers to less damaging precisions, most damaging first, while feasible."""
+    lowered = sorted(
+        (name for name, p in choice.items() if p != FULL_PRECISION),
+        key=lambda n: -_damage(indicator, n, choice[n]),
+    )
+    for name in lowered:
+        now = _damage(indicator, name, choice[name])
+        better = sorted(
+            (p for p in candidates[name] if _damage(indicator, name, p) < now),
+            key=lambda p: _damage(indicator, name, p),
+        )
+        for p in better:
+            trial = {**choice, name: p}
+            priced = pricer(trial)
+            if _violation(priced, max_step_ms, memory_budget) == 0:
+                choice, current = trial, priced
+                break
+    return choice, current
+
+
+def exact_precision(
+    predictor: Predictor,
+    indicator: Mapping[str, Mapping[str, float]],
+    precisions: Iterable[str] = PRECISIONS,
+    *,
+    max_step_ms: float,
+    memory_budget: int | None = None,
+    max_plans: int = 4096,
+) -> PrecisionChoice:
+    """The least-indicator feasible plan over every combination, each priced by the predictor.
+    Refuses instances with more than ``max_plans`` combinations (ValueError)."""
+    pricer = _Pricer(predictor)
+    candidates = candidate_precisions(predictor, precisions)
+    names = list(candidates)
+    count = math.prod(len(candidates[n]) for n in names)
+    if count > max_plans:
+        raise ValueError(f"{count} combinations is more than max_plans={max_plans}")
+    best: tuple[float, dict[str, str], Prediction] | None = None
+    least_violating: tuple[float, dict[str, str], Prediction] | None = None
+    for combo in itertools.product(*(candidates[n] for n in names)):
+        choice = dict(zip(names, combo, strict=True))
+        priced = pricer(choice)
+        violation = _violation(priced, max_step_ms, memory_budget)
+        damage = _indicator_sum(choice, indicator)
+        if violation == 0 and (best is None or damage < best[0]):
+            best = (damage, choice, priced)
+        if least_violating is None or violation < least_violating[0]:
+            least_violating = (violation, choice, priced)
+    feasible = best is not None
+    _, choice, prediction = best if feasible else least_violating
+    plan = pricer.plan(choice)
+    plan.prediction = {"step_ms": prediction.step_ms, "peak_bytes": prediction.peak_bytes}
+    return PrecisionChoice(
+        plan,
+        prediction,
+        _indicator_sum(choice, indicator),
+        max_step_ms,
+        memory_budget,
+        feasible,
+        pricer.priced,
+    )
+
+
+def plan_precision(
+    traces: Sequence[Trace],
+    precisions: Iterable[str] = PRECISIONS,
+    *,
+    max_step_ms: float | None = None,
+    memory_budget: int | None = None,
+) -> tuple[PrecisionChoice, dict[str, dict[str, float]]]:
+    """Plan a recorded run: its indicator (from rank 0's layer statistics), then the greedy
+    allocation over its predictor. Returns the choice and the indicator it minimised."""
+    if not traces or not traces[0].layer_statistics:
+        raise QSyncInputError(
+            "the trace has no layer statistics for the precision indicator; record it with "
+            "QSyncCallback(mode='apply')"
+        )
+    precisions = list(precisions)
+    indicator = sensitivity(traces[0].layer_statistics, precisions)
+    choice = allocate_precision(
+        Predictor(traces), indicator, precisions, max_step_ms=max_step_ms, memory_budget=memory_budget
+    )
+    return choice, indicator

@@ -1,0 +1,91 @@
+"""Per-layer cost of every precision, probed on this device right after a recorded window.
+
+QSync profiles each precision before it plans; so do we, layer by layer, on the shapes the run
+really has. Each swappable layer (``swappable_layers``) is probed with ``probe_layer_costs`` at its
+recorded input shape (the first input of its first recorded forward op, e.g. ``aten::linear``):
+forward and backward time and the bytes saved for backward at every precision, on private copies
+of the parameters, so probing leaves training alone. The cast costs (``alpha * numel + beta`` per
+pair) come from the per-device cache (``cast_costs``). Element counts of the layer's input, output
+and weight are kept so the predictor can price the casts around the layer.
+
+The result is plain JSON (``Trace.precision_costs``)::
+
+    {"precisions": ["fp32", "bf16", ...], "device": "cpu", "probe_s": 1.9,
+     "casts": {"fp32->bf16": {"alpha_us_per_element": .., "beta_us": .., "r2": ..}, ...},
+     "layers": {"net.0": {"input_shape": [128, 1024], "input_numel": .., "output_numel": ..,
+                          "weight_numel": .., "costs": {"fp32": {"forward_us": .., "backward_us": ..,
+                          "saved_bytes": .., ...}, "bf16": {...}}}}}
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from qsync_callback.lp.costs import cast_costs, probe_layer_costs
+from qsync_callback.lp.swap import runnable_precisions, swappable_layers
+from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.recorder.trace import Trace
+
+PROBE_REPEATS = 5
+
+
+def layer_input_shapes(trace: Trace, layers: Iterable[str]) -> dict[str, list[int]]:
+    """The input shape of each named layer: the first input of its first forward op in the trace
+    that has one (layers that never ran in the recorded steps are left out)."""
+    wanted = set(layers)
+    shapes: dict[str, list[int]] = {}
+    for op in sorted(trace.ops, key=lambda o: o.start_us):
+        if op.kind != "forward" or op.layer not in wanted or op.layer in shapes:
+            continue
+        first = op.input_shapes[0] if op.input_shapes else None
+        if isinstance(first, list) and first and all(isinstance(d, int) for d in first):
+            shapes[op.layer] = list(first)
+    return shapes
+
+
+def _output_numel(module: torch.nn.Module, input_shape: list[int]) -> int:
+    """Elements of the layer's output for an input of ``input_shape`` (shape arithmetic on the meta
+    device: nothing is computed or allocated)."""
+    with torch.device("meta"):
+        x = torch.empty(input_shape)
+        weight = torch.empty(module.weight.shape)
+        if isinstance(module, torch.nn.Linear):
+            out = torch.nn.functional.linear(x, weight)
+        else:
+            out = module._conv_forward(x, weight, None)
+    return out.numel()
+
+
+def probe_precision_costs(model: torch.nn.Module, trace: Trace, precisions: Iterable[str]) -> dict[str, Any]:
+    """Probe every swappable layer of ``model`` that ran in ``trace`` at each of ``precisions`` (and
+    fp32, the reference) it can run on its device (see the module docstring for the layout)."""
+    start = time.perf_counter()
+    wanted = list(dict.fromkeys([FULL_PRECISION, *precisions]))
+    layers = swappable_layers(model)
+    device = next(model.parameters()).device
+    shapes = layer_input_shapes(trace, layers)
+    probed: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        module = layers[name]
+        runs = [p for p in wanted if p in runnable_precisions(module, device)]
+        costs = probe_layer_costs(module, shape, precisions=runs, repeats=PROBE_REPEATS)
+        probed[name] = {
+            "input_shape": shape,
+            "input_numel": math.prod(shape),
+            "output_numel": _output_numel(module, shape),
+            "weight_numel": module.weight.numel(),
+            "costs": costs,
+        }
+    casts = cast_costs(device)
+    return {
+        "precisions": wanted,
+        "device": device.type,
+        "casts": casts,
+        "layers": probed,
+        "probe_s": time.perf_counter() - start,
+    }

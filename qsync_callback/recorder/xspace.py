@@ -1,0 +1,341 @@
+"""Convert a TensorFlow profiler XSpace (``*.xplane.pb``) into the normalized trace's steps and ops.
+
+What the TF recorder puts into the profiled window, and this module reads back:
+- a ``qsync::step`` trace event with a ``step_num`` stat around each step
+  (``tf.profiler.experimental.Trace(STEP_NAME, step_num=k, _r=1)``; TensorBoard shows them as steps);
+- optionally a ``qsync::clock_sync`` event that marks the moment all ranks left a barrier.
+
+Graph nodes are the outermost TF op events of each host thread (named ``"<op name>:<op type>"``)
+and one node per asynchronous collective. Horovod's ops run as async kernels: an
+``ExecutorState::ProcessAsync::Start`` event on the executor thread that launched one, a ``::Done``
+event on Horovod's background thread when it completed, the two joined by a context id. A
+collective runs on Horovod's thread from its launch, or from the previous collective's completion
+if that was later, to its own completion: a queue of non-overlapping spans whose sum is the
+thread's busy time. (A collective's sizes and Horovod's own phases are not in the XSpace: they come
+from the step function's graph and Horovod's timeline.) Only the host plane is read.
+
+Kinds come from the op's name scope: ops under ``gradient_tape/`` or ``gradients/`` are backward,
+ops under an optimizer's scope (``Adam/``, ``SGD/``, ...) or of an ``Apply*`` type are update,
+Horovod's collectives are comm, the rest forward (TF runs independent ops in parallel, so time
+order says little: the loss's last ops may run after the first gradient ops). Layers: the longest
+Keras layer scope (see ``keras_layers``) found in the op's name at scope boundaries; for a
+collective, in the gradient's name that Horovod puts into the op's name.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.recorder.kineto import CLOCK_SYNC
+from qsync_callback.recorder.trace import Op, Step
+
+STEP_NAME = "qsync::step"
+XSPACE_SUFFIX = ".xplane.pb"
+ASYNC_START = "ExecutorState::ProcessAsync::Start"
+ASYNC_DONE = "ExecutorState::ProcessAsync::Done"
+# Keras optimizers' name scopes (the optimizer's ``name``); a recorder passes the live one's too.
+OPTIMIZER_SCOPES = (
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Nadam",
+    "SGD",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adafactor",
+    "Ftrl",
+    "Lion",
+    "LossScaleOptimizer",
+)
+_TF_OP = re.compile(r"^([^:\s][^:]*):([A-Za-z_][\w.]*)$")
+_GRADIENT_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/")
+_APPLY_TYPE = re.compile(r"^(Resource)?(Sparse)?Apply")
+_COLLECTIVE_TYPE = re.compile(r"^Horovod(Grouped)?(Allreduce|Allgather|Broadcast|Alltoall|Reducescatter)")
+_COLLECTIVE_OP = {
+    "Allreduce": "all_reduce",
+    "Allgather": "all_gather",
+    "Broadcast": "broadcast",
+    "Alltoall": "all_to_all",
+    "Reducescatter": "reduce_scatter",
+}
+
+
+def _xplane_pb2():
+    """TF's generated XSpace protobuf module (``tsl`` moved under ``tensorflow`` in some releases)."""
+    try:
+        from tsl.profiler.protobuf import xplane_pb2
+    except ImportError:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    return xplane_pb2
+
+
+def find_xspace(logdir: str | os.PathLike) -> Path:
+    """The newest ``*.xplane.pb`` under ``logdir`` (``plugins/profile/<run>/<host>.xplane.pb``);
+    QSyncInputError if there is none."""
+    files = sorted(Path(logdir).rglob(f"*{XSPACE_SUFFIX}"), key=lambda p: (p.stat().st_mtime, str(p)))
+    if not files:
+        raise QSyncInputError(f"{logdir}: no *{XSPACE_SUFFIX} profile inside")
+    return files[-1]
+
+
+def load_xspace(path: str | os.PathLike) -> Any:
+    """Parse an ``*.xplane.pb`` file into an XSpace message; QSyncInputError names the file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise QSyncInputError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
+    space = _xplane_pb2().XSpace()
+    try:
+        space.ParseFromString(data)
+    except Exception as exc:  # protobuf's DecodeError differs between its implementations
+        raise QSyncInputError(f"{path}: not a TF profiler XSpace ({type(exc).__name__})") from None
+    if not space.planes:
+        raise QSyncInputError(f"{path}: the profile holds no planes")
+    return space
+
+
+def keras_layers(model: Any) -> list[dict[str, Any]]:
+    """Name, type, own weight bytes and op name scope of each leaf layer of a Keras model.
+
+    Names are paths below the model (``"dense"``, or ``"encoder/dense"`` inside a nested model);
+    the scope is the name scope its ops carry (``"<model name>/<path>"``)."""
+    table: list[dict[str, Any]] = []
+
+    def visit(layer: Any, path: str) -> None:
+        children = list(getattr(layer, "layers", None) or [])
+        if not children:
+            weight_bytes = sum(math.prod(w.shape) * w.dtype.size for w in layer.weights)
+            table.append(
+                {
+                    "name": path,
+                    "type": type(layer).__name__,
+                    "param_bytes": int(weight_bytes),
+                    "scope": f"{model.name}/{path}",
+                }
+            )
+        for child in children:
+            visit(child, f"{path}/{child.name}")
+
+    for child in model.layers:
+        visit(child, child.name)
+    return table
+
+
+class _Event:
+    """One XEvent with its absolute times (microseconds) and its stats resolved by name."""
+
+    __slots__ = ("name", "line", "start", "end", "stats", "node_id")
+
+    def __init__(self, name: str, line: int, start: float, end: float, stats: dict[str, Any]):
+        self.name, self.line, self.start, self.end, self.stats = name, line, start, end, stats
+        self.node_id: int | None = None
+
+
+def _plane_events(plane: Any) -> dict[int, list[_Event]]:
+    """Events of a plane by line id, sorted by start (outer before inner at equal starts)."""
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+
+    def value(stat: Any) -> Any:
+        kind = stat.WhichOneof("value")
+        raw = getattr(stat, kind) if kind else None
+        return stat_names.get(raw) if kind == "ref_value" else raw
+
+    lines: dict[int, list[_Event]] = {}
+    for line in plane.lines:
+        base_ps = line.timestamp_ns * 1000
+        events = []
+        for ev in line.events:
+            meta = plane.event_metadata[ev.metadata_id]
+            stats = {stat_names.get(s.metadata_id): value(s) for s in (*meta.stats, *ev.stats)}
+            start = (base_ps + ev.offset_ps) / 1e6
+            events.append(_Event(meta.name, line.id, start, start + ev.duration_ps / 1e6, stats))
+        events.sort(key=lambda e: (e.start, -e.end))
+        lines[line.id] = events
+    return lines
+
+
+def _outermost(events: Iterable[_Event]) -> list[_Event]:
+    """The events of one thread (sorted as by ``_plane_events``) that no other event encloses."""
+    nodes, open_end = [], -math.inf
+    for e in events:
+        if e.start >= open_end:
+            nodes.append(e)
+            open_end = e.end
+    return nodes
+
+
+def convert_xspace(
+    space: Any,
+    layers: Sequence[Mapping[str, Any]] = (),
+    optimizer_scopes: Iterable[str] = OPTIMIZER_SCOPES,
+    step_name: str = STEP_NAME,
+) -> dict[str, Any]:
+    """Read an XSpace; return ``steps`` (list[Step]), ``ops`` (list[Op]) and ``clock_sync_us``
+    (None when no sync mark was recorded).
+
+    ``layers`` is ``keras_layers(model)`` (ops get a layer only where one is given); steps are the
+    host events named ``step_name`` that carry a ``step_num`` stat. Times are microseconds on the
+    profile's clock. Raises ValueError if the profile has no host plane or no step.
+    """
+    host = next((p for p in space.planes if p.name.startswith("/host:")), None)
+    if host is None:
+        raise ValueError("no host plane in the profile")
+    lines = _plane_events(host)
+    everything = [e for events in lines.values() for e in events]
+    markers = sorted(
+        (e for e in everything if e.name == step_name and "step_num" in e.stats), key=lambda e: e.start
+    )
+    if not markers:
+        raise ValueError(f"no {step_name!r} step events in the profile")
+    steps = [Step(int(e.stats["step_num"]), e.start, e.end) for e in markers]
+    step_of = _step_finder(steps)
+
+    ops: list[Op] = []
+    op_types: list[str] = []
+
+    def add(e: _Event, name: str, op_type: str, thread: str, start: float, end: float) -> Op | None:
+        step = step_of(start)
+        if step is None:
+            return None
+        e.node_id = len(ops)
+        ops.append(
+            Op(
+                id=e.node_id,
+                name=name,
+                kind="forward",
+                thread=thread,
+                start_us=start,
+                dur_us=end - start,
+                step=step.index,
+            )
+        )
+        op_types.append(op_type)
+        return ops[-1]
+
+    main_line = markers[0].line
+    for line_id, events in lines.items():
+        thread = "main" if line_id == main_line else f"tid:{line_id}"
+        for e in _outermost(e for e in events if _is_host_op(e)):
+            name, op_type = _identity(e)
+            add(e, name, op_type, thread, e.start, e.end)
+    _add_collectives(everything, lines, step_of, add, ops)
+    _classify(ops, op_types, optimizer_scopes)
+    _attribute_layers(ops, layers)
+    sync = [e for e in everything if e.name == CLOCK_SYNC]
+    return {"steps": steps, "ops": ops, "clock_sync_us": sync[-1].end if sync else None}
+
+
+def _step_finder(steps: list[Step]) -> Callable[[float], Step | None]:
+    """A function from a time to the step whose window holds it (None if none does)."""
+    starts = [s.start_us for s in steps]
+
+    def step_of(ts: float) -> Step | None:
+        i = bisect.bisect_right(starts, ts) - 1
+        return steps[i] if i >= 0 and ts < steps[i].end_us else None
+
+    return step_of
+
+
+def _identity(e: _Event) -> tuple[str, str]:
+    """(op name, op type) of an op event or an async op's start event."""
+    if e.name in (ASYNC_START, ASYNC_DONE):
+        return str(e.stats.get("name", "")), str(e.stats.get("kernel_type", ""))
+    return _TF_OP.match(e.name).groups()
+
+
+def _is_collective(e: _Event) -> bool:
+    return e.name in (ASYNC_START, ASYNC_DONE) and bool(_COLLECTIVE_TYPE.match(_identity(e)[1]))
+
+
+def _is_host_op(e: _Event) -> bool:
+    """A synchronous op, or the launch of an async op that is not a collective."""
+    if e.name == ASYNC_START:
+        return not _is_collective(e)
+    return bool(_TF_OP.match(e.name))
+
+
+def _add_collectives(
+    everything: list[_Event],
+    lines: dict[int, list[_Event]],
+    step_of: Callable[[float], Step | None],
+    add: Callable[..., Op | None],
+    ops: list[Op],
+) -> None:
+    """One comm op per collective launched in a step, on the thread that completed it.
+
+    Spans on that thread are cut so as not to overlap: a collective runs from its launch or the
+    previous completion, whichever is later, to its own completion. A completion the profile lost
+    (the last one's event may end after the profiler stopped) is taken as the step's end. A
+    collective depends on the op of its step that ran last before its launch on the launching
+    thread."""
+    done_by_context = {e.stats.get("_c"): e for e in everything if e.name == ASYNC_DONE and _is_collective(e)}
+    horovod_lines = [e.line for e in done_by_context.values()]
+    pending = []
+    for start in everything:
+        if start.name != ASYNC_START or not _is_collective(start):
+            continue
+        done = done_by_context.get(start.stats.get("_p"))
+        if done is not None:
+            pending.append((done.start, done.line, start))
+            continue
+        step = step_of(start.start)
+        if step is not None:
+            line = max(set(horovod_lines), key=horovod_lines.count) if horovod_lines else start.line
+            pending.append((step.end_us, line, start))
+    nodes = {line: [e for e in events if e.node_id is not None] for line, events in lines.items()}
+    free_at: dict[int, float] = {}
+    for done_at, line, start in sorted(pending, key=lambda p: p[0]):
+        begin = max(start.start, free_at.get(line, -math.inf))
+        free_at[line] = done_at
+        name, op_type = _identity(start)
+        op = add(start, name, op_type, f"comm:{line}", begin, done_at)
+        if op is None:
+            continue
+        kind = _COLLECTIVE_TYPE.match(op_type).group(2)
+        op.kind, op.collective = "comm", {"op": _COLLECTIVE_OP[kind]}
+        before = [e for e in nodes.get(start.line, []) if e.end <= start.start]
+        if before and ops[before[-1].node_id].step == op.step:
+            op.deps.append(before[-1].node_id)
+
+
+def _classify(ops: list[Op], op_types: list[str], optimizer_scopes: Iterable[str]) -> None:
+    """Backward by gradient scope, update by optimizer scope or ``Apply*`` type, the rest forward."""
+    names = "|".join(re.escape(s) for s in optimizer_scopes)
+    optimizer = re.compile(rf"^({names})(_\d+)?/")
+    for op, op_type in zip(ops, op_types, strict=True):
+        if op.kind == "comm":
+            continue
+        if _GRADIENT_SCOPE.search(op.name):
+            op.kind = "backward"
+        elif optimizer.match(op.name) or _APPLY_TYPE.match(op_type):
+            op.kind = "update"
+        else:
+            op.kind = "forward"
+
+
+def _attribute_layers(ops: list[Op], layers: Sequence[Mapping[str, Any]]) -> None:
+    """The longest layer scope in the op's name, at scope boundaries; for a collective, in the
+    tensor name Horovod builds from the gradient's name (scopes joined by ``_``)."""
+    scopes = sorted(((str(t["scope"]), str(t["name"])) for t in layers), key=lambda s: -len(s[0]))
+    found: dict[tuple[str, bool], str | None] = {}
+    for op in ops:
+        key = (op.name, op.kind == "comm")
+        if key not in found:
+            padded, flat = f"/{op.name}/", f"_{op.name.rsplit('/', 1)[-1]}_"
+            found[key] = next(
+                (
+                    name
+                    for scope, name in scopes
+                    if f"/{scope}/" in padded or (key[1] and f"_{scope.replace('/', '_')}_" in flat)
+                ),
+                None,
+            )
+        op.layer = found[key]

@@ -1,0 +1,43 @@
+"""Run by test_precision_apply.py as its own program: mode "apply" under DDP on 2 CPU processes.
+
+Each rank writes ``rank<k>.json`` with the precisions its model ends with, whether every loss was
+finite, and how many steps it ran."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_precision_apply import GeluNet, _apply_callback, _loader, _lp_precisions  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    pl.seed_everything(0, verbose=False)
+    model = GeluNet()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=30,
+        callbacks=[_apply_callback(out, plan_cache=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, _loader())
+    result = {
+        "precisions": _lp_precisions(model),
+        "losses_finite": all(torch.isfinite(torch.tensor(model.losses)).tolist()),
+        "steps": trainer.global_step,
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Pricing and choosing precision plans on a hand-written step: graph and liveness transforms,
+the greedy allocator against the exact search, the plan cache and size parsing."""
+
+import pytest
+
+from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Plan
+from qsync_callback.planner.precision import allocate_precision, exact_precision, fastest_plan
+from qsync_callback.predictor.predict import Predictor, predict
+from qsync_callback.units import parse_bytes, parse_share
+
+from tracebuilder import op, trace
+
+CASTS = {
+    "fp32->bf16": {"alpha_us_per_element": 0.001, "beta_us": 1.0, "r2": 1.0},
+    "bf16->fp32": {"alpha_us_per_element": 0.001, "beta_us": 1.0, "r2": 1.0},
+    "fp32->int8": {"alpha_us_per_element": 0.002, "beta_us": 2.0, "r2": 1.0},
+    "int8->fp32": {"alpha_us_per_element": 0.002, "beta_us": 2.0, "r2": 1.0},
+}
+
+
+def _probe(forward, backward, saved, fwd_temp=0.0, bwd_temp=0.0):
+    return {
+        "forward_us": forward,
+        "backward_us": backward,
+        "saved_bytes": saved,
+        "forward_transient_bytes": fwd_temp,
+        "backward_transient_bytes": bwd_temp,
+    }
+
+
+def _layer(costs):
+    return {
+        "input_shape": [10, 100],
+        "input_numel": 1000,
+        "output_numel": 1000,
+        "weight_numel": 1000,
+        "costs": costs,
+    }
+
+
+def _two_layer_step():
+    """fc1 -> act -> fc2, backward in reverse, one update; fc2's input (act's output, 0xB) is saved
+    by fc2 alone and freed in its backward. Probes: bf16 halves fc1's compute; int8 is slower."""
+    ops = [
+        op(0, "aten::linear", "forward", "main", 0, 100, layer="fc1"),
+        op(1, "aten::gelu", "forward", "main", 100, 20, layer="act"),
+        op(2, "aten::linear", "forward", "main", 120, 100, layer="fc2"),
+        op(7, "aten::cross_entropy_loss", "forward", "main", 220, 15),
+        op(3, "AddmmBackward0", "backward", "main", 240, 200, layer="fc2"),
+        op(4, "GeluBackward0", "backward", "main", 440, 40, layer="act"),
+        op(5, "AddmmBackward0", "backward", "main", 480, 200, layer="fc1"),
+        op(6, "sgd", "update", "main", 700, 50),
+    ]
+    events = [
+        [1, 0xA, 4000, 0],  # fc1 output: act's saved input
+        [101, 0xB, 4000, 1],  # act output: fc2's saved input, freed in fc2's backward
+        [121, 0xC, 4000, 2],  # fc2 output
+        [225, 0xD, 2000, 7],  # a temporary of the loss
+        [233, 0xD, -2000, 7],
+        [250, 0xB, -4000, 3],
+        [260, 0xC, -4000, 3],
+        [450, 0xA, -4000, 4],
+    ]
+    costs = {
+        "casts": CASTS,
+        "layers": {
+            "fc1": _layer(
+                {
+                    "fp32": _probe(100, 200, 4000),
+                    "bf16": _probe(56, 150, 3000),
+                    "int8": _probe(300, 400, 1500),
+                }
+            ),
+            "fc2": _layer(
+                {
+                    "fp32": _probe(100, 200, 4000),
+                    "bf16": _probe(56, 150, 3000),
+                    "int8": _probe(300, 400, 1500, bwd_temp=6000),
+                }
+            ),
+        },
+    }
+    return trace(
+        ops,
+        step_end=760,
+        memory_events=events,
+        resident_bytes={"parameters": 10000},
+        precision_costs=costs,
+        layers=[{"name": n} for n in ("fc1", "act", "fc2")],
+    )
+
+
+def test_bf16_layer_is_rescaled_and_gets_its_cast_nodes():
+    step = _two_layer_step()
+    base = predict([step])
+    planned = predict([step], Plan(precision={"fc1": "bf16"}))
+    # casts: before 2 x (0.001 * 1000 + 1) = 4 us, after 2 us; compute 56 - 6 = 50 of the probed 100
+    forward = 100 * 50 / 100 + 4 + 2
+    backward = 200 * 150 / 200
+    assert planned.step_ms * 1e3 == pytest.approx(base.step_ms * 1e3 - 300 + forward + backward)
+    assert planned.layer_ms["fc1"] * 1e3 == pytest.approx(forward + backward)
+
+
+def test_saved_bytes_follow_the_precision_and_the_freed_input():
+    step = _two_layer_step()
+    base = predict([step])
+    assert base.peak_bytes == 10000 + 12000 + 2000
+    # fc2 at int8 saves 1500 instead of its fp32 input (4000, freed after its forward now)...
+    planned = predict([step], Plan(precision={"fc2": "int8"}))
+    # ...but its backward's temporaries (6000 more) make the peak there: 10000 + 4000 (0xA) + 4000
+    # (0xC, freed in fc2's backward) + 1500 saved + 6000 at the backward's start
+    assert planned.peak_bytes == 10000 + 4000 + 4000 + 1500 + 6000
+    # at bf16 it saves 3000 instead: 1000 less through the loss
+    assert predict([step], Plan(precision={"fc2": "bf16"})).peak_bytes == 10000 + 12000 + 2000 - 1000
+    # fc1's input is the batch, not freed: its saved bf16 copy is extra
+    assert predict([step], Plan(precision={"fc1": "bf16"})).peak_bytes == 10000 + 12000 + 2000 + 3000
+
+
+def test_plans_that_cannot_be_priced_are_refused():
+    step = _two_layer_step()
+    with pytest.raises(QSyncInputError, match="'act' at bf16 has no probe|has no probe"):
+        predict([step], Plan(precision={"act": "bf16"}))
+    with pytest.raises(QSyncInputError, match="fc1.*at fp16 has no probe"):
+        predict([step], Plan(precision={"fc1": "fp16"}))
+    step.precision = {"fc1": "bf16"}
+    with pytest.raises(QSyncInputError, match="recorded at bf16"):
+        predict([step], Plan(precision={"fc1": "int8"}))
+
+
+def test_greedy_matches_the_exact_search_and_meets_its_constraints():
+    step = _two_layer_step()
+    predictor = Predictor([step])
+    indicator = {"fc1": {"bf16": 1.0, "int8": 5.0}, "fc2": {"bf16": 2.0, "int8": 3.0}}
+    choice, fastest = fastest_plan(predictor, ["fp32", "bf16", "int8"])
+    assert choice == {"fc1": "bf16", "fc2": "bf16"}
+    greedy = allocate_precision(predictor, indicator, ["fp32", "bf16", "int8"])
+    assert greedy.feasible and greedy.prediction.step_ms <= greedy.target_step_ms
+    assert greedy.target_step_ms == pytest.approx(fastest.step_ms * 1.05)
+    exact = exact_precision(predictor, indicator, ["fp32", "bf16", "int8"], max_step_ms=greedy.target_step_ms)
+    assert exact.plans_priced == 9
+    assert greedy.indicator == pytest.approx(exact.indicator)
+    # a memory budget that only bf16 on fc2 meets (int8's backward temporaries are too large)
+    budget = 10000 + 13500
+    memory = allocate_precision(
+        predictor, indicator, ["fp32", "bf16", "int8"], max_step_ms=10, memory_budget=budget
+    )
+    assert memory.feasible and memory.plan.precision == {"fc2": "bf16"}
+    assert memory.prediction.peak_bytes <= budget
+
+
+def test_impossible_budget_is_refused_with_the_smallest_peak():
+    predictor = Predictor([_two_layer_step()])
+    with pytest.raises(QSyncInputError, match="below the smallest predicted peak"):
+        allocate_precision(predictor, {}, ["fp32", "bf16", "int8"], memory_budget=20000)
+
+
+def test_plan_cache_keeps_one_plan_per_model_and_says_why_it_does_not_fit(tmp_path):
+    fingerprint = {"model": "abc123", "batch_shapes": [[32, 8]], "world_size": 1}
+    plan = Plan(fingerprint=fingerprint, precision={"fc1": "bf16"})
+    path = store_plan(plan, tmp_path)
+    assert path == plan_cache_path(fingerprint, tmp_path) and path.exists()
+    found, why = cached_plan(fingerprint, tmp_path)
+    assert found.precision == {"fc1": "bf16"} and why is None
+    found, why = cached_plan({**fingerprint, "batch_shapes": [[64, 8]]}, tmp_path)
+    assert found is None and "batch_shapes" in why
+    assert cached_plan({"model": "other"}, tmp_path) == (None, None)
+    path.write_text("{not json")
+    found, why = cached_plan(fingerprint, tmp_path)
+    assert found is None and "cannot be read" in why
+
+
+def test_sizes_and_shares_parse_as_people_write_them():
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes(1024) == 1024
+    assert parse_share("90%") == pytest.approx(0.9)
+    assert parse_share("2GB") is None
+    for bad in ("lots", "-1GB", "0", "2 GiBs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    with pytest.raises(ValueError):
+        parse_share("-5%")

@@ -1,0 +1,227 @@
+"""TF profiler XSpace conversion on profiles recorded here: a Keras model's train step in this process,
+and a 2-process Horovod (Gloo) run whose gradients are all-reduced."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.recorder.kineto import CLOCK_SYNC
+from qsync_callback.recorder.trace import Trace
+from qsync_callback.recorder.xspace import (
+    ASYNC_DONE,
+    STEP_NAME,
+    convert_xspace,
+    find_xspace,
+    keras_layers,
+    load_xspace,
+)
+
+STEPS = (5, 6, 7)
+
+
+def _model():
+    block = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="relu", name="inner")], name="block")
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(32, activation="relu", name="dense_a"),
+            block,
+            tf.keras.layers.Dense(4, name="head"),
+        ],
+        name="net",
+    )
+    model.build((None, 16))
+    return model
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """A real Keras train step, profiled for three steps; returns (model, logdir)."""
+    model = _model()
+    optimizer = tf.keras.optimizers.Adam()
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = tf.random.normal((8, 16)), tf.zeros((8,), tf.int32)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    for _ in range(2):
+        train_step(x, y)
+    logdir = tmp_path_factory.mktemp("tf_profile")
+    tf.profiler.experimental.start(str(logdir))
+    try:
+        with tf.profiler.experimental.Trace(CLOCK_SYNC):
+            pass
+        for k in STEPS:
+            with tf.profiler.experimental.Trace(STEP_NAME, step_num=k, _r=1):
+                train_step(x, y)
+    finally:
+        tf.profiler.experimental.stop()
+    return model, logdir
+
+
+def test_keras_layers_are_leaf_paths_with_their_scopes_and_weight_bytes(profiled):
+    model, _ = profiled
+    table = {t["name"]: t for t in keras_layers(model)}
+    assert set(table) == {"dense_a", "block/inner", "head"}
+    assert table["block/inner"]["scope"] == "net/block/inner"
+    assert table["dense_a"] == {
+        "name": "dense_a",
+        "type": "Dense",
+        "param_bytes": (16 * 32 + 32) * 4,
+        "scope": "net/dense_a",
+    }
+
+
+def test_train_step_converts_into_steps_and_kinded_layered_ops(profiled, tmp_path):
+    model, logdir = profiled
+    layers = keras_layers(model)
+    converted = convert_xspace(load_xspace(find_xspace(logdir)), layers=layers)
+    steps, ops = converted["steps"], converted["ops"]
+    assert [s.index for s in steps] == list(STEPS)
+    assert converted["clock_sync_us"] is not None and converted["clock_sync_us"] <= steps[0].start_us
+    assert all(s.start_us < o.start_us < s.end_us for s in steps for o in ops if o.step == s.index)
+    assert all(op.dur_us > 0 for op in ops)
+    for step in STEPS:
+        kinds = {op.kind for op in ops if op.step == step}
+        assert kinds == {"forward", "backward", "update"}, kinds
+    by_kind = {kind: [op for op in ops if op.kind == kind] for kind in ("forward", "backward", "update")}
+    assert all("gradient_tape/" in op.name for op in by_kind["backward"])
+    assert all(op.name.startswith("Adam/") for op in by_kind["update"])
+    names = {layer["name"] for layer in layers}
+    assert {op.layer for op in by_kind["forward"]} - {None} == names
+    assert {op.layer for op in by_kind["backward"]} - {None} == names
+    # a layer's matmul is attributed to that layer, forward and backward
+    assert any(op.layer == "block/inner" and "MatMul" in op.name for op in by_kind["backward"])
+
+    trace = Trace(
+        0, 1, "cpu", steps, ops, framework="tensorflow", framework_version=tf.__version__, layers=layers
+    )
+    trace.save(tmp_path / "rank0" / "trace.json")
+    loaded = Trace.load(tmp_path / "rank0" / "trace.json")
+    assert loaded.to_dict() == json.loads(json.dumps(trace.to_dict()))
+
+
+def test_profile_without_step_events_is_refused(profiled):
+    _, logdir = profiled
+    with pytest.raises(ValueError, match="no 'no-such-step' step events"):
+        convert_xspace(load_xspace(find_xspace(logdir)), step_name="no-such-step")
+
+
+def test_missing_or_foreign_profile_names_the_file(tmp_path):
+    with pytest.raises(QSyncInputError, match="no \\*.xplane.pb profile"):
+        find_xspace(tmp_path)
+    bad = tmp_path / "vm.xplane.pb"
+    bad.write_bytes(b"\xff\xff\xff not a profile")
+    with pytest.raises(QSyncInputError, match="vm.xplane.pb"):
+        load_xspace(bad)
+
+
+_HOROVOD_SCRIPT = """
+import os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf
+import horovod.tensorflow as hvd
+from qsync_callback.recorder.xspace import STEP_NAME
+
+hvd.init()
+model = tf.keras.Sequential(
+    [tf.keras.layers.Dense(32, activation="relu", name="dense_a"), tf.keras.layers.Dense(4, name="head")],
+    name="net",
+)
+model.build((None, 16))
+optimizer = tf.keras.optimizers.SGD(0.01)
+loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+x, y = tf.random.normal((8, 16)), tf.zeros((8,), tf.int32)
+
+@tf.function
+def train_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+for _ in range(2):
+    train_step(x, y)
+tf.profiler.experimental.start(os.path.join(sys.argv[1], f"rank{hvd.rank()}"))
+for k in range(2):
+    with tf.profiler.experimental.Trace(STEP_NAME, step_num=k, _r=1):
+        train_step(x, y)
+# Horovod's thread may still be inside the last completion's event when the step returns: one more
+# (unmarked) step lets it finish before the profiler stops, as the recorder does.
+train_step(x, y)
+tf.profiler.experimental.stop()
+"""
+
+
+def test_horovod_allreduces_become_comm_ops_on_horovods_thread(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_HOROVOD_SCRIPT))
+    horovodrun = Path(sys.executable).with_name("horovodrun")
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    cmd = [
+        str(horovodrun),
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        "--gloo",
+        sys.executable,
+        str(script),
+        str(tmp_path),
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    layers = [{"name": n, "scope": f"net/{n}"} for n in ("dense_a", "head")]
+    for rank in range(2):
+        converted = convert_xspace(load_xspace(find_xspace(tmp_path / f"rank{rank}")), layers=layers)
+        ops = converted["ops"]
+        ids = {op.id: op for op in ops}
+        for step in (0, 1):
+            comms = sorted(
+                (op for op in ops if op.step == step and op.kind == "comm"), key=lambda o: o.start_us
+            )
+            # one all-reduce per gradient: kernel and bias of each layer
+            assert len(comms) == 4
+            assert sorted(op.layer for op in comms) == ["dense_a", "dense_a", "head", "head"]
+            assert all(op.collective == {"op": "all_reduce"} and op.dur_us > 0 for op in comms)
+            assert len({op.thread for op in comms}) == 1 and comms[0].thread.startswith("comm:")
+            assert all(a.end_us <= b.start_us + 1e-6 for a, b in zip(comms, comms[1:], strict=False))
+            for op in comms:
+                assert [ids[d].step for d in op.deps] == [step]
+                assert not ids[op.deps[0]].thread.startswith("comm:")
+            kinds = {op.kind for op in ops if op.step == step}
+            assert kinds == {"forward", "backward", "update", "comm"}
+
+    # a completion the profile lost (its event ended after the profiler stopped): the step's end
+    space = load_xspace(find_xspace(tmp_path / "rank0"))
+    host = space.planes[0]
+    done_id = next(k for k, m in host.event_metadata.items() if m.name == ASYNC_DONE)
+    line = next(ln for ln in host.lines if any(e.metadata_id == done_id for e in ln.events))
+    step_end_ps = convert_xspace(space)["steps"][-1].end_us * 1e6 - line.timestamp_ns * 1000
+    last = max(
+        (e.offset_ps, i)
+        for i, e in enumerate(line.events)
+        if e.metadata_id == done_id and e.offset_ps < step_end_ps
+    )[1]
+    del line.events[last]
+    converted = convert_xspace(space, layers=layers)
+    comms = sorted((op for op in converted["ops"] if op.kind == "comm"), key=lambda o: o.end_us)
+    assert len(comms) == 8 and len({op.thread for op in comms}) == 1
+    assert comms[-1].end_us == converted["steps"][-1].end_us
