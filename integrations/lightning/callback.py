@@ -41,6 +41,7 @@ from pytorch_lightning.utilities import rank_zero_info
 
 from qsync_callback.cache import cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.fail_safe import FailSafe
 from qsync_callback.lp.swap import apply_precision_plan, restore
 from qsync_callback.plan import PRECISIONS, Plan, fingerprint_mismatches
 from qsync_callback.planner.precision import plan_precision
@@ -145,7 +146,7 @@ class QSyncCallback(pl.Callback):
         self._lp_modules: dict = {}
         self._loss_finite = True
         self._resume_plan: Plan | None = None
-        self._failed: str | None = None
+        self._safe = FailSafe("QSyncCallback", self._close)
         self._finished = False
 
     @property
@@ -157,7 +158,7 @@ class QSyncCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._finished:
             return
-        self._guard(self._resolve_output_dir, trainer)
+        self._safe.run(self._resolve_output_dir, trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -167,7 +168,7 @@ class QSyncCallback(pl.Callback):
         step = self._steps
         self._steps += 1
         if step == 0:
-            self._guard(self._start, trainer, pl_module, batch)
+            self._safe.run(self._start, trainer, pl_module, batch)
             if self.applies_plans and self._apply_start_plan(trainer, pl_module):
                 return
         self._window_step(trainer, pl_module, step - self._window_start)
@@ -183,8 +184,8 @@ class QSyncCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._finished:
             return
-        if self._recorder is not None and self._recorder.trace is None and self._failed is None:
-            self._fail("training ended before the recorded window was complete; nothing was recorded")
+        if self._recorder is not None and self._recorder.trace is None and self._safe.ok:
+            self._safe.fail("training ended before the recorded window was complete; nothing was recorded")
         self._window_done(trainer, pl_module)
 
     def on_exception(
@@ -261,12 +262,12 @@ class QSyncCallback(pl.Callback):
         open_at = warmup - 1
         if step == open_at and not self._agree(trainer):  # also the clock-sync barrier
             return
-        if recorder is not None and self._failed is None:
-            self._guard(recorder.step_boundary)
+        if recorder is not None and self._safe.ok:
+            self._safe.run(recorder.step_boundary)
         if step == open_at - 1:
             # calibrate before the ranks meet at the clock-sync barrier, and agree first
             if recorder is not None:
-                self._guard(recorder.prepare_window)
+                self._safe.run(recorder.prepare_window)
             if not self._agree(trainer):
                 return
             recorder.restart_step_clock()
@@ -281,9 +282,9 @@ class QSyncCallback(pl.Callback):
     def _window_done(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Save the measured steps into the trace, then report, plan or verify."""
         recorder = self._recorder
-        ok = self._failed is None and recorder is not None and recorder.trace is not None
+        ok = self._safe.ok and recorder is not None and recorder.trace is not None
         if ok:
-            ok = self._guard(recorder.save)
+            ok = self._safe.run(recorder.save)
         if not self._agree(trainer, ok) or self.mode == "record":
             self._finished = True
             self._close()
@@ -292,7 +293,7 @@ class QSyncCallback(pl.Callback):
         texts = self._exchange(trainer, json.dumps(recorder.trace.to_dict()))
         traces = None
         if trainer.global_rank == 0 and texts is not None:
-            traces = self._guard(_parse_traces, texts)
+            traces = self._safe.run(_parse_traces, texts)
         if self._phase == "baseline":
             self._after_baseline(trainer, pl_module, traces)
         else:
@@ -305,9 +306,9 @@ class QSyncCallback(pl.Callback):
     ) -> None:
         plan_text = ""
         if traces is not None:
-            self._guard(self._report, trainer, traces)
+            self._safe.run(self._report, trainer, traces)
             if self.mode == "apply" and self.report is not None:
-                plan_text = self._guard(self._plan, traces) or ""
+                plan_text = self._safe.run(self._plan, traces) or ""
         if self.mode != "apply":
             self._finished = True
             return
@@ -318,7 +319,7 @@ class QSyncCallback(pl.Callback):
         if self._apply(trainer, pl_module, Plan.from_json(plan_text, source="rank 0's plan")):
             self._phase = "verify"
             self._window_start = self._steps - 1
-            self._recorder = self._guard(
+            self._recorder = self._safe.run(
                 self._new_recorder,
                 trainer,
                 pl_module,
@@ -362,7 +363,7 @@ class QSyncCallback(pl.Callback):
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan) -> bool:
         """Switch every rank to ``plan`` at this step boundary; all ranks or none."""
-        swapped = self._guard(apply_precision_plan, pl_module, plan.precision)
+        swapped = self._safe.run(apply_precision_plan, pl_module, plan.precision)
         if not self._agree(trainer, swapped is not None):
             if swapped is not None:
                 restore(pl_module, swapped)
@@ -377,12 +378,12 @@ class QSyncCallback(pl.Callback):
             loss_finite = bool(trainer.strategy.reduce_boolean_decision(loss_finite, all=True))
         decision = ""
         if traces is not None:
-            decision = self._guard(self._verify, traces, loss_finite) or ""
+            decision = self._safe.run(self._verify, traces, loss_finite) or ""
         decision = (self._exchange(trainer, decision) or [""])[0]
         if decision != "keep":
             self._rollback()
         if trainer.global_rank == 0:
-            self._guard(self._keep, self.plan if decision == "keep" else Plan.empty(self._fingerprint))
+            self._safe.run(self._keep, self.plan if decision == "keep" else Plan.empty(self._fingerprint))
 
     def _verify(self, traces: list[Trace], loss_finite: bool) -> str:
         self.verification = verify_plan(
@@ -411,7 +412,7 @@ class QSyncCallback(pl.Callback):
         modes "record" and "report" the run under the plan is then recorded and reported."""
         found = ""
         if trainer.global_rank == 0:
-            found = self._guard(self._find_start_plan) or ""
+            found = self._safe.run(self._find_start_plan) or ""
         found = (self._exchange(trainer, found) or [""])[0]
         if not self._agree(trainer):
             return True
@@ -453,31 +454,14 @@ class QSyncCallback(pl.Callback):
 
     # ----------------------------------------------------------------- failure handling
 
-    def _guard(self, fn, *args: Any) -> Any:
-        """Run ``fn``; on failure warn once, stop recording and step aside. Returns fn's result or None."""
-        if self._failed is not None:
-            return None
-        try:
-            result = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - the callback must never break training
-            self._fail(f"{type(exc).__name__}: {exc}")
-            return None
-        return True if result is None else result
-
-    def _fail(self, cause: str) -> None:
-        if self._failed is None:
-            self._failed = cause
-            warnings.warn(f"QSyncCallback steps aside: {cause}", RuntimeWarning, stacklevel=3)
-        self._close()
-
     def _agree(self, trainer: pl.Trainer, ok: bool | None = None) -> bool:
         """All ranks go on only if every rank is still healthy (one all-reduce of a flag)."""
-        ok = self._failed is None if ok is None else bool(ok)
+        ok = self._safe.ok if ok is None else bool(ok)
         if trainer.world_size > 1:
             ok = bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
         if not ok:
-            if self._failed is None:
-                self._fail("another rank failed; this rank steps aside too")
+            if self._safe.ok:
+                self._safe.fail("another rank failed; this rank steps aside too")
             self._finished = True
             if self._phase == "verify":
                 self._rollback()  # a plan is never left in force unverified
@@ -489,7 +473,7 @@ class QSyncCallback(pl.Callback):
         try:
             return _gather_strings(trainer, text)
         except Exception as exc:  # noqa: BLE001 - the callback must never break training
-            self._fail(f"exchanging with the other ranks failed: {type(exc).__name__}: {exc}")
+            self._safe.fail(f"exchanging with the other ranks failed: {type(exc).__name__}: {exc}")
             return None
 
     def _close(self) -> None:

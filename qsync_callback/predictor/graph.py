@@ -11,7 +11,9 @@ Nodes are ops (``"r<rank>/<op id>"``), one start and one end sentinel per rank
 - ``kind``, ``name``, ``layer``, ``rank``, ``bytes``, ``collective``, ``op_id``.
 
 Edges: queue order (``kind="order"``) and waits across queues (``kind="dep"``): a collective waits
-for the op that launched it, the op that consumes a collective waits for it.
+for the op that launched it, the op that consumes a collective waits for it, and a rank's step end
+waits for the last op of each compute thread ("main", and the ``tid:*`` threads where TensorFlow's
+executor runs the ops) that ended within the step.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def _add_sentinels(graph: nx.DiGraph, rank: int) -> None:
     graph.add_node(end_node(rank), name="step end", kind="sentinel", **common)
 
 
+def _is_compute(thread: str) -> bool:
+    """The training thread, or another host thread running ops (TF's executor threads)."""
+    return thread == "main" or thread.startswith("tid:")
+
+
 def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float) -> dict[str, float]:
     """Add one rank's step to ``graph``; return recorded (aligned) start and end times by node."""
     rank = trace.rank
@@ -88,9 +95,13 @@ def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float
         for dep in op.deps:
             if dep in ids:
                 graph.add_edge(op_node(rank, dep), op_node(rank, op.id), kind="dep")
-    main_ops = by_queue.get("main", [])
-    last = op_node(rank, main_ops[-1].id) if main_ops else start_node(rank)
-    graph.add_edge(last, end_node(rank), kind="order")
+    # the step ends after the last op of every compute thread it waited for (one that ended in it)
+    waited = [q[-1] for thread, q in by_queue.items() if _is_compute(thread) and q[-1].end_us <= step.end_us]
+    for last in waited:
+        kind = "order" if last.thread == "main" else "dep"
+        graph.add_edge(op_node(rank, last.id), end_node(rank), kind=kind)
+    if not waited:
+        graph.add_edge(start_node(rank), end_node(rank), kind="order")
     times[end_node(rank)] = (step.end_us + offset_us, step.end_us + offset_us)
     return times
 
