@@ -65,3 +65,30 @@ def test_peak_in_backward_holds_activations_and_the_input_gradient():
     assert memory.peak_bytes == 2100
     assert memory.breakdown["activations"] == 800
     assert memory.breakdown["temporaries"] == 300
+
+
+def test_gradients_replaced_in_the_step_free_the_old_ones_even_when_unreported():
+    """The profiler misses frees of blocks allocated before its session: last step's gradients,
+    replaced by this step's (zero_grad with set_to_none), are freed at the backward's start."""
+    ops = [
+        op(0, "linear", "forward", "main", 0, 10, layer="fc"),
+        op(1, "AddmmBackward0", "backward", "main", 20, 10, layer="fc"),
+        op(2, "sgd", "update", "main", 40, 10),
+    ]
+    events = [
+        [1, 0xA, 400, 0],  # saved activation
+        [22, 0xB, 800, 1],  # this step's gradient, kept
+        [25, 0xA, -400, 1],
+        [42, 0xC, 100, 2],  # an update temporary
+        [45, 0xC, -100, 2],
+    ]
+    step = trace(ops, step_end=60, memory_events=events, resident_bytes={"parameters": 800, "gradients": 800})
+    lives = tensor_lifetimes(step)
+    (unseen,) = [life for life in lives if life.category == "resident"]
+    assert unseen.bytes == 800 and unseen.death_us == 20
+    # without the restored free the old and new gradients would both count: 800 + 800 + 800 + 100
+    assert predict_memory(step).peak_bytes == 800 + 800 + 400
+    reported = trace(
+        ops, step_end=60, memory_events=[[5, 0xD, -300, 0], *events], resident_bytes=step.resident_bytes
+    )
+    assert sum(life.bytes for life in tensor_lifetimes(reported) if life.category == "resident") == 800

@@ -9,7 +9,9 @@ step ended). The phases of those two ops say what the tensor was:
 - born and freed within one phase: a **temporary**;
 - born in backward and kept past the step's backward: a **gradient**;
 - born in the optimizer update and kept: **optimizer state**;
-- freed in the step but born before it: part of what was **resident** at the step's start.
+- freed in the step but born before it: part of what was **resident** at the step's start
+  (including the previous step's gradients, whose frees the profiler often cannot see: see
+  `_unseen_gradient_frees`).
 
 The bytes resident at a step's start (parameters, buffers, gradients, optimizer state, DDP's
 gradient buckets) come from the recorder, which counts the model's and optimizers' tensors; every
@@ -133,7 +135,42 @@ def tensor_lifetimes(trace: Trace) -> list[TensorLife]:
             lives.append(TensorLife(addr, -nbytes, step, None, ts, None, op, "resident"))
     for left in list(open_allocs):
         close(left, None, None)
-    return lives
+    return lives + _unseen_gradient_frees(trace, lives)
+
+
+def _unseen_gradient_frees(trace: Trace, lives: list[TensorLife]) -> list[TensorLife]:
+    """The frees of last step's gradients that the profiler did not see, one per step.
+
+    A step that makes new gradients and keeps them (``gradients`` alive at its end) as large as the
+    resident ones replaced the old ones (``zero_grad(set_to_none=True)``, Lightning's default), so
+    they were freed in it. The profiler reports a free only for a block it saw allocated, and the
+    old gradients were allocated in the step before, outside the session: so many of those frees are
+    missing, and more or fewer of them from run to run (a freed address reused in a session becomes
+    known). The missing bytes (gradients replaced, less the resident frees reported) are freed at the
+    start of the step's first backward op, where the training loop zeroes the gradients at the latest.
+    """
+    resident = trace.resident_bytes.get("gradients", 0)
+    if not resident:
+        return []
+    first_backward: dict[int, Op] = {}
+    for op in trace.ops:
+        if op.kind == "backward" and (
+            op.step not in first_backward or op.start_us < first_backward[op.step].start_us
+        ):
+            first_backward[op.step] = op
+    replaced: dict[int, int] = defaultdict(int)
+    reported: dict[int, int] = defaultdict(int)
+    for life in lives:
+        if life.category == "gradients" and life.death_us is None:
+            replaced[life.step] += life.bytes
+        elif life.category == "resident":
+            reported[life.step] += life.bytes
+    unseen = []
+    for step, op in first_backward.items():
+        missing = min(resident, replaced[step]) - reported[step]
+        if missing > 0:
+            unseen.append(TensorLife(-1, missing, step, None, op.start_us, None, op, "resident"))
+    return unseen
 
 
 def predict_memory(trace: Trace, lives: list[TensorLife] | None = None) -> MemoryPrediction:

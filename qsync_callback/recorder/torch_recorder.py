@@ -52,6 +52,7 @@ import orjson
 import torch
 
 from qsync_callback.lp.modules import LPModule
+from qsync_callback.predictor.memory import predict_memory
 from qsync_callback.recorder.kineto import CLOCK_SYNC, STEP_PREFIX, convert_kineto
 from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
 from qsync_callback.recorder.layer_statistics import LayerStatistics
@@ -355,14 +356,8 @@ class TorchRecorder:
     def _convert(self, raw: dict) -> Trace:
         """The normalized trace of the raw Kineto trace ``raw`` and what the recorder counted."""
         converted = convert_kineto(raw, device=self.device, overhead_us=self._overhead)
-        if self.device.startswith("cuda"):
-            measured_peak = converted["allocator_peak_bytes"]
-            peak_source = "the CUDA caching allocator's 'Total Allocated' in the profiler's memory events"
-        else:
-            measured_peak = sum(self._resident.values()) + converted["allocator_peak_bytes"]
-            peak_source = "resident bytes at the step's start + the profiler's CPU 'Total Allocated'"
         sync = converted["clock_sync_us"]
-        return Trace(
+        trace = Trace(
             rank=self.rank,
             world_size=self.world_size,
             device=self.device,
@@ -382,11 +377,24 @@ class TorchRecorder:
                 if isinstance(module, LPModule) and module.precision != "fp32"
             },
             layers=layer_table(self.model),
-            measured={"peak_bytes": measured_peak, "peak_source": peak_source},
             profiler_overhead_us=self._overhead,
             fingerprint=self.fingerprint,
             raw_trace=RAW_TRACE_FILE,
         )
+        if self.device.startswith("cuda"):
+            trace.measured["peak_bytes"] = converted["allocator_peak_bytes"]
+            trace.measured["peak_source"] = (
+                "the CUDA caching allocator's 'Total Allocated' in the profiler's memory events"
+            )
+        else:
+            # no allocator statistics on CPU: the curve of the profiler's allocation events over the
+            # resident bytes, with the gradient frees the profiler cannot see restored
+            trace.measured["peak_bytes"] = predict_memory(trace).peak_bytes
+            trace.measured["peak_source"] = (
+                "resident bytes at the step's start + the profiler's CPU allocation events "
+                "(frees of last step's gradients it missed restored)"
+            )
+        return trace
 
     def save(self) -> None:
         """Write the normalized trace (with the unprofiled step times measured so far)."""
