@@ -5,7 +5,8 @@ For each model: one recording run with ``QSyncCallback(mode="apply")`` (probes e
 precision, gathers the indicator's statistics; planning with no constraint keeps fp32, so nothing
 is applied). From its traces the predictor prices a set of plans: every layer at fp32 (through
 the LP modules), each uniform low precision (where a layer runs it), the allocator's choice for
-speed (its default target) and for a memory budget of 90% of the recorded peak, and two random
+speed (its default target) and for a memory budget halfway between the recorded peak and the
+least any plan reaches, and two random
 mixed plans. Each plan then runs in a fresh process with ``QSyncCallback(mode="report",
 plan=...)``: applied at step 0 and recorded, so its measured step time (median of the unprofiled
 steps) and peak memory can be set against the prediction made from the fp32 recording. Finally
@@ -34,7 +35,12 @@ from models import MODELS, get_model, timed_fit
 from runs import environment, launch, stderr_tail, warn_without_tcmalloc
 
 from qsync_callback.plan import FULL_PRECISION, Plan
-from qsync_callback.planner.precision import allocate_precision, candidate_precisions, exact_precision
+from qsync_callback.planner.precision import (
+    allocate_precision,
+    candidate_precisions,
+    exact_precision,
+    least_memory_plan,
+)
 from qsync_callback.predictor.indicator import sensitivity
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
@@ -43,7 +49,6 @@ from qsync_callback.recorder.trace import load_trace_dir
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 TARGET_PCT = 5.0
-MEMORY_SHARE = 0.9
 RANDOM_PLANS = 2
 
 
@@ -82,12 +87,15 @@ def candidate_plans(predictor: Predictor, precisions: list[str]) -> list[tuple[s
                 plans.append((f"{p} where it runs", uniform))
     speed = allocate_precision(predictor, indicator, precisions)
     plans.append(("allocator: speed (fastest + 5%)", speed.plan.precision))
-    budget = int(MEMORY_SHARE * predictor.predict().peak_bytes)
-    try:
+    # a budget halfway between the recorded peak and the least any plan reaches
+    recorded = predictor.predict().peak_bytes
+    least = least_memory_plan(predictor, precisions)[1].peak_bytes
+    if least < recorded:
+        budget = (least + recorded) // 2
         memory = allocate_precision(predictor, indicator, precisions, memory_budget=budget)
-        plans.append((f"allocator: memory <= {MEMORY_SHARE:.0%} of recorded", memory.plan.precision))
-    except Exception as error:  # noqa: BLE001 - an impossible budget is a finding, not a failure
-        print(f"[benchmark] no memory plan: {error}", file=sys.stderr)
+        plans.append((f"allocator: memory <= {budget / recorded:.1%} of recorded", memory.plan.precision))
+    else:
+        print("[benchmark] no plan lowers the predicted peak: no memory plan", file=sys.stderr)
     plans += [(f"random mixed {i + 1}", _random_plan(candidates, seed=i)) for i in range(RANDOM_PLANS)]
     return plans
 

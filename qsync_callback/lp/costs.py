@@ -35,13 +35,12 @@ from qsync_callback.cache import default_cache_dir
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_json, write_text_atomic
 from qsync_callback.lp.modules import (
-    LPConv1d,
-    LPConv2d,
     LPLinear,
     LPModule,
     _normalize,
     _quantize,
     _rebuild,
+    lp_class_for,
     supported_precisions,
 )
 from qsync_callback.plan import PRECISIONS
@@ -68,11 +67,6 @@ CACHE_FORMAT = "qsync-cast-costs"
 CACHE_VERSION = 1
 _COST_FIELDS = ("alpha_us_per_element", "beta_us", "r2")
 _FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_LP_CLASSES: tuple[tuple[type[nn.Module], type[LPModule]], ...] = (
-    (nn.Linear, LPLinear),
-    (nn.Conv1d, LPConv1d),
-    (nn.Conv2d, LPConv2d),
-)
 
 
 # --- the fit -------------------------------------------------------------------------------------
@@ -340,7 +334,7 @@ def _private_lp(module: nn.Module) -> LPModule:
     """An LP module of ``module``'s class and configuration on its own copies of the parameters and
     buffers, without the original's hooks (a recorder's hooks must not fire, or be deep-copied)."""
     stock = module.to_stock() if isinstance(module, LPModule) else module
-    lp_cls = next((lp for cls, lp in _LP_CLASSES if isinstance(stock, cls)), None)
+    lp_cls = lp_class_for(stock)
     if lp_cls is None:
         raise TypeError(f"probe_layer_costs needs a Linear, Conv1d or Conv2d, not {type(module).__name__}")
     if next(stock.children(), None) is not None:

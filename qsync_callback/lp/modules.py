@@ -366,3 +366,18 @@ class LPConv2d(_LPConv, nn.Conv2d):
 
     _stock = nn.Conv2d
     _op = "conv2d"
+
+
+LP_CLASSES: dict[type[nn.Module], type[LPModule]] = {
+    nn.Linear: LPLinear,
+    nn.Conv1d: LPConv1d,
+    nn.Conv2d: LPConv2d,
+}
+
+
+def lp_class_for(module: nn.Module) -> type[LPModule] | None:
+    """The LP class for a stock Linear/Conv1d/Conv2d (or a subclass); None for anything else,
+    LP modules included."""
+    if isinstance(module, LPModule):
+        return None
+    return next((lp for stock, lp in LP_CLASSES.items() if isinstance(module, stock)), None)

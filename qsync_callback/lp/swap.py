@@ -14,20 +14,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from qsync_callback.lp.modules import LPConv1d, LPConv2d, LPLinear, LPModule
+from qsync_callback.lp.modules import LP_CLASSES, LPModule, lp_class_for
 from qsync_callback.recorder.layer_ranges import layers_of
-
-_LP_CLASSES: dict[type[nn.Module], type[LPModule]] = {
-    nn.Linear: LPLinear,
-    nn.Conv1d: LPConv1d,
-    nn.Conv2d: LPConv2d,
-}
-
-
-def _lp_class(module: nn.Module) -> type[LPModule] | None:
-    if isinstance(module, LPModule):
-        return None
-    return next((lp for stock, lp in _LP_CLASSES.items() if isinstance(module, stock)), None)
 
 
 def _registrations(model: nn.Module, target: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -55,13 +43,13 @@ def swappable_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {
         name: module
         for name, module in layers_of(model).items()
-        if isinstance(module, (LPModule, *_LP_CLASSES)) and not _under_mha(model, module)
+        if isinstance(module, (LPModule, *LP_CLASSES)) and not _under_mha(model, module)
     }
 
 
 def runnable_precisions(module: nn.Module, device: torch.device | str) -> tuple[str, ...]:
     """The precisions ``module`` (a stock swappable layer or an LP module) can run on ``device``."""
-    lp_class = type(module) if isinstance(module, LPModule) else _lp_class(module)
+    lp_class = type(module) if isinstance(module, LPModule) else lp_class_for(module)
     if lp_class is None:
         raise ValueError(f"a {type(module).__name__} has no LP version")
     return lp_class.allowed_precisions(device)
@@ -76,14 +64,14 @@ def swap_to_lp(model: nn.Module, layer_names: Iterable[str] | None = None) -> di
     """
     layers = layers_of(model)
     if layer_names is None:
-        names = [n for n, m in swappable_layers(model).items() if _lp_class(m) is not None]
+        names = [n for n, m in swappable_layers(model).items() if lp_class_for(m) is not None]
     else:
         names = list(dict.fromkeys(layer_names))
         for name in names:
             module = layers.get(name)
             if module is None:
                 raise ValueError(f"{name!r} is not a layer of the model (see layers_of)")
-            if _lp_class(module) is None:
+            if lp_class_for(module) is None:
                 kind = type(module).__name__
                 raise ValueError(f"layer {name!r} is a {kind}, not a Linear, Conv1d or Conv2d")
             if _under_mha(model, module):
@@ -91,7 +79,7 @@ def swap_to_lp(model: nn.Module, layer_names: Iterable[str] | None = None) -> di
                     f"layer {name!r} belongs to an nn.MultiheadAttention, which reads its weight directly "
                     "instead of calling it: an LP version would never run"
                 )
-    swapped = {name: _lp_class(layers[name]).from_module(layers[name]) for name in names}
+    swapped = {name: lp_class_for(layers[name]).from_module(layers[name]) for name in names}
     for name, lp in swapped.items():
         _replace(model, layers[name], lp)
     return swapped

@@ -150,6 +150,27 @@ def _fastest_fit(
     return current
 
 
+def _least_memory(
+    pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction
+) -> tuple[dict[str, str], Prediction]:
+    """Each layer at the precision that alone gives the lowest predicted peak, checked by replay."""
+    least: dict[str, str] = {}
+    for (name, p), single in alone.items():
+        held = alone.get((name, least[name]), base) if name in least else base
+        if single.peak_bytes < held.peak_bytes:
+            least[name] = p
+    combined = pricer(least)
+    return (least, combined) if combined.peak_bytes <= base.peak_bytes else ({}, base)
+
+
+def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
+    """The plan with the lowest predicted peak the precisions allow (the smallest budget a plan can
+    meet), and its prediction."""
+    pricer = _Pricer(predictor)
+    alone = _single_moves(pricer, candidate_precisions(predictor, precisions))
+    return _least_memory(pricer, alone, predictor.predict())
+
+
 def _check_budget(
     pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction, budget: int | None
 ) -> None:
@@ -158,12 +179,7 @@ def _check_budget(
         return
     if budget <= 0:
         raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
-    least: dict[str, str] = {}
-    for (name, p), single in alone.items():
-        held = alone.get((name, least[name]), base) if name in least else base
-        if single.peak_bytes < held.peak_bytes:
-            least[name] = p
-    smallest = min(pricer(least).peak_bytes, base.peak_bytes)
+    smallest = _least_memory(pricer, alone, base)[1].peak_bytes
     if smallest > budget:
         raise QSyncInputError(
             f"memory budget {format_bytes(budget)} is below the smallest predicted peak "
