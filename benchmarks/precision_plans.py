@@ -9,12 +9,13 @@ speed (its default target) and for a memory budget halfway between the recorded 
 least any plan reaches, and two random
 mixed plans. Each plan then runs in a fresh process with ``QSyncCallback(mode="report",
 plan=...)``: applied at step 0 and recorded, so its measured step time (median of the unprofiled
-steps) and peak memory can be set against the prediction made from the fp32 recording. Finally
+steps; with ``--repeats N``, the median over N runs of that) and peak memory can be set against
+the prediction made from the fp32 recording. Finally
 the exact search prices every combination (when there are at most ``--exact-limit``) and the
 greedy's summed indicator is compared with the optimum under the same constraints.
 
     python benchmarks/precision_plans.py [--models mlp,cnn,transformer] [--precisions fp32,bf16,int8]
-        [--out benchmarks/results]
+        [--repeats 1] [--out benchmarks/results]
 
 fp16 is left out by default: on these CPUs an fp16 matmul is 20-40x slower than fp32 (a uniform
 fp16 MLP step takes seconds); pass it in ``--precisions`` to include it.
@@ -128,8 +129,21 @@ def _error(predicted: float, measured: float | None) -> float | None:
     return None if not measured else 100.0 * (predicted - measured) / measured
 
 
-def measure_plans(model: str, out: Path, precisions: list[str], timeout: float, limit: int) -> dict[str, Any]:
-    """Record ``model``, then run and compare every candidate plan; returns its rows."""
+def _run_plan(script: Path, args: list[str], run_dir: Path, timeout: float) -> dict[str, Any] | None:
+    """One run of a plan; its report's measured figures, or None if it failed."""
+    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
+    report_path = run_dir / "report.json"
+    if rc != 0 or not report_path.exists():
+        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        return None
+    return json.loads(report_path.read_text())["measured"]
+
+
+def measure_plans(
+    model: str, out: Path, precisions: list[str], timeout: float, limit: int, repeats: int
+) -> dict[str, Any]:
+    """Record ``model``, then run every candidate plan ``repeats`` times and compare the median of
+    the runs' measured step times (and their largest peak) with the prediction; returns the rows."""
     script = Path(__file__).resolve()
     base_dir = out / "precision_runs" / f"{model}-record"
     common = ["--worker", model, "--precisions", ",".join(precisions)]
@@ -144,38 +158,33 @@ def measure_plans(model: str, out: Path, precisions: list[str], timeout: float, 
     for i, (name, precision) in enumerate(candidate_plans(predictor, precisions)):
         plan = Plan(fingerprint=traces[0].fingerprint, precision=precision)
         predicted = predictor.predict(plan)
-        run_dir = out / "precision_runs" / f"{model}-plan{i}"
         plan_file = out / "precision_runs" / f"{model}-plan{i}.json"
         plan.save(plan_file)
         print(f"[benchmark] {model}: {name} ...", file=sys.stderr, flush=True)
-        args = [
-            *common,
-            "--worker-dir",
-            str(run_dir),
-            "--worker-mode",
-            "report",
-            "--worker-plan",
-            str(plan_file),
+        args = [*common, "--worker-mode", "report", "--worker-plan", str(plan_file)]
+        runs = [
+            _run_plan(script, args, out / "precision_runs" / f"{model}-plan{i}-r{k}", timeout)
+            for k in range(repeats)
         ]
-        rc, wall_s = launch(script, args, run_dir, timeout)
-        report_path = run_dir / "report.json"
-        if rc != 0 or not report_path.exists():
-            print(f"[benchmark] {model}: {name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        runs = [run for run in runs if run is not None]
+        if not runs:
             rows.append({"plan": name, "precision": precision, "failed": True})
             continue
-        measured = json.loads(report_path.read_text())["measured"]
+        run_ms = [run["step_ms"] for run in runs]
+        measured_ms = statistics.median(run_ms)
+        measured_peak = max(run["peak_bytes"] for run in runs)
         rows.append(
             {
                 "plan": name,
                 "precision": precision,
                 "predicted_step_ms": predicted.step_ms,
-                "measured_step_ms": measured["step_ms"],
-                "measured_spread_pct": measured["step_ms_spread_pct"],
-                "step_error_pct": _error(predicted.step_ms, measured["step_ms"]),
+                "measured_step_ms": measured_ms,
+                "measured_runs_ms": run_ms,
+                "measured_spread_pct": statistics.median(run["step_ms_spread_pct"] or 0.0 for run in runs),
+                "step_error_pct": _error(predicted.step_ms, measured_ms),
                 "predicted_peak_bytes": predicted.peak_bytes,
-                "measured_peak_bytes": measured["peak_bytes"],
-                "peak_error_pct": _error(predicted.peak_bytes, measured["peak_bytes"]),
-                "wall_s": wall_s,
+                "measured_peak_bytes": measured_peak,
+                "peak_error_pct": _error(predicted.peak_bytes, measured_peak),
             }
         )
     recorded = json.loads((base_dir / "report.json").read_text())
@@ -201,7 +210,7 @@ def _mix(precision: dict[str, str]) -> str:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | plan | layers | predicted ms | measured ms (spread) | step error | "
+        "| model | plan | layers | predicted ms | measured ms (runs; spread in a run) | step error | "
         "predicted peak MiB | measured peak MiB | peak error |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -218,7 +227,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {result['model']} | {row['plan']} | {_mix(row['precision'])} | "
                 f"{row['predicted_step_ms']:.1f} | {row['measured_step_ms']:.1f} "
-                f"({_f(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
+                f"({', '.join(f'{ms:.0f}' for ms in row['measured_runs_ms'])}; "
+                f"{_f(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
                 f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
                 f"{row['peak_error_pct']:+.1f}% |"
             )
@@ -267,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     warn_without_tcmalloc()
     args.out.mkdir(parents=True, exist_ok=True)
     results = [
-        measure_plans(name, args.out, precisions, args.timeout, args.exact_limit)
+        measure_plans(name, args.out, precisions, args.timeout, args.exact_limit, args.repeats)
         for name in args.models.split(",")
     ]
     table = markdown(results)

@@ -2,10 +2,12 @@
 
     python examples/train_horovod_tf.py                                            # 1 process
     horovodrun -np 2 -H localhost:2 --gloo python examples/train_horovod_tf.py     # 2 processes
+    python examples/train_horovod_tf.py --mode apply      # then try XLA and bf16, keep the best or roll back
 
 The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the recorded
 window rank 0 prints measured against predicted step time and writes ``<output_dir>/report.json``;
-every rank writes its trace under ``<output_dir>/trace/rank<k>/``.
+every rank writes its trace under ``<output_dir>/trace/rank<k>/``. With ``--mode apply`` rank 0 also
+writes ``plan.json`` and ``verification.json`` there, and every rank prints which step it ends with.
 """
 
 from __future__ import annotations
@@ -73,13 +75,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--steps", type=int, default=40, help="training steps")
+    parser.add_argument("--steps", type=int, help="training steps (default: until the recorder is done)")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--output-dir", default="runs/horovod_tf/qsync")
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--measure-steps", type=int, default=10)
-    parser.add_argument("--mode", choices=("record", "report"), default="report")
+    parser.add_argument("--verify-steps", type=int, default=10, help="mode apply: timed calls per trial")
+    parser.add_argument("--mode", choices=("record", "report", "apply"), default="report")
     parser.add_argument("--threads", type=int, help="TF's intra- and inter-op threads per process")
     args = parser.parse_args()
 
@@ -101,6 +104,7 @@ def main() -> None:
         measure_steps=args.measure_steps,
         mode=args.mode,
         optimizer=optimizer,
+        verify_steps=args.verify_steps,
     )
 
     @profile(recorder)
@@ -118,11 +122,14 @@ def main() -> None:
             hvd.broadcast_variables(optimizer.variables, root_rank=0)
         return loss
 
-    for step in range(args.steps):
+    steps = args.steps if args.steps is not None else recorder.total_calls + 2
+    for step in range(steps):
         x, y = batches[step % len(batches)]
         loss = train_step(x, y, step == 0)
+    if args.mode == "apply":
+        print(f"rank {hvd.rank()}: qsync applied {recorder.active}", flush=True)
     if hvd.rank() == 0:
-        print(f"step {args.steps}: loss {float(loss):.4f}", flush=True)
+        print(f"step {steps}: loss {float(loss):.4f}", flush=True)
 
 
 if __name__ == "__main__":

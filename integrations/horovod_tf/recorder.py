@@ -18,7 +18,9 @@ unchanged. Call by call, counted from 0:
   beside it in ``profile/`` (a TensorBoard log directory, one run per recorded step);
 - ``measure_steps`` more calls are timed, then every rank saves its trace with the measured step
   times, and in mode "report" rank 0 gathers all ranks' traces, prints the summary and writes
-  ``<output_dir>/report.json``, as the Lightning callback does.
+  ``<output_dir>/report.json``, as the Lightning callback does;
+- in mode "apply", after the report, the next calls try XLA and bfloat16 mixed precision on the live
+  run, measure them against the original step and keep the best or roll back (see `apply`).
 
 Ranks meet (one Horovod all-reduce of a flag) when a profiler session opens and when it closes,
 and before the report. Each opening meeting is followed by a ``qsync::clock_sync`` mark (see
@@ -52,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from qsync_callback.fail_safe import FailSafe
+from qsync_callback.integrations.horovod_tf.apply import BASELINE, AmpOption, Trials, make_trials
 from qsync_callback.recorder.kineto import CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step, Trace, rank_trace_path
 from qsync_callback.recorder.xspace import (
@@ -64,7 +67,7 @@ from qsync_callback.recorder.xspace import (
 )
 from qsync_callback.report import REPORT_FILE, build_report, format_summary, write_report
 
-MODES = ("record", "report")
+MODES = ("record", "report", "apply")
 COLD_STEPS = 2
 PROFILE_DIR = "profile"
 WARMUP_RUN = "warmup"
@@ -85,9 +88,11 @@ class Recorder:
         warmup_steps: calls before the recorded window (at least 2).
         profile_steps: calls recorded under the profiler (at least 1).
         measure_steps: unprofiled calls timed after the window.
-        mode: "record" (write traces only) or "report" (also predict, print and write report.json).
+        mode: "record" (write traces only), "report" (also predict, print and write report.json) or
+            "apply" (also try plans on the live run, keep the best or roll back; see `apply`).
         optimizer: the optimizer the step applies (default: ``model.optimizer`` if compiled); its
             variables count as resident memory and its name scope marks update ops.
+        verify_steps: in mode "apply", timed calls of the baseline and of each candidate (at least 1).
     """
 
     def __init__(
@@ -101,11 +106,14 @@ class Recorder:
         mode: str = "report",
         *,
         optimizer: Any = None,
+        verify_steps: int = 10,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if warmup_steps < 2 or profile_steps < 1 or measure_steps < 0:
             raise ValueError("need warmup_steps >= 2, profile_steps >= 1 and measure_steps >= 0")
+        if verify_steps < 1:
+            raise ValueError("need verify_steps >= 1")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
         if model is not None and not hasattr(model, "layers"):
@@ -117,6 +125,7 @@ class Recorder:
         self.profile_steps = profile_steps
         self.measure_steps = measure_steps
         self.mode = mode
+        self.verify_steps = verify_steps
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.trace: Trace | None = None
         self.report: dict[str, Any] | None = None
@@ -133,6 +142,9 @@ class Recorder:
         self._fingerprint: dict[str, Any] = {}
         self._resident: dict[str, int] = {}
         self._layers: list[dict[str, Any]] = []
+        self._amp = AmpOption()
+        self._trials: Trials | None = None  # mode "apply": running, then decided
+        self._applied: Callable | None = None  # the kept candidate's step function
 
     # ----------------------------------------------------------------- schedule
 
@@ -151,6 +163,26 @@ class Recorder:
         """Why the recorder stepped aside, or None."""
         return self._safe.cause
 
+    @property
+    def total_calls(self) -> int:
+        """Calls until the recorder is done: the window, and in mode "apply" the trials too."""
+        calls = self.recorded_steps[-1] + self.measure_steps + 1
+        if self.mode == "apply":
+            calls += self.verify_steps + 2 * (self.verify_steps + 2)
+        return calls
+
+    @property
+    def active(self) -> str:
+        """Which step function runs now: "baseline" (the original) or the kept candidate's name."""
+        if self._trials is None or self._trials.chosen is None:
+            return BASELINE
+        return self._trials.chosen.name
+
+    @property
+    def verification(self) -> dict[str, Any] | None:
+        """Mode "apply", rank 0, once decided: the figures and the decision (as in verification.json)."""
+        return self._trials.verification if self._trials is not None else None
+
     def _timed(self, step: int) -> bool:
         last = self.recorded_steps[-1]
         if step < self.warmup_steps - 1:
@@ -164,8 +196,10 @@ class Recorder:
 
     def run_step(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run one call of the decorated train step (see `profile`); returns its result unchanged."""
+        if self._trials is not None and not self._trials.done and self._safe.ok:
+            return self._trial_step(fn, args, kwargs)
         if self._finished:
-            return fn(*args, **kwargs)
+            return (self._applied or fn)(*args, **kwargs)
         step = self._calls
         self._calls += 1
         self._before(step, args, kwargs)
@@ -313,6 +347,29 @@ class Recorder:
         if self.rank == 0 and texts is not None:
             self._safe.run(self._report, texts)
         self._finished = True
+        if self.mode == "apply" and self._agree():
+            self._trials = self._safe.run(self._make_trials)
+
+    # ----------------------------------------------------------------- mode "apply"
+
+    def _make_trials(self) -> Trials:
+        layers = [layer["name"] for layer in self._layers]
+        trials = make_trials(self._step_fn, layers, self._fingerprint, self._amp)
+        return Trials(trials, self.verify_steps, self.rank, self.world_size, self.output_dir, self._amp)
+
+    def _trial_step(self, fn: Callable, args: Sequence, kwargs: Mapping) -> Any:
+        """One call during the trials; after the last one, decide and switch (every rank at once)."""
+        try:
+            result = self._trials.step(fn, args, kwargs)
+        except Exception as exc:
+            self._safe.fail(f"the train step raised {type(exc).__name__}: {exc}")
+            raise
+        if self._trials.done:
+            chosen = self._safe.run(self._trials.decide)
+            if chosen is None:
+                self._trials.chosen = None  # back to the original step and TF's options (see close)
+            self._applied = chosen.fn if chosen and chosen.name != BASELINE else None
+        return result
 
     def _report(self, texts: list[str]) -> None:
         traces = [Trace.from_dict(json.loads(t), source=f"rank {i} trace") for i, t in enumerate(texts)]
@@ -349,7 +406,10 @@ class Recorder:
             return None
 
     def close(self) -> None:
-        """Stop this recorder's profiler session if one is running; safe to call at any time."""
+        """Stop this recorder's profiler session if one is running, and put back the original step
+        and TF's options if trials were under way; safe to call at any time."""
+        if self._applied is None:
+            self._amp.restore()
         if self._session is not None:
             self._session = None
             try:
