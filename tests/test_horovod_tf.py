@@ -174,8 +174,8 @@ def test_bad_input_is_refused_at_decoration_time(keras, tmp_path):
     profile(recorder)(train_step)
     with pytest.raises(ValueError, match="already profiles another train step"):
         profile(recorder)(lambda: None)
-    with pytest.raises(ValueError, match="mode must be one of record, report"):
-        Recorder(mode="apply")
+    with pytest.raises(ValueError, match="mode must be one of record, report, apply"):
+        Recorder(mode="replay")
     with pytest.raises(ValueError, match="warmup_steps >= 2"):
         Recorder(warmup_steps=1)
     with pytest.raises(TypeError, match="model must be a Keras model, not str"):

@@ -11,6 +11,10 @@ each candidate ``CANDIDATE_WARMUP`` untimed calls (tracing, compiling) then ``ve
 Each call returns the result of the function that ran, unchanged. A candidate is priced by these
 measurements ("measured candidate", not an estimate). A candidate that raises warns once, and that
 call and the rest of its turn run the original step; one whose result stops being finite is out.
+After its first call, the bf16 candidate's graph is run through TF's graph optimizer to count the
+ops the rewrite turned to bfloat16 (``evidence`` in verification.json); if there are none (a CPU
+without bfloat16 support), it is out. Horovod's collectives have no XLA kernels on CPU: on a step
+that all-reduces through Horovod the XLA candidate fails to compile, and is out.
 
 Then rank 0 decides on the slowest rank's medians (one all-reduce) and broadcasts its choice, so that
 every rank switches at the same call: the fastest candidate is kept only if it is more than
@@ -39,6 +43,9 @@ from qsync_callback.plan import Plan
 from qsync_callback.verify import SLOWER_TOLERANCE
 
 CANDIDATE_WARMUP = 2
+XLA = "xla"
+AMP = "amp_bf16"
+CANDIDATES = (XLA, AMP)
 AMP_OPTION = "auto_mixed_precision_onednn_bfloat16"
 BASELINE = "baseline"
 PLAN_FILE = "plan.json"
@@ -128,12 +135,12 @@ def make_trials(
     return [
         Trial(BASELINE, Plan.empty(fingerprint), lambda: fn, warmup=0),
         Trial(
-            "xla",
+            XLA,
             Plan(fingerprint=dict(fingerprint), fused_regions=[names] if names else []),
             lambda: tf.function(py, jit_compile=True),
         ),
         Trial(
-            "amp_bf16",
+            AMP,
             Plan(fingerprint=dict(fingerprint), precision=dict.fromkeys(names, "bf16")),
             amp_step,
             inspect=bf16_op_counts,
@@ -212,7 +219,7 @@ class Trials:
 
     def _failed(self, trial: Trial, error: str) -> None:
         trial.error = error
-        if trial.name == "amp_bf16":
+        if trial.name == AMP:
             self.amp.restore()
         warnings.warn(
             f"qsync Recorder: candidate {trial.name} failed ({trial.error}); this run goes on with the"
@@ -238,7 +245,7 @@ class Trials:
                 hvd.broadcast(tf.constant(choice, tf.int32), root_rank=0, name="qsync.choice").numpy()
             )
         self.chosen = self.trials[choice]
-        if self.chosen.name != "amp_bf16":
+        if self.chosen.name != AMP:
             self.amp.restore()
         if self.rank == 0:
             self._write(medians, out, reason)

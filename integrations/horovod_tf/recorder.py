@@ -54,7 +54,14 @@ import numpy as np
 import tensorflow as tf
 
 from qsync_callback.fail_safe import FailSafe
-from qsync_callback.integrations.horovod_tf.apply import BASELINE, AmpOption, Trials, make_trials
+from qsync_callback.integrations.horovod_tf.apply import (
+    BASELINE,
+    CANDIDATE_WARMUP,
+    CANDIDATES,
+    AmpOption,
+    Trials,
+    make_trials,
+)
 from qsync_callback.recorder.kineto import CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step, Trace, rank_trace_path
 from qsync_callback.recorder.xspace import (
@@ -168,7 +175,7 @@ class Recorder:
         """Calls until the recorder is done: the window, and in mode "apply" the trials too."""
         calls = self.recorded_steps[-1] + self.measure_steps + 1
         if self.mode == "apply":
-            calls += self.verify_steps + 2 * (self.verify_steps + 2)
+            calls += self.verify_steps + len(CANDIDATES) * (self.verify_steps + CANDIDATE_WARMUP)
         return calls
 
     @property

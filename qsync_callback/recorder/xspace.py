@@ -185,7 +185,10 @@ def convert_xspace(
     host events named ``step_name`` that carry a ``step_num`` stat. Times are microseconds on the
     profile's clock. Raises ValueError if the profile has no host plane or no step.
     """
-    host = next((p for p in space.planes if p.name.startswith("/host:")), None)
+    # "/host:CPU" holds the ops; once XLA has compiled anything in the process, a "/host:metadata"
+    # plane comes first
+    hosts = [p for p in space.planes if p.name.startswith("/host:")]
+    host = next((p for p in hosts if p.name == "/host:CPU"), hosts[0] if hosts else None)
     if host is None:
         raise ValueError("no host plane in the profile")
     lines = _plane_events(host)
