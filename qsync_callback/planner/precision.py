@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from qsync_callback.errors import QSyncInputError
@@ -99,16 +99,29 @@ def _single_moves(pricer: _Pricer, candidates: Mapping[str, list[str]]) -> dict[
     return {(name, p): pricer({name: p}) for name, options in candidates.items() for p in options[1:]}
 
 
-def _fastest(
-    pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction
+def _best_alone(
+    pricer: _Pricer,
+    alone: Mapping[tuple[str, str], Prediction],
+    base: Prediction,
+    figure: Callable[[Prediction], float],
 ) -> tuple[dict[str, str], Prediction]:
+    """Each layer at the precision whose move alone gives the lowest ``figure`` (step time, peak),
+    the combination checked by replay; the recorded configuration if that is lower still."""
     choice: dict[str, str] = {}
     for (name, p), single in alone.items():
         held = alone.get((name, choice[name]), base) if name in choice else base
-        if single.step_ms < held.step_ms:
+        if figure(single) < figure(held):
             choice[name] = p
     combined = pricer(choice)
-    return (choice, combined) if combined.step_ms <= base.step_ms else ({}, base)
+    return (choice, combined) if figure(combined) <= figure(base) else ({}, base)
+
+
+def _step_ms(prediction: Prediction) -> float:
+    return prediction.step_ms
+
+
+def _peak_bytes(prediction: Prediction) -> float:
+    return prediction.peak_bytes
 
 
 def fastest_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
@@ -116,7 +129,7 @@ def fastest_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[
     returns the choice and its prediction (the recorded configuration if that is faster)."""
     pricer = _Pricer(predictor)
     alone = _single_moves(pricer, candidate_precisions(predictor, precisions))
-    return _fastest(pricer, alone, predictor.predict())
+    return _best_alone(pricer, alone, predictor.predict(), _step_ms)
 
 
 def _fastest_fit(
@@ -150,25 +163,12 @@ def _fastest_fit(
     return current
 
 
-def _least_memory(
-    pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction
-) -> tuple[dict[str, str], Prediction]:
-    """Each layer at the precision that alone gives the lowest predicted peak, checked by replay."""
-    least: dict[str, str] = {}
-    for (name, p), single in alone.items():
-        held = alone.get((name, least[name]), base) if name in least else base
-        if single.peak_bytes < held.peak_bytes:
-            least[name] = p
-    combined = pricer(least)
-    return (least, combined) if combined.peak_bytes <= base.peak_bytes else ({}, base)
-
-
 def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
     """The plan with the lowest predicted peak the precisions allow (the smallest budget a plan can
     meet), and its prediction."""
     pricer = _Pricer(predictor)
     alone = _single_moves(pricer, candidate_precisions(predictor, precisions))
-    return _least_memory(pricer, alone, predictor.predict())
+    return _best_alone(pricer, alone, predictor.predict(), _peak_bytes)
 
 
 def _check_budget(
@@ -179,7 +179,7 @@ def _check_budget(
         return
     if budget <= 0:
         raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
-    smallest = _least_memory(pricer, alone, base)[1].peak_bytes
+    smallest = _best_alone(pricer, alone, base, _peak_bytes)[1].peak_bytes
     if smallest > budget:
         raise QSyncInputError(
             f"memory budget {format_bytes(budget)} is below the smallest predicted peak "
@@ -207,7 +207,7 @@ def allocate_precision(
     alone = _single_moves(pricer, candidates)
     _check_budget(pricer, alone, base, memory_budget)
     if max_step_ms is None:
-        fastest_choice, fastest = _fastest(pricer, alone, base)
+        fastest_choice, fastest = _best_alone(pricer, alone, base, _step_ms)
         if memory_budget is not None and fastest.peak_bytes > memory_budget:
             fastest = _fastest_fit(pricer, alone, base, fastest_choice, fastest, memory_budget)
         max_step_ms = fastest.step_ms * (1 + DEFAULT_SLACK)
