@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", default="fp32,bf16,int8")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per plan (median of their medians)")
     parser.add_argument(
         "--exact-limit", type=int, default=4096, help="most combinations the exact search prices"
     )

@@ -146,8 +146,9 @@ def _unseen_gradient_frees(trace: Trace, lives: list[TensorLife]) -> list[Tensor
     they were freed in it. The profiler reports a free only for a block it saw allocated, and the
     old gradients were allocated in the step before, outside the session: so many of those frees are
     missing, and more or fewer of them from run to run (a freed address reused in a session becomes
-    known). The missing bytes (gradients replaced, less the resident frees reported) are freed at the
-    start of the step's first backward op, where the training loop zeroes the gradients at the latest.
+    known). Each new gradient replaced an old one of its size: those with no reported free of that
+    size before the backward (where the training loop zeroes the gradients at the latest; a
+    resident block freed later is something else) are freed at the start of the first backward op.
     """
     resident = trace.resident_bytes.get("gradients", 0)
     if not resident:
@@ -158,16 +159,25 @@ def _unseen_gradient_frees(trace: Trace, lives: list[TensorLife]) -> list[Tensor
             op.step not in first_backward or op.start_us < first_backward[op.step].start_us
         ):
             first_backward[op.step] = op
-    replaced: dict[int, int] = defaultdict(int)
-    reported: dict[int, int] = defaultdict(int)
+    replaced: dict[int, list[int]] = defaultdict(list)
+    reported: dict[int, list[int]] = defaultdict(list)
     for life in lives:
         if life.category == "gradients" and life.death_us is None:
-            replaced[life.step] += life.bytes
-        elif life.category == "resident":
-            reported[life.step] += life.bytes
+            replaced[life.step].append(life.bytes)
+        elif life.category == "resident" and life.step in first_backward:
+            if life.death_us < first_backward[life.step].start_us:  # zeroed before the backward
+                reported[life.step].append(life.bytes)
     unseen = []
     for step, op in first_backward.items():
-        missing = min(resident, replaced[step]) - reported[step]
+        # each new gradient replaced an old one of its size: the old ones whose free was not seen
+        frees = sorted(reported[step])
+        missing = 0
+        for nbytes in replaced[step]:
+            if nbytes in frees:
+                frees.remove(nbytes)
+            else:
+                missing += nbytes
+        missing = min(missing, resident)
         if missing > 0:
             unseen.append(TensorLife(-1, missing, step, None, op.start_us, None, op, "resident"))
     return unseen
