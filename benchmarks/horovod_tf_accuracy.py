@@ -16,17 +16,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from runs import stderr_tail, subprocess_env
+from runs import launch_command, stderr_tail
 
 from qsync_callback.jsonio import read_json
 
@@ -37,9 +33,6 @@ TIMEOUT_S = 300.0
 
 def run(model: str, procs: int, batch_size: int, run_dir: Path) -> tuple[int, float]:
     """One run of the example; returns (exit code, wall seconds). Logs go into ``run_dir``."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
     example = [sys.executable, str(EXAMPLE), "--model", model, "--batch-size", str(batch_size)]
     threads = max(1, (os.cpu_count() or 1) // procs)  # one process per core share: no oversubscription
     example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync")]
@@ -47,16 +40,7 @@ def run(model: str, procs: int, batch_size: int, run_dir: Path) -> tuple[int, fl
     if procs > 1:
         horovodrun = str(Path(sys.executable).with_name("horovodrun"))
         cmd = [horovodrun, "-np", str(procs), "-H", f"localhost:{procs}", "--gloo", *example]
-    start = time.perf_counter()
-    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(), start_new_session=True)
-        try:
-            rc = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = 124
-    return rc, time.perf_counter() - start
+    return launch_command(cmd, run_dir, TIMEOUT_S)
 
 
 def _version(*distributions: str) -> str | None:

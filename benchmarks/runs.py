@@ -33,15 +33,19 @@ def warn_without_tcmalloc() -> None:
 
 
 def launch(script: Path, args: list[str], run_dir: Path, timeout_s: float) -> tuple[int, float]:
-    """Run ``python script args`` in a fresh subprocess, in an emptied ``run_dir``; returns (exit
-    code, wall seconds). Output goes to ``run_dir/stdout.log`` and ``run_dir/stderr.log``."""
+    """Run ``python script args`` in a fresh subprocess (see `launch_command`)."""
+    return launch_command([sys.executable, str(script), *args], run_dir, timeout_s)
+
+
+def launch_command(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[int, float]:
+    """Run ``cmd`` in a fresh subprocess, in an emptied ``run_dir``; returns (exit code, wall
+    seconds). Output goes to ``run_dir/stdout.log`` and ``run_dir/stderr.log``."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, str(script), *args]
     start = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        # its own session, so that a timeout also ends the DDP launcher's other rank
+        # its own session, so that a timeout also ends the other ranks it started
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(), start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
