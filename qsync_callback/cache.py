@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Plan, fingerprint_key, fingerprint_mismatches
+from qsync_callback.plan import Plan, fingerprint_key
 
 PLANS_DIR = "plans"
 
@@ -58,7 +58,8 @@ def cached_plan(
         plan = Plan.load(path)
     except QSyncInputError as error:
         return None, f"the kept plan cannot be read ({error})"
-    mismatches = fingerprint_mismatches(plan.fingerprint, fingerprint)
-    if mismatches:
-        return None, f"the kept plan {path} was made for another run: {'; '.join(mismatches[:3])}"
+    try:
+        plan.check_for(fingerprint, source=f"the kept plan {path}")
+    except QSyncInputError as error:
+        return None, str(error)
     return plan, None

@@ -219,6 +219,19 @@ class Plan:
 
     # --- checks ------------------------------------------------------------------------------
 
+    def check_for(
+        self, fingerprint: Mapping[str, Any], layers: Iterable[str] | None = None, source: str = "<plan>"
+    ) -> None:
+        """Raise QSyncInputError if the plan was made for another run than ``fingerprint`` describes
+        (`fingerprint_mismatches`) or names layers not in ``layers`` (`validate_for`; None: the
+        fingerprint's ``layers``, if it lists them)."""
+        mismatches = fingerprint_mismatches(self.fingerprint, fingerprint)
+        if mismatches:
+            raise QSyncInputError(f"{source}: made for another run ({'; '.join(mismatches[:3])})")
+        layers = fingerprint.get("layers") if layers is None else layers
+        if layers:
+            self.validate_for(layers, source=source)
+
     def validate_for(self, layers: Iterable[str], source: str = "<plan>") -> None:
         """Raise QSyncInputError if precision, activation or fused_regions name layers not in `layers`.
 

@@ -43,7 +43,7 @@ from qsync_callback.cache import cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
 from qsync_callback.lp.swap import apply_precision_plan, restore
-from qsync_callback.plan import PRECISIONS, Plan, fingerprint_mismatches
+from qsync_callback.plan import PRECISIONS, Plan
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.recorder.trace import Trace, rank_trace_path
@@ -430,10 +430,10 @@ class QSyncCallback(pl.Callback):
     def _find_start_plan(self) -> str:
         """Rank 0: the JSON of the plan to apply at step 0, or "" if there is none. A given plan
         that cannot be applied raises QSyncInputError; a kept one only says why it is not used."""
-        if self._resume_plan is not None:
-            plan, source = self._resume_plan, "the checkpoint"
-        elif self.plan_path is not None:
-            plan, source = Plan.load(self.plan_path), str(self.plan_path)
+        if self._resume_plan is not None or self.plan_path is not None:
+            plan = self._resume_plan or Plan.load(self.plan_path)
+            source = "the checkpoint's plan" if self._resume_plan is not None else str(self.plan_path)
+            plan.check_for(self._fingerprint, source=source)
         else:
             plan, why_not = (
                 cached_plan(self._fingerprint, self.plan_cache_dir) if self.use_plan_cache else (None, None)
@@ -443,12 +443,6 @@ class QSyncCallback(pl.Callback):
             if plan is None:
                 return ""
             source = "the plan cache"
-        problem = _plan_problem(plan, self._fingerprint)
-        if problem:
-            if source == "the plan cache":
-                rank_zero_info(f"qsync: not applying the kept plan: {problem}; planning afresh")
-                return ""
-            raise QSyncInputError(f"the plan from {source} cannot be applied: {problem}")
         rank_zero_info(f"qsync: applying the plan from {source}")
         return plan.to_json()
 
@@ -484,17 +478,6 @@ class QSyncCallback(pl.Callback):
                 warnings.warn(
                     f"QSyncCallback could not stop the profiler: {exc}", RuntimeWarning, stacklevel=2
                 )
-
-
-def _plan_problem(plan: Plan, fingerprint: Mapping[str, Any]) -> str | None:
-    """Why ``plan`` cannot be applied to this run (another run's plan, or undefined layers), or None."""
-    mismatches = fingerprint_mismatches(plan.fingerprint, fingerprint)
-    if mismatches:
-        return f"made for another run ({'; '.join(mismatches[:3])})"
-    unknown = [name for name in plan.precision if name not in fingerprint.get("layers", [])]
-    if unknown:
-        return f"names layers not in the model: {', '.join(unknown[:5])}"
-    return None
 
 
 def _parse_traces(texts: list[str]) -> list[Trace]:

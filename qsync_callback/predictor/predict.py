@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Plan, fingerprint_mismatches
+from qsync_callback.plan import Plan
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import predict_memory, tensor_lifetimes
 from qsync_callback.predictor.precision import apply_precision, check_precision_plan, precision_lives
@@ -44,12 +44,7 @@ class Prediction:
 
 def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> None:
     """Refuse a plan made for another run, or with decisions this version cannot price."""
-    mismatches = fingerprint_mismatches(plan.fingerprint, traces[0].fingerprint)
-    if mismatches:
-        raise QSyncInputError(f"{source}: made for another run ({'; '.join(mismatches[:3])})")
-    layers = [layer["name"] for layer in traces[0].layers]
-    if layers:
-        plan.validate_for(layers, source=source)
+    plan.check_for(traces[0].fingerprint, [layer["name"] for layer in traces[0].layers], source=source)
     unpriced = [
         name
         for name, decisions in (
