@@ -2,10 +2,13 @@
 
 A `Plan` holds every decision the tool makes for a training run: per-layer precision, gradient
 buckets, fused (compiled-together) regions and what to do with each layer's activations (keep,
-offload, recompute). The planner proposes plans, the predictor prices them (the chosen plan keeps
-the prediction it was chosen on), and the integrations enact them on the real run. A plan also
-carries a fingerprint of what it was made for (model structure, layers, batch shapes, device,
-world size, library versions), so a run can tell when a stored plan no longer fits.
+offload, recompute). For frameworks whose mixed precision is a graph rewrite chosen by op type
+(TensorFlow's auto-mixed-precision lists) it holds a precision per op type, and for collective
+libraries with global knobs (Horovod) their communication settings. The planner proposes plans,
+the predictor prices them (the chosen plan keeps the prediction it was chosen on), and the
+integrations enact them on the real run. A plan also carries a fingerprint of what it was made for
+(model structure, layers, batch shapes, device, world size, library versions), so a run can tell
+when a stored plan no longer fits.
 
 On disk a plan is versioned JSON (`{"format": "qsync-plan", "version": 1, ...}`), validated
 strictly when read. It is never pickled and never eval'd: loading a plan cannot run code.
@@ -28,8 +31,22 @@ PLAN_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8")
 FULL_PRECISION = "fp32"  # what a layer runs at when a plan says nothing about it
 ACTIVATION_POLICIES = ("keep", "offload", "recompute")
+# communication settings a plan may hold: name -> (type, what it is); both apply to a whole run
+COMMUNICATION_SETTINGS = {
+    "fusion_threshold_bytes": (int, "the largest fused gradient buffer, bytes (0: no fusion)"),
+    "cycle_time_ms": (float, "how long the communication thread waits to fuse tensors, ms"),
+}
 
-_FIELDS = ("fingerprint", "precision", "buckets", "fused_regions", "activation", "prediction")
+_FIELDS = (
+    "fingerprint",
+    "precision",
+    "op_precision",
+    "buckets",
+    "fused_regions",
+    "activation",
+    "communication",
+    "prediction",
+)
 _TOP_LEVEL_KEYS = ("format", "version", *_FIELDS)
 _MAX_LISTED = 5
 
@@ -51,11 +68,13 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _check_str_map(value: Any, name: str, allowed: tuple[str, ...], what: str, source: str) -> dict[str, str]:
-    """Validate an object of layer name -> one of `allowed`; return a copy."""
+def _check_str_map(
+    value: Any, name: str, allowed: tuple[str, ...], what: str, source: str, key_kind: str = "layer"
+) -> dict[str, str]:
+    """Validate an object of name (a layer, or `key_kind`) -> one of `allowed`; return a copy."""
     if not isinstance(value, Mapping):
         raise QSyncInputError(
-            f"{source}: {name} is {_type_name(value)}; expected an object of layer -> {what}"
+            f"{source}: {name} is {_type_name(value)}; expected an object of {key_kind} -> {what}"
         )
     choices = ", ".join(allowed)
     out: dict[str, str] = {}
@@ -64,10 +83,12 @@ def _check_str_map(value: Any, name: str, allowed: tuple[str, ...], what: str, s
             raise QSyncInputError(f"{source}: {name} has a non-string key {key!r}")
         if not isinstance(item, str):
             raise QSyncInputError(
-                f"{source}: {what} of layer {key!r} is {_type_name(item)}; expected one of {choices}"
+                f"{source}: {what} of {key_kind} {key!r} is {_type_name(item)}; expected one of {choices}"
             )
         if item not in allowed:
-            raise QSyncInputError(f"{source}: {what} of layer {key!r} is {item!r}; expected one of {choices}")
+            raise QSyncInputError(
+                f"{source}: {what} of {key_kind} {key!r} is {item!r}; expected one of {choices}"
+            )
         out[key] = item
     return out
 
@@ -86,6 +107,24 @@ def _check_groups(value: Any, name: str, source: str) -> list[list[str]]:
             if not isinstance(item, str):
                 raise QSyncInputError(f"{source}: {name}[{i}][{j}] is {_type_name(item)}; expected a string")
         out.append(list(group))
+    return out
+
+
+def _check_communication(value: Any, source: str) -> dict[str, int | float]:
+    """Validate communication settings (`COMMUNICATION_SETTINGS`): known names, non-negative numbers."""
+    if not isinstance(value, Mapping):
+        raise QSyncInputError(f"{source}: communication is {_type_name(value)}; expected an object")
+    out: dict[str, int | float] = {}
+    for key, item in value.items():
+        if key not in COMMUNICATION_SETTINGS:
+            known = ", ".join(COMMUNICATION_SETTINGS)
+            raise QSyncInputError(f"{source}: unknown communication setting {key!r}; expected {known}")
+        kind, what = COMMUNICATION_SETTINGS[key]
+        number = isinstance(item, (int, float)) and not isinstance(item, bool)
+        if not number or (kind is int and not isinstance(item, int)) or item < 0 or item != item:
+            expected = "a non-negative integer" if kind is int else "a non-negative number"
+            raise QSyncInputError(f"{source}: communication {key} ({what}) is {item!r}; expected {expected}")
+        out[key] = kind(item)
     return out
 
 
@@ -114,9 +153,11 @@ class Plan:
 
     fingerprint: dict[str, Any] = field(default_factory=dict)
     precision: dict[str, str] = field(default_factory=dict)
+    op_precision: dict[str, str] = field(default_factory=dict)  # op type -> precision (TF's AMP lists)
     buckets: list[list[str]] = field(default_factory=list)
     fused_regions: list[list[str]] = field(default_factory=list)
     activation: dict[str, str] = field(default_factory=dict)
+    communication: dict[str, int | float] = field(default_factory=dict)  # COMMUNICATION_SETTINGS
     prediction: dict[str, Any] | None = None
     version: int = PLAN_VERSION
 
@@ -128,7 +169,14 @@ class Plan:
     @property
     def is_empty(self) -> bool:
         """True when the plan changes nothing (fingerprint and prediction are not decisions)."""
-        return not (self.precision or self.buckets or self.fused_regions or self.activation)
+        return not (
+            self.precision
+            or self.op_precision
+            or self.buckets
+            or self.fused_regions
+            or self.activation
+            or self.communication
+        )
 
     # --- dict / JSON -------------------------------------------------------------------------
 
@@ -139,9 +187,11 @@ class Plan:
             "version": self.version,
             "fingerprint": _canonical(self.fingerprint),
             "precision": dict(self.precision),
+            "op_precision": dict(self.op_precision),
             "buckets": [list(bucket) for bucket in self.buckets],
             "fused_regions": [list(region) for region in self.fused_regions],
             "activation": dict(self.activation),
+            "communication": dict(self.communication),
             "prediction": _canonical(self.prediction) if self.prediction is not None else None,
         }
 
@@ -182,11 +232,15 @@ class Plan:
         return cls(
             fingerprint=_check_object(data.get("fingerprint", {}), "fingerprint", source),
             precision=_check_str_map(data.get("precision", {}), "precision", PRECISIONS, "precision", source),
+            op_precision=_check_str_map(
+                data.get("op_precision", {}), "op_precision", PRECISIONS, "precision", source, "op type"
+            ),
             buckets=_check_groups(data.get("buckets", []), "buckets", source),
             fused_regions=_check_groups(data.get("fused_regions", []), "fused_regions", source),
             activation=_check_str_map(
                 data.get("activation", {}), "activation", ACTIVATION_POLICIES, "activation policy", source
             ),
+            communication=_check_communication(data.get("communication", {}), source),
             prediction=None if prediction is None else _check_object(prediction, "prediction", source),
             version=version,
         )

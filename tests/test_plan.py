@@ -34,9 +34,11 @@ def make_plan() -> Plan:
     return Plan(
         fingerprint=dict(FINGERPRINT),
         precision={"fc1": "bf16", "fc2": "fp16", "head": "fp32"},
+        op_precision={"MatMul": "bf16", "Softmax": "fp32"},
         buckets=[["fc1.weight", "fc1.bias"], ["fc2.weight"]],
         fused_regions=[["fc1", "fc2"]],
         activation={"fc1": "recompute", "fc2": "offload", "head": "keep"},
+        communication={"fusion_threshold_bytes": 1 << 20, "cycle_time_ms": 2.5},
         prediction={"step_ms": 12.5, "peak_bytes": 1_000_000},
     )
 
@@ -101,9 +103,11 @@ def test_to_dict_shape() -> None:
         "version": 1,
         "fingerprint": FINGERPRINT,
         "precision": {"fc1": "bf16", "fc2": "fp16", "head": "fp32"},
+        "op_precision": {"MatMul": "bf16", "Softmax": "fp32"},
         "buckets": [["fc1.weight", "fc1.bias"], ["fc2.weight"]],
         "fused_regions": [["fc1", "fc2"]],
         "activation": {"fc1": "recompute", "fc2": "offload", "head": "keep"},
+        "communication": {"fusion_threshold_bytes": 1 << 20, "cycle_time_ms": 2.5},
         "prediction": {"step_ms": 12.5, "peak_bytes": 1_000_000},
     }
 
@@ -288,6 +292,12 @@ def test_unknown_decision_value(tmp_path, field, layer, value, expected) -> None
         ("buckets", [[]], r"buckets\[0\] is empty"),
         ("fused_regions", "fc1,fc2", "fused_regions is a string; expected a list of lists"),
         ("fused_regions", [["fc1", None]], r"fused_regions\[0\]\[1\] is null; expected a string"),
+        ("op_precision", {"MatMul": "fp8"}, "precision of op type 'MatMul' is 'fp8'; expected one of"),
+        ("communication", [1], "communication is a list; expected an object"),
+        ("communication", {"threshold": 1}, "unknown communication setting 'threshold'; expected"),
+        ("communication", {"fusion_threshold_bytes": 1.5}, "communication fusion_threshold_bytes .* is 1.5"),
+        ("communication", {"cycle_time_ms": -1}, r"communication cycle_time_ms .* is -1; expected a non-neg"),
+        ("communication", {"cycle_time_ms": True}, "communication cycle_time_ms .* is True"),
         ("prediction", 12.5, "prediction is a number; expected an object"),
         ("prediction", [1, 2], "prediction is a list; expected an object"),
     ],

@@ -48,9 +48,11 @@ def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> N
     unpriced = [
         name
         for name, decisions in (
+            ("op_precision", plan.op_precision),
             ("buckets", plan.buckets),
             ("fused_regions", plan.fused_regions),
             ("activation", plan.activation),
+            ("communication", plan.communication),
         )
         if decisions
     ]
