@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--memory-budget", default=None, help="mode apply: e.g. 2GB (default: none)")
     parser.add_argument("--max-step-time", type=float, default=None, help="mode apply: seconds per step")
     parser.add_argument("--precisions", default="fp32,bf16,fp16,int8", help="mode apply: allowed precisions")
+    parser.add_argument(
+        "--best-effort", action="store_true", help="mode apply: take the closest plan if none fits"
+    )
     parser.add_argument("--plan", default=None, help="a plan file to apply from step 0")
     parser.add_argument("--no-plan-cache", action="store_true", help="neither use nor keep cached plans")
     parser.add_argument("--output-dir", default=None, help="default: <log_dir>/qsync")
@@ -85,6 +88,7 @@ def main() -> None:
                 memory_budget=args.memory_budget,
                 max_step_time=args.max_step_time,
                 precisions=args.precisions.split(","),
+                best_effort=args.best_effort,
                 plan=args.plan,
                 plan_cache=not args.no_plan_cache,
             )

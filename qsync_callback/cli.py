@@ -3,7 +3,7 @@
     qsync report  TRACE_DIR [--json] [--top N]     measured vs predicted, per-op statistics
     qsync predict TRACE_DIR [--plan PLAN] [--json]  the prediction for a plan (default: as recorded)
     qsync plan    TRACE_DIR [--memory-budget 6GB] [--max-step-ms MS] [--precisions fp32,bf16,...]
-                  [--out PLAN]                      choose a per-layer precision plan
+                  [--best-effort] [--out PLAN]      choose a per-layer precision plan
 
 ``qsync plan`` needs a trace recorded with ``QSyncCallback(mode="apply")`` (it carries the
 per-precision probes and the indicator's statistics).
@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--precisions", default=",".join(PRECISIONS), help="allowed precisions, comma-separated"
     )
+    plan.add_argument(
+        "--best-effort",
+        action="store_true",
+        help="when no plan meets the constraints, take the closest one (default: write none)",
+    )
     plan.add_argument("--out", help="write the plan here (JSON)")
     return parser
 
@@ -71,8 +76,12 @@ def _plan(args: argparse.Namespace, traces: list) -> None:
         raise QSyncInputError(
             f"--precisions: unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}"
         )
-    choice, indicator = plan_precision(traces, precisions, max_step_ms=args.max_step_ms, memory_budget=budget)
+    choice, indicator = plan_precision(
+        traces, precisions, max_step_ms=args.max_step_ms, memory_budget=budget, best_effort=args.best_effort
+    )
     print(format_precision_plan(choice, indicator, predict(traces).to_dict()))
+    if not (choice.feasible or args.best_effort):
+        raise QSyncInputError("no plan meets the constraints; --best-effort writes the closest one")
     if args.out:
         choice.plan.save(args.out)
         print(f"written to {args.out}")

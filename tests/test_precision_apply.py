@@ -166,9 +166,20 @@ def test_given_plan_for_another_model_warns_and_changes_nothing(tmp_path):
 def test_impossible_budget_gets_one_message_and_nothing_applied(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         model = _fit(_apply_callback(tmp_path, memory_budget="10%", plan_cache=False), max_steps=15)
-    assert "below the smallest predicted peak" in caplog.text
+    assert "below the smallest predicted peak" in caplog.text and "closest plan: net." in caplog.text
     assert _lp_precisions(model) == {}
     assert not (tmp_path / "q" / "plan.json").exists()
+
+
+def test_impossible_budget_with_best_effort_applies_the_closest_plan(tmp_path):
+    callback = _apply_callback(tmp_path, memory_budget="10%", plan_cache=False, best_effort=True)
+    _fit(callback, max_steps=24)
+    verification = json.loads((tmp_path / "q" / "verification.json").read_text())
+    assert verification["predicted"]["peak_bytes"] > callback.memory_budget  # closest, not fitting
+    assert verification["plan"]["precision"]  # it lowers some layer
+    # kept because it lowers the measured peak (the rule for plans made for a memory budget)
+    assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
+    assert verification["decision"] == "keep", verification["reason"]
 
 
 def test_bad_apply_arguments_are_refused():

@@ -6,8 +6,14 @@ import pytest
 from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
-from qsync_callback.planner.precision import allocate_precision, exact_precision, fastest_plan
+from qsync_callback.planner.precision import (
+    allocate_precision,
+    exact_precision,
+    fastest_plan,
+    least_memory_plan,
+)
 from qsync_callback.predictor.predict import Predictor, predict
+from qsync_callback.recorder.precision_probes import layer_input_shapes
 from qsync_callback.units import parse_bytes, parse_share
 
 from tracebuilder import op, trace
@@ -118,6 +124,30 @@ def test_saved_bytes_follow_the_precision_and_the_freed_input():
     assert predict([step], Plan(precision={"fc1": "bf16"})).peak_bytes == 10000 + 12000 + 2000 + 3000
 
 
+def test_a_partial_batch_saves_and_casts_in_proportion():
+    """A step whose fc1 input has half the probed elements (an epoch's last batch): its saved
+    activations, temporaries and activation casts are halved; the weight's copy and cast are not."""
+    step = _two_layer_step()
+    step.ops[0].input_shapes = [[5, 100]]
+    base = predict([step])
+    planned = predict([step], Plan(precision={"fc1": "bf16"}))
+    assert planned.peak_bytes == base.peak_bytes + 3000 // 2
+    # casts: before (0.001 * 500 + 1) + (0.001 * 1000 + 1), after 0.001 * 500 + 1; compute 50
+    assert planned.layer_ms["fc1"] * 1e3 == pytest.approx(50 + 3.5 + 1.5 + 150)
+    bf16 = step.precision_costs["layers"]["fc1"]["costs"]["bf16"]
+    bf16.update(saved_activation_bytes=2000, saved_weight_bytes=1000)
+    assert predict([step], Plan(precision={"fc1": "bf16"})).peak_bytes == base.peak_bytes + 1000 + 1000
+
+
+def test_layers_are_probed_at_the_shape_most_recorded_steps_had():
+    ops = []
+    for step, rows in enumerate([67, 256, 256]):  # the window began with an epoch's last batch
+        linear = op(step, "aten::linear", "forward", "main", 100.0 * step, 10, layer="fc1")
+        linear.step, linear.input_shapes = step, [[rows, 64]]
+        ops.append(linear)
+    assert layer_input_shapes(trace(ops, step_end=300), ["fc1", "fc2"]) == {"fc1": [256, 64]}
+
+
 def test_plans_that_cannot_be_priced_are_refused():
     step = _two_layer_step()
     with pytest.raises(QSyncInputError, match="'act' at bf16 has no probe|has no probe"):
@@ -150,10 +180,15 @@ def test_greedy_matches_the_exact_search_and_meets_its_constraints():
     assert memory.prediction.peak_bytes <= budget
 
 
-def test_impossible_budget_is_refused_with_the_smallest_peak():
+def test_impossible_budget_is_refused_naming_the_closest_plan_unless_best_effort():
     predictor = Predictor([_two_layer_step()])
-    with pytest.raises(QSyncInputError, match="below the smallest predicted peak"):
+    closest, least = least_memory_plan(predictor, ["fp32", "bf16", "int8"])
+    assert closest == {"fc2": "bf16"}
+    with pytest.raises(QSyncInputError, match="below the smallest predicted peak .* closest plan: fc2 bf16"):
         allocate_precision(predictor, {}, ["fp32", "bf16", "int8"], memory_budget=20000)
+    taken = allocate_precision(predictor, {}, ["fp32", "bf16", "int8"], memory_budget=20000, best_effort=True)
+    assert not taken.feasible and taken.plan.precision == closest
+    assert taken.prediction.peak_bytes == least.peak_bytes > 20000
 
 
 def test_plan_cache_keeps_one_plan_per_model_and_says_why_it_does_not_fit(tmp_path):

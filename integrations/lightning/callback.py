@@ -84,6 +84,8 @@ class QSyncCallback(pl.Callback):
         precisions: the precisions a plan may use (fp32 always included; those a layer cannot run
             on this device are left out for it).
         verify_steps: steps recorded after applying a plan.
+        best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply
+            the closest one (the least-memory plan, or the least-violating) instead of none.
         plan: a plan file to apply at step 0, without recording or planning.
         plan_cache: where kept plans live between launches: True for the user's cache directory,
             a directory, or False for none.
@@ -101,6 +103,7 @@ class QSyncCallback(pl.Callback):
         max_step_time: float | None = None,
         precisions: Iterable[str] = DEFAULT_PRECISIONS,
         verify_steps: int = 3,
+        best_effort: bool = False,
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
     ):
@@ -123,6 +126,7 @@ class QSyncCallback(pl.Callback):
         self.profile_steps = profile_steps
         self.measure_steps = measure_steps
         self.verify_steps = verify_steps
+        self.best_effort = best_effort
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.memory_budget_share = parse_share(memory_budget) if memory_budget is not None else None
         self.memory_budget = (
@@ -346,14 +350,21 @@ class QSyncCallback(pl.Callback):
             self.memory_budget = int(self.memory_budget_share * self.report["predicted"]["peak_bytes"])
         try:
             choice, indicator = plan_precision(
-                traces, self.precisions, max_step_ms=self.max_step_ms, memory_budget=self.memory_budget
+                traces,
+                self.precisions,
+                max_step_ms=self.max_step_ms,
+                memory_budget=self.memory_budget,
+                best_effort=self.best_effort,
             )
         except QSyncInputError as error:
             rank_zero_info(f"qsync: no plan applied: {error}")
             return ""
         rank_zero_info(format_precision_plan(choice, indicator, self.report["predicted"]))
-        if not choice.feasible:
-            rank_zero_info("qsync: no plan meets the constraints; keeping the recorded configuration")
+        if not (choice.feasible or self.best_effort):
+            rank_zero_info(
+                "qsync: no plan meets the constraints; keeping the recorded configuration "
+                "(best_effort=True applies the closest plan)"
+            )
             return ""
         if choice.plan.is_empty:
             rank_zero_info("qsync: the recorded configuration is the plan; nothing to apply")

@@ -10,7 +10,10 @@ changes with ``precision``:
   ``torch.backends.cudnn.conv.fp32_precision`` set to ``"tf32"`` around the forward op and around
   its backward (restored after; process-wide flags, so not thread-safe). CUDA sm80+ only.
 - ``bf16``/``fp16``: input, weight and bias cast to the dtype, the stock op in that dtype, the
-  output cast back to the input's dtype; the fp32 Parameters get fp32 gradients through the casts.
+  output cast back to the input's dtype; the fp32 Parameters get fp32 gradients. For backward it
+  keeps the cast input and the fp32 weight itself (a Parameter, no new memory) and casts the weight
+  again in the backward, so no low-precision weight copy is held from forward to backward (for a
+  conv with a string padding or a non-zero padding mode, autograd of the stock op keeps it).
 - ``int8`` (Linear only): symmetric per-tensor int8 quantization of input and weight, an int8 x int8
   -> int32 ``torch._int_mm``, dequantized output plus the fp32 bias. Backward uses the saved int8
   tensors (a quarter of the fp32 bytes) dequantized, and returns fp32 gradients. Shapes that
@@ -153,6 +156,35 @@ class _Tf32Op(torch.autograd.Function):
         with _tf32_math():
             grads = iter(torch.autograd.grad(out, inputs, grad_out))
         return None, *(next(grads) if w else None for w in wanted)
+
+
+class _CastOp(torch.autograd.Function):
+    """The module's stock op on input, weight and bias cast to ``dtype``, the output cast back.
+    Saves the cast input and the fp32 weight (see the module docstring); the gradients come from
+    the module's ``_low_backward`` in ``dtype``, cast to the input's and the Parameters' dtypes."""
+
+    @staticmethod
+    def forward(ctx, lp: LPModule, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
+        src, dst = _dtype_name(x.dtype), _dtype_name(dtype)
+        with _label(f"qsync::cast_{src}_{dst}"):
+            x_low, w_low = x.to(dtype), weight.to(dtype)
+            b_low = None if bias is None else bias.to(dtype)
+        out = lp._stock_op(x_low, w_low, b_low)
+        ctx.save_for_backward(x_low, weight)
+        ctx.lp, ctx.has_bias, ctx.x_dtype = lp, bias is not None, x.dtype
+        with _label(f"qsync::cast_{dst}_{src}"):
+            return out.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        x_low, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
+        grads = ctx.lp._low_backward(
+            grad_out.to(x_low.dtype), x_low, weight.to(x_low.dtype), (need_x, need_w, need_b and ctx.has_bias)
+        )
+        dtypes = (ctx.x_dtype, weight.dtype, weight.dtype)
+        return None, *(None if g is None else g.to(d) for g, d in zip(grads, dtypes, strict=True)), None
 
 
 def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,6 +343,8 @@ class LPModule(nn.Module):
     def _cast_forward(self, input: torch.Tensor, precision: str) -> torch.Tensor:
         dtype, src = _CAST_DTYPES[precision], _dtype_name(input.dtype)
         with _label(f"qsync::{self._op}_{precision}"):
+            if torch.is_grad_enabled() and self._has_low_backward(input):
+                return _CastOp.apply(self, input, self.weight, self.bias, dtype)
             with _label(f"qsync::cast_{src}_{precision}"):
                 x, weight = input.to(dtype), self.weight.to(dtype)
                 bias = None if self.bias is None else self.bias.to(dtype)
@@ -327,6 +361,19 @@ class LPLinear(LPModule, nn.Linear):
 
     def _stock_op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def _has_low_backward(self, input: torch.Tensor) -> bool:
+        """Whether `_low_backward` differentiates this forward (else autograd of the stock op)."""
+        return True
+
+    def _low_backward(
+        self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Gradients of ``F.linear(x, weight, bias)`` for ``grad``, in their dtype (see `_CastOp`)."""
+        g2, x2 = grad.reshape(-1, self.out_features), x.reshape(-1, self.in_features)
+        grad_x = (g2 @ weight).reshape(x.shape) if needs[0] else None
+        grad_w = g2.t() @ x2 if needs[1] else None
+        return grad_x, grad_w, g2.sum(0) if needs[2] else None
 
     def _int8_forward(self, input: torch.Tensor) -> torch.Tensor:
         lead, k = input.shape[:-1], input.shape[-1]
@@ -352,6 +399,31 @@ class _LPConv(LPModule):
 
     def _stock_op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._conv_forward(x, weight, bias)
+
+    def _has_low_backward(self, input: torch.Tensor) -> bool:
+        return self.padding_mode == "zeros" and not isinstance(self.padding, str)
+
+    def _low_backward(
+        self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Gradients of the convolution for ``grad`` (ATen's ``convolution_backward``), in their dtype."""
+        unbatched = x.dim() < weight.dim()
+        if unbatched:  # convolution_backward takes batched tensors only
+            grad, x = grad.unsqueeze(0), x.unsqueeze(0)
+        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad,
+            x,
+            weight,
+            [self.out_channels] if needs[2] else None,
+            list(self.stride),
+            list(self.padding),
+            list(self.dilation),
+            False,
+            [0] * len(self.stride),
+            self.groups,
+            list(needs),
+        )
+        return grad_x.squeeze(0) if unbatched and grad_x is not None else grad_x, grad_w, grad_b
 
 
 class LPConv1d(_LPConv, nn.Conv1d):

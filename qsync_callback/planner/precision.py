@@ -171,20 +171,23 @@ def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[
     return _best_alone(pricer, alone, predictor.predict(), _peak_bytes)
 
 
-def _check_budget(
+def _unreachable_budget(
     pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction, budget: int | None
-) -> None:
-    """Refuse a memory budget that even the least-memory plan cannot meet."""
+) -> tuple[dict[str, str], Prediction] | None:
+    """The least-memory plan and its prediction when even it exceeds ``budget``; None when a plan
+    can meet the budget (or there is none)."""
     if budget is None:
-        return
+        return None
     if budget <= 0:
         raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
-    smallest = _best_alone(pricer, alone, base, _peak_bytes)[1].peak_bytes
-    if smallest > budget:
-        raise QSyncInputError(
-            f"memory budget {format_bytes(budget)} is below the smallest predicted peak "
-            f"{format_bytes(smallest)} (every layer at its least-memory precision)"
-        )
+    closest, prediction = _best_alone(pricer, alone, base, _peak_bytes)
+    return (closest, prediction) if prediction.peak_bytes > budget else None
+
+
+def _describe_choice(choice: Mapping[str, str]) -> str:
+    """``fc1 bf16, fc2 int8`` (layers away from full precision), or "the recorded configuration"."""
+    moved = [f"{name} {p}" for name, p in sorted(choice.items()) if p != FULL_PRECISION]
+    return ", ".join(moved) if moved else "the recorded configuration"
 
 
 def allocate_precision(
@@ -194,18 +197,40 @@ def allocate_precision(
     *,
     max_step_ms: float | None = None,
     memory_budget: int | None = None,
+    best_effort: bool = False,
 ) -> PrecisionChoice:
     """QSync's greedy allocation (see the module docstring). With no ``max_step_ms`` the target is
     the fastest plan's predicted step time + 5%; with a ``memory_budget`` the fastest plan is the
-    fastest found that fits it (moves chosen by memory saved per time lost). Raises
-    QSyncInputError for a memory budget no plan can meet; a time target no plan meets gives the
-    least-violating plan with ``feasible=False``."""
+    fastest found that fits it (moves chosen by memory saved per time lost). A memory budget no
+    plan can meet raises QSyncInputError naming the closest plan (the least-memory one), or with
+    ``best_effort`` returns that plan with ``feasible=False``; a time target no plan meets gives
+    the least-violating plan with ``feasible=False``."""
     precisions = list(precisions)
     pricer = _Pricer(predictor)
     candidates = candidate_precisions(predictor, precisions)
     base = pricer({})
     alone = _single_moves(pricer, candidates)
-    _check_budget(pricer, alone, base, memory_budget)
+    unreachable = _unreachable_budget(pricer, alone, base, memory_budget)
+    if unreachable is not None:
+        closest, prediction = unreachable
+        if not best_effort:
+            raise QSyncInputError(
+                f"memory budget {format_bytes(memory_budget)} is below the smallest predicted peak "
+                f"{format_bytes(prediction.peak_bytes)}, reached by the closest plan: "
+                f"{_describe_choice(closest)} ({prediction.step_ms:.1f} ms/step predicted); "
+                "best effort (best_effort=True, qsync plan --best-effort) takes it anyway"
+            )
+        plan = pricer.plan(closest)
+        plan.prediction = {"step_ms": prediction.step_ms, "peak_bytes": prediction.peak_bytes}
+        return PrecisionChoice(
+            plan,
+            prediction,
+            _indicator_sum(closest, indicator),
+            max_step_ms,
+            memory_budget,
+            False,
+            pricer.priced,
+        )
     if max_step_ms is None:
         fastest_choice, fastest = _best_alone(pricer, alone, base, _step_ms)
         if memory_budget is not None and fastest.peak_bytes > memory_budget:
@@ -332,9 +357,11 @@ def plan_precision(
     *,
     max_step_ms: float | None = None,
     memory_budget: int | None = None,
+    best_effort: bool = False,
 ) -> tuple[PrecisionChoice, dict[str, dict[str, float]]]:
     """Plan a recorded run: its indicator (from rank 0's layer statistics), then the greedy
-    allocation over its predictor. Returns the choice and the indicator it minimised."""
+    allocation over its predictor (``best_effort``: see `allocate_precision`). Returns the choice
+    and the indicator it minimised."""
     if not traces or not traces[0].layer_statistics:
         raise QSyncInputError(
             "the trace has no layer statistics for the precision indicator; record it with "
@@ -343,6 +370,11 @@ def plan_precision(
     precisions = list(precisions)
     indicator = sensitivity(traces[0].layer_statistics, precisions)
     choice = allocate_precision(
-        Predictor(traces), indicator, precisions, max_step_ms=max_step_ms, memory_budget=memory_budget
+        Predictor(traces),
+        indicator,
+        precisions,
+        max_step_ms=max_step_ms,
+        memory_budget=memory_budget,
+        best_effort=best_effort,
     )
     return choice, indicator

@@ -30,6 +30,7 @@ difference is a synthetic tensor alive while the layer's forward (or backward) o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import networkx as nx
@@ -37,7 +38,7 @@ import networkx as nx
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION
 from qsync_callback.predictor.memory import TensorLife
-from qsync_callback.recorder.trace import Trace
+from qsync_callback.recorder.trace import Op, Trace
 
 _CAST_FLOOR = 0.1  # a layer's compute is at least this share of its probed forward, whatever the casts fit
 
@@ -85,14 +86,28 @@ def cast_us(costs: Mapping, pair: str, numel: int) -> float:
     return fit["alpha_us_per_element"] * numel + fit["beta_us"]
 
 
-def layer_casts_us(costs: Mapping, layer: str, precision: str) -> tuple[float, float]:
-    """(before, after) cast time of ``layer`` at ``precision``: input and weight to it, output back."""
+def input_scale(entry: Mapping, op: Op | None) -> float:
+    """Elements of ``op``'s first input (a layer's first forward op in one step) over those the
+    layer was probed at: below 1 for a partial batch (an epoch's last), whose activations, saved
+    tensors and casts are that much smaller; 1 where the op has no usable shape."""
+    shape = op.input_shapes[0] if op is not None and op.input_shapes else None
+    if not (isinstance(shape, list) and shape and all(isinstance(d, int) for d in shape)):
+        return 1.0
+    probed = entry.get("input_numel") or 0
+    return math.prod(shape) / probed if probed > 0 else 1.0
+
+
+def layer_casts_us(costs: Mapping, layer: str, precision: str, scale: float = 1.0) -> tuple[float, float]:
+    """(before, after) cast time of ``layer`` at ``precision``: input and weight to it, output back;
+    the activations' element counts times ``scale`` (`input_scale`)."""
     if precision in (FULL_PRECISION, "tf32"):
         return 0.0, 0.0
     entry = costs["layers"][layer]
     to, back = f"{FULL_PRECISION}->{precision}", f"{precision}->{FULL_PRECISION}"
-    before = cast_us(costs, to, entry["input_numel"]) + cast_us(costs, to, entry["weight_numel"])
-    return before, cast_us(costs, back, entry["output_numel"])
+    before = cast_us(costs, to, round(entry["input_numel"] * scale)) + cast_us(
+        costs, to, entry["weight_numel"]
+    )
+    return before, cast_us(costs, back, round(entry["output_numel"] * scale))
 
 
 def layer_time_scales(costs: Mapping, layer: str, precision: str) -> tuple[float, float]:
@@ -126,6 +141,7 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
     their cast nodes added (see the module docstring)."""
     out = graph.copy()
     by_rank = {t.rank: t for t in traces}
+    ops_by_rank = {t.rank: {op.id: op for op in t.ops} for t in traces}
     layer_nodes: dict[tuple[int, str, str], list[str]] = {}
     for node, attrs in graph.nodes(data=True):
         if (
@@ -147,8 +163,9 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
                 out.nodes[node]["dur"] *= backward_scale
             if not forward:
                 continue
-            before_us, after_us = layer_casts_us(costs, layer, p)
             first = graph.nodes[forward[0]]
+            scale = input_scale(costs["layers"][layer], ops_by_rank[rank].get(first["op_id"]))
+            before_us, after_us = layer_casts_us(costs, layer, p, scale)
             common = {
                 "kind": "cast",
                 "queue": first["queue"],
@@ -204,20 +221,35 @@ def precision_lives(
             freed[key] = freed.get(key, 0) + life.bytes
             released[key] = max(released.get(key, life.death_us), life.death_us)
     spans: dict[tuple[int, str, str], list[float]] = {}
+    first_forward: dict[tuple[int, str], Op] = {}
     for op in trace.ops:
         if op.layer in changed and op.kind in ("forward", "backward"):
             span = spans.setdefault((op.step, op.layer, op.kind), [op.start_us, op.end_us])
             span[0], span[1] = min(span[0], op.start_us), max(span[1], op.end_us)
+            held = first_forward.get((op.step, op.layer))
+            if op.kind == "forward" and (held is None or op.start_us < held.start_us):
+                first_forward[(op.step, op.layer)] = op
     layers = trace.precision_costs["layers"]
     extra = []
     for (step, layer, kind), (start, end) in sorted(spans.items()):
         costs = layers[layer]["costs"]
         low, base = costs[changed[layer]], costs[FULL_PRECISION]
-        transient = int(low.get(f"{kind}_transient_bytes", 0) - base.get(f"{kind}_transient_bytes", 0))
-        extra.append(TensorLife(-1, transient, step, start, end, None, None, "temporaries", layer))
+        scale = input_scale(layers[layer], first_forward.get((step, layer)))
+        transient = low.get(f"{kind}_transient_bytes", 0) - base.get(f"{kind}_transient_bytes", 0)
+        extra.append(
+            TensorLife(-1, int(transient * scale), step, start, end, None, None, "temporaries", layer)
+        )
         backward = spans.get((step, layer, "backward"))
         if kind == "forward" and backward is not None:
-            saved = int(low["saved_bytes"]) - freed.get((step, layer), 0)
+            saved = _saved_bytes(low, scale) - freed.get((step, layer), 0)
             release = released.get((step, layer), backward[1])
             extra.append(TensorLife(-1, saved, step, end, release, None, None, "activations", layer))
     return extra
+
+
+def _saved_bytes(probe: Mapping, scale: float) -> int:
+    """What a layer saves for backward in a step whose activations are ``scale`` times the probe's:
+    the activations scaled, the low-precision weight copy not."""
+    if "saved_activation_bytes" not in probe:
+        return int(probe["saved_bytes"] * scale)
+    return int(probe["saved_activation_bytes"] * scale + probe.get("saved_weight_bytes", 0))

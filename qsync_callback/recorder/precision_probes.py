@@ -2,7 +2,8 @@
 
 QSync profiles each precision before it plans; so do we, layer by layer, on the shapes the run
 really has. Each swappable layer (``swappable_layers``) is probed with ``probe_layer_costs`` at its
-recorded input shape (the first input of its first recorded forward op, e.g. ``aten::linear``):
+recorded input shape (the first input of its first forward op, e.g. ``aten::linear``, in most
+recorded steps):
 forward and backward time and the bytes saved for backward at every precision, on private copies
 of the parameters, so probing leaves training alone. The cast costs (``alpha * numel + beta`` per
 pair) come from the per-device cache (``cast_costs``). Element counts of the layer's input, output
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,17 +37,27 @@ PROBE_REPEATS = 5
 
 
 def layer_input_shapes(trace: Trace, layers: Iterable[str]) -> dict[str, list[int]]:
-    """The input shape of each named layer: the first input of its first forward op in the trace
-    that has one (layers that never ran in the recorded steps are left out)."""
+    """The input shape of each named layer: the first input of its first forward op in each
+    recorded step, the shape most steps had (the larger on a tie: a window that spans an epoch's
+    end has one partial batch). Layers that never ran in the recorded steps are left out."""
     wanted = set(layers)
-    shapes: dict[str, list[int]] = {}
-    for op in sorted(trace.ops, key=lambda o: o.start_us):
-        if op.kind != "forward" or op.layer not in wanted or op.layer in shapes:
+    firsts: dict[tuple[int, str], tuple[float, tuple[int, ...]]] = {}
+    for op in trace.ops:
+        if op.kind != "forward" or op.layer not in wanted or not op.input_shapes:
             continue
-        first = op.input_shapes[0] if op.input_shapes else None
-        if isinstance(first, list) and first and all(isinstance(d, int) for d in first):
-            shapes[op.layer] = list(first)
-    return shapes
+        first = op.input_shapes[0]
+        if not (isinstance(first, list) and first and all(isinstance(d, int) for d in first)):
+            continue
+        key = (op.step, op.layer)
+        if key not in firsts or op.start_us < firsts[key][0]:
+            firsts[key] = (op.start_us, tuple(first))
+    counts: dict[str, Counter[tuple[int, ...]]] = {}
+    for (_, layer), (_, shape) in firsts.items():
+        counts.setdefault(layer, Counter())[shape] += 1
+    return {
+        layer: list(max(seen, key=lambda shape: (seen[shape], math.prod(shape))))
+        for layer, seen in counts.items()
+    }
 
 
 def _output_numel(module: torch.nn.Module, input_shape: list[int]) -> int:
