@@ -112,7 +112,7 @@ def main() -> None:
     def train_step(x: tf.Tensor, y: tf.Tensor, first_batch: bool) -> tf.Tensor:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
+        tape = hvd.DistributedGradientTape(tape, groups=recorder.groups)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         if first_batch:

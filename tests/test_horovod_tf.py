@@ -303,7 +303,8 @@ def test_two_processes_under_horovodrun_record_and_report(tmp_path, capsys):
         assert len(trace.measured["step_ms"]) == 4
         for step in RECORDED:
             comms = [op for op in trace.ops if op.step == step and op.kind == "comm"]
-            assert len(comms) == 6 and all(op.collective == {"op": "all_reduce"} for op in comms)
+            assert len(comms) == 6 and all(op.collective["op"] == "all_reduce" for op in comms)
+            assert all(len(op.collective["tensors"]) == 1 and op.collective["bytes"] > 0 for op in comms)
             assert sorted({op.layer for op in comms}) == ["fc1", "fc2", "head"]
         assert sorted(p.name for p in (out / "trace" / f"rank{trace.rank}" / "profile").iterdir()) == [
             f"step{k}" for k in RECORDED

@@ -1,7 +1,7 @@
 """Mode "apply" of the Horovod + TensorFlow Recorder on real training: candidates (XLA, bfloat16
-mixed precision) measured on the live run, kept only if more than 2% faster, otherwise rolled back;
-a candidate that fails or stops being finite is rolled back with training going on; two processes
-under ``horovodrun --gloo`` end with the same decision."""
+mixed precision uniform and per op type) measured on the live run, kept only if more than 2%
+faster, otherwise rolled back; a candidate that fails or stops being finite is rolled back with
+training going on; two processes under ``horovodrun --gloo`` end with the same decision."""
 
 import json
 import math
@@ -17,7 +17,14 @@ import pytest
 import tensorflow as tf
 
 from qsync_callback.integrations.horovod_tf import Recorder, profile
-from qsync_callback.integrations.horovod_tf.apply import AMP_OPTION, MEASURED, NO_REWRITE
+from qsync_callback.integrations.horovod_tf.apply import (
+    AMP_OPTION,
+    MEASURED,
+    NO_REWRITE,
+    PREDICTED,
+    trial_calls,
+)
+from qsync_callback.integrations.horovod_tf.mixed_precision import ENV_PREFIX
 from qsync_callback.plan import Plan
 from qsync_callback.verify import SLOWER_TOLERANCE
 
@@ -79,6 +86,7 @@ def _apply(output_dir: Path, **step_options) -> dict:
         "total_calls": recorder.total_calls,
         "verification": recorder.verification,
         "amp_on": bool(tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False)),
+        "amp_env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)},
     }
 
 
@@ -97,6 +105,18 @@ def _run_in_a_child(tmp_path: Path, **step_options) -> dict:
 def _check_results(results: list) -> None:
     """Every call returned a finite scalar float32 loss, as the original step does."""
     assert all(dtype == "float32" and shape == [] and math.isfinite(v) for dtype, shape, v in results)
+
+
+def _trial_calls(total: int, name: str) -> range:
+    """Indices (among all calls) of the calls of trial ``name``."""
+    v = WINDOW["verify_steps"]
+    turns = [("baseline", v), ("xla", 2 + v), ("amp_bf16", 4 + v), ("amp_op_types", 2 + v)]
+    start = total - trial_calls(v)
+    for trial, calls in turns:
+        if trial == name:
+            return range(start, start + calls)
+        start += calls
+    raise KeyError(name)
 
 
 def _amp_ran(amp: dict) -> bool:
@@ -118,12 +138,25 @@ def test_apply_measures_candidates_keeps_only_a_real_gain_and_writes_plan(tmp_pa
     base = verification["baseline"]
     assert base["step_ms"] > 0 and len(base["samples_ms"]) == WINDOW["verify_steps"]
     by_name = {c["name"]: c for c in verification["candidates"]}
-    assert sorted(by_name) == ["amp_bf16", "xla"]
-    ran = [by_name["xla"], *([by_name["amp_bf16"]] if _amp_ran(by_name["amp_bf16"]) else [])]
-    assert len(child["warned"]) == 2 - len(ran) and all("amp_bf16" in w for w in child["warned"])
+    assert sorted(by_name) == ["amp_bf16", "amp_op_types", "xla"]
+    amp_ran = _amp_ran(by_name["amp_bf16"])
+    ran = [c for c in by_name.values() if c["error"] is None]
+    assert by_name["xla"] in ran and (by_name["amp_bf16"] in ran) == amp_ran
+    failed = [name for name, c in by_name.items() if c["error"] is not None]
+    assert len(child["warned"]) == len(failed) and all(
+        f"candidate {n}" in " ".join(child["warned"]) for n in failed
+    )
     for c in ran:
         assert c["error"] is None and c["finite"] and c["source"] == MEASURED
         assert len(c["samples_ms"]) == WINDOW["verify_steps"] and c["step_ms"] > 0
+    # the baseline and both bf16 candidates are priced by the predictor (from the measured uniform
+    # candidate), XLA is not
+    assert by_name["xla"]["prediction"] is None
+    for entry in (base, by_name["amp_bf16"], by_name["amp_op_types"]):
+        if amp_ran:
+            assert entry["prediction"]["source"] == PREDICTED and entry["prediction"]["step_ms"] > 0
+        else:
+            assert entry["prediction"] is None
     # the decision follows the measured figures: the fastest, if more than 2% faster than the baseline
     best = min(ran, key=lambda c: c["all_ranks_step_ms"])
     keep = best["all_ranks_step_ms"] < base["all_ranks_step_ms"] * (1 - SLOWER_TOLERANCE)
@@ -131,19 +164,25 @@ def test_apply_measures_candidates_keeps_only_a_real_gain_and_writes_plan(tmp_pa
     chosen = best["name"] if keep else "baseline"
     assert verification["chosen"] == chosen
     # the switch comes after the last trial call (counted from the first trial call)
-    assert verification["switch_call"] == WINDOW["verify_steps"] * 3 + 4
+    assert verification["switch_call"] == trial_calls(WINDOW["verify_steps"])
     before = child["total_calls"] - 1
     assert child["active"] == ["baseline"] * before + [chosen] * 4
-    assert child["amp_on"] == (chosen == "amp_bf16")  # the rewrite stays on only when kept
+    # the rewrite stays on, and its env lists set, only when kept
+    assert child["amp_on"] == (chosen in ("amp_bf16", "amp_op_types"))
+    assert bool(child["amp_env"]) == (chosen == "amp_op_types")
     plan = Plan.load(tmp_path / "plan.json")
     if chosen == "xla":
         assert plan.fused_regions == [LAYERS] and not plan.precision
     elif chosen == "amp_bf16":
         assert plan.precision == dict.fromkeys(LAYERS, "bf16") and not plan.fused_regions
+    elif chosen == "amp_op_types":
+        assert "bf16" in plan.op_precision.values() and not plan.precision
     else:
         assert plan.is_empty
     if keep:
-        assert plan.prediction == {"step_ms": best["all_ranks_step_ms"], "source": MEASURED}
+        assert plan.prediction["measured_step_ms"] == best["all_ranks_step_ms"]
+        assert plan.prediction["measured_source"] == MEASURED
+        assert plan.prediction["step_ms"] == (best["prediction"] or {}).get("step_ms")
     xla = Plan.from_dict(by_name["xla"]["plan"])
     assert xla.fused_regions == [LAYERS] and xla.fingerprint["layers"] == LAYERS
     assert Plan.from_dict(by_name["amp_bf16"]["plan"]).precision == dict.fromkeys(LAYERS, "bf16")
@@ -158,14 +197,18 @@ def test_failed_and_non_finite_candidates_roll_back_to_the_original_step(tmp_pat
     assert len(xla_warned) == 1, warned
     assert re.search(r"candidate xla failed \(InvalidArgumentError: .*XLA_CPU_JIT", xla_warned[0])
     assert child["failure"] is None and not child["amp_on"]  # back to TF's options as they were
-    amp_calls = range(total - WINDOW["verify_steps"] - 2, total)
+    assert child["amp_env"] == {}  # and to the env as it was
+    amp_calls = _trial_calls(total, "amp_bf16")
+    ops_calls = _trial_calls(total, "amp_op_types")
+    by_name = {c["name"]: c for c in child["verification"]["candidates"]}
+    if by_name["amp_op_types"]["error"] is None:  # it ran: infinite, as the uniform one
+        amp_calls = [*amp_calls, *ops_calls]
     _check_results([r for k, r in enumerate(results) if k not in amp_calls])
     assert all(math.isinf(results[k][2]) for k in amp_calls)  # returned unchanged, as they came
     # the original step runs again after the switch: its losses are finite
     assert child["active"] == ["baseline"] * len(results) and len(results) == total + 3
     verification = child["verification"]
     assert verification["decision"] == "roll back" and verification["chosen"] == "baseline"
-    by_name = {c["name"]: c for c in verification["candidates"]}
     assert by_name["xla"]["error"].startswith("InvalidArgumentError") and by_name["xla"]["step_ms"] is None
     if _amp_ran(by_name["amp_bf16"]):
         assert not by_name["amp_bf16"]["finite"] and by_name["amp_bf16"]["excluded"]

@@ -1,25 +1,38 @@
-"""Mode "apply": try the first TF plan kinds on the live run, measure them, keep the best or roll back.
+"""Mode "apply": try TF plan kinds on the live run, measure them, keep the best or roll back.
 
 After the recorded window and the report, the next calls of the user's train step run, in turn:
 
 - the original step (the baseline), ``verify_steps`` timed calls;
 - operator fusion through XLA: the step's Python function under ``tf.function(jit_compile=True)``;
-- mixed precision on CPU: the same function re-traced with TF's oneDNN bfloat16 auto-mixed-precision
-  graph rewrite (``auto_mixed_precision_onednn_bfloat16``) switched on;
+- mixed precision on CPU, uniform: the same function re-traced with TF's oneDNN bfloat16
+  auto-mixed-precision graph rewrite (``auto_mixed_precision_onednn_bfloat16``) switched on, with
+  TF's default op lists. On rank 0 its first `PROBE_CALLS` calls also measure it per op type
+  (`mixed_precision.Bf16Probe`: the graph TF runs, then a profiled window);
+- mixed precision per op type: rank 0 writes those costs into the traces
+  (``precision_costs["op_types"]``, saved again), prices plans with the predictor
+  (`predictor/op_precision.py`) and chooses the op types to run at bf16
+  (`planner/op_precision.py`, TF's deny list excluded); every rank receives the plan, sets TF's env
+  lists for it (`mixed_precision.env_lists`, PRIORLIST file and variable too) and re-traces the
+  function with the rewrite on;
 
-each candidate ``CANDIDATE_WARMUP`` untimed calls (tracing, compiling) then ``verify_steps`` timed.
-Each call returns the result of the function that ran, unchanged. A candidate is priced by these
-measurements ("measured candidate", not an estimate). A candidate that raises warns once, and that
-call and the rest of its turn run the original step; one whose result stops being finite is out.
-After its first call, the bf16 candidate's graph is run through TF's graph optimizer to count the
-ops the rewrite turned to bfloat16 (``evidence`` in verification.json); if there are none (a CPU
-without bfloat16 support), it is out. Horovod's collectives have no XLA kernels on CPU: on a step
-that all-reduces through Horovod the XLA candidate fails to compile, and is out.
+each candidate ``CANDIDATE_WARMUP`` untimed calls (tracing, compiling; the uniform one
+`PROBE_CALLS`) then ``verify_steps`` timed. Each call returns the result of the function that ran,
+unchanged. Each candidate is measured ("measured candidate"); the baseline and both mixed-precision
+candidates also carry the predictor's figure ("predicted": the recorded trace with the op types'
+measured bf16 times and cast nodes, replayed; the uniform candidate as every op type TF ran at bf16).
+XLA is not priced. A candidate that raises warns once, and that call and the rest of its turn run
+the original step; one whose result stops being finite is out. After its first call, a bf16
+candidate's graph is run through TF's graph optimizer to count the ops the rewrite turned to
+bfloat16 (``evidence`` in verification.json); if there are none (a CPU without bfloat16 support, or
+a plan that keeps every type at fp32), it is out. Horovod's collectives have no XLA kernels on CPU:
+on a step that all-reduces through Horovod the XLA candidate fails to compile, and is out. Each
+candidate's TF settings (the rewrite option, the env lists) are set for its turn and put back after
+it, and set again only for the kept candidate.
 
 Then rank 0 decides on the slowest rank's medians (one all-reduce) and broadcasts its choice, so that
 every rank switches at the same call: the fastest candidate is kept only if it is more than
 `SLOWER_TOLERANCE` faster than the baseline (`qsync_callback.verify`), otherwise the run rolls back
-to the original step, with TF's options as they were. Rank 0 writes ``plan.json`` (the plan in
+to the original step, with TF's options and env as they were. Rank 0 writes ``plan.json`` (the plan in
 effect) and ``verification.json`` (every figure and the decision) and prints a summary.
 """
 
@@ -38,19 +51,36 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from qsync_callback.integrations.horovod_tf.mixed_precision import (
+    LOW,
+    PRIORLIST_FILE,
+    PROBE_CALLS,
+    UNSAFE_OP_TYPES,
+    Bf16Probe,
+    EnvSetting,
+    env_lists,
+    op_type_table,
+)
 from qsync_callback.jsonio import write_text_atomic
 from qsync_callback.plan import Plan
+from qsync_callback.planner.op_precision import choose_op_precision, measured_op_types
+from qsync_callback.predictor.op_precision import OP_TYPES
+from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.recorder.trace import Trace, rank_trace_path
 from qsync_callback.verify import SLOWER_TOLERANCE
 
 CANDIDATE_WARMUP = 2
 XLA = "xla"
 AMP = "amp_bf16"
-CANDIDATES = (XLA, AMP)
+AMP_OPS = "amp_op_types"
+CANDIDATES = (XLA, AMP, AMP_OPS)
+WARMUP = {AMP: PROBE_CALLS}  # untimed calls of a candidate, where not CANDIDATE_WARMUP
 AMP_OPTION = "auto_mixed_precision_onednn_bfloat16"
 BASELINE = "baseline"
 PLAN_FILE = "plan.json"
 VERIFICATION_FILE = "verification.json"
 MEASURED = "measured candidate"
+PREDICTED = "predicted"
 NO_REWRITE = "the rewrite changed no op of the step on this machine"
 ERROR_CHARS = 300  # of a failed candidate's error message, in the warning and verification.json
 
@@ -70,6 +100,9 @@ class Trial:
     error: str | None = None
     inspect: Callable[[Callable, Sequence, Mapping], dict[str, Any]] | None = None  # after its 1st call
     evidence: dict[str, Any] | None = None
+    probe: Bf16Probe | None = None  # runs its first calls (rank 0's uniform bf16 candidate)
+    enable: Callable[[], None] | None = None  # sets its TF settings again when it is kept
+    prediction: dict[str, Any] | None = None  # the predictor's figure, where it prices the trial
 
     @property
     def median_ms(self) -> float | None:
@@ -86,6 +119,7 @@ class Trial:
             "finite": self.finite,
             "error": self.error,
             "evidence": self.evidence,
+            "prediction": self.prediction,
             "plan": self.plan.to_dict(),
         }
 
@@ -105,24 +139,105 @@ def all_finite(result: Any) -> bool:
 
 
 class AmpOption:
-    """Switches TF's oneDNN bfloat16 auto-mixed-precision rewrite on, and back to what it was."""
+    """Switches TF's oneDNN bfloat16 auto-mixed-precision rewrite on, with TF's op lists changed by
+    env variables (`mixed_precision.env_lists`) or not, and both back to what they were."""
 
     def __init__(self) -> None:
         self._before: bool | None = None
+        self._env = EnvSetting()
 
-    def enable(self) -> None:
+    def enable(self, env: Mapping[str, str] | None = None) -> None:
+        """Rewrite on; ``env`` set (None: TF's default lists, as before the first change)."""
         if self._before is None:
             self._before = bool(tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False))
+        self._env.restore()
+        self._env.set(env or {})
         tf.config.optimizer.set_experimental_options({AMP_OPTION: True})
 
     def restore(self) -> None:
+        """The option and the env variables as they were before `enable`."""
+        self._env.restore()
         if self._before is not None:
             tf.config.optimizer.set_experimental_options({AMP_OPTION: self._before})
             self._before = None
 
 
+def trial_calls(verify_steps: int) -> int:
+    """Calls the trials take: the baseline's and every candidate's warm-up and timed calls."""
+    return verify_steps + sum(WARMUP.get(name, CANDIDATE_WARMUP) + verify_steps for name in CANDIDATES)
+
+
+def _prediction(prediction: Prediction, **extra: Any) -> dict[str, Any]:
+    return {"step_ms": prediction.step_ms, "source": PREDICTED, **extra}
+
+
+class OpTypePlanning:
+    """The per-op-type mixed-precision plan: rank 0 measures the uniform bf16 candidate (``probe``),
+    then prices and chooses (`plan`); every rank receives the chosen op types through ``share``
+    (rank 0's text on every rank). ``traces`` are every rank's recorded traces (rank 0)."""
+
+    def __init__(
+        self,
+        traces: Sequence[Trace] | None,
+        rank: int,
+        logdir: Path,
+        output_dir: Path,
+        share: Callable[[str], str],
+    ):
+        self.traces = list(traces) if traces else None
+        self.rank = rank
+        self.output_dir = output_dir
+        self.share = share
+        self.probe = Bf16Probe(logdir) if rank == 0 else None
+
+    def plan(self, trials: Sequence[Trial]) -> dict[str, str]:
+        """The chosen op types (every rank); on rank 0 the trials' predictions are set on the way."""
+        text = ""
+        if self.rank == 0:
+            try:
+                text = json.dumps({"op_precision": self._choose(trials)})
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then step aside
+                text = json.dumps({"error": _error(exc)})
+        data = json.loads(self.share(text))
+        if "error" in data:
+            raise RuntimeError(data["error"])
+        return data["op_precision"]
+
+    def _choose(self, trials: Sequence[Trial]) -> dict[str, str]:
+        by_name = {t.name: t for t in trials}
+        if by_name[AMP].error is not None:
+            raise RuntimeError(f"the uniform bf16 candidate did not run ({by_name[AMP].error})")
+        if self.probe.error is not None:
+            raise RuntimeError(f"measuring the uniform bf16 candidate failed ({self.probe.error})")
+        if self.traces is None:
+            raise RuntimeError("rank 0 has no recorded traces to price plans on")
+        table = op_type_table(self.traces[0], self.probe)
+        for trace in self.traces:
+            trace.precision_costs[OP_TYPES] = table
+            trace.save(rank_trace_path(self.output_dir / "trace", trace.rank))
+        predictor = Predictor(self.traces)
+        fingerprint = self.traces[0].fingerprint
+        by_name[BASELINE].prediction = _prediction(predictor.predict())
+        uniform = dict.fromkeys(measured_op_types(predictor), LOW)
+        by_name[AMP].prediction = _prediction(
+            predictor.predict(Plan(fingerprint=fingerprint, op_precision=uniform)), op_precision=uniform
+        )
+        choice = choose_op_precision(predictor, Plan(fingerprint=fingerprint), UNSAFE_OP_TYPES)
+        by_name[AMP_OPS].prediction = _prediction(
+            choice.prediction,
+            candidates=choice.candidates,
+            search=choice.search,
+            plans_priced=choice.plans_priced,
+        )
+        return choice.plan.op_precision
+
+
 def make_trials(
-    fn: Callable, layers: Sequence[str], fingerprint: Mapping[str, Any], amp: AmpOption
+    fn: Callable,
+    layers: Sequence[str],
+    fingerprint: Mapping[str, Any],
+    amp: AmpOption,
+    planning: OpTypePlanning,
 ) -> list[Trial]:
     """The baseline (the original step) and the candidates built from its Python function."""
     py = python_function(fn)
@@ -132,7 +247,24 @@ def make_trials(
         amp.enable()  # read when the new function is traced and optimized: its first call
         return tf.function(py)
 
-    return [
+    env: dict[str, str] = {}
+
+    def op_types_step() -> Callable:
+        op_types.plan.op_precision = planning.plan(trials)  # rank 0 chooses, every rank receives
+        if LOW not in op_types.plan.op_precision.values():
+            raise RuntimeError("the predictor found no op type that makes the step faster at bf16")
+        env.update(env_lists(op_types.plan.op_precision, planning.output_dir / PRIORLIST_FILE))
+        amp.enable(env)  # read when the new function is traced and optimized: its first call
+        return tf.function(py)
+
+    op_types = Trial(
+        AMP_OPS,
+        Plan(fingerprint=dict(fingerprint)),
+        op_types_step,
+        inspect=bf16_op_counts,
+        enable=lambda: amp.enable(env),
+    )
+    trials = [
         Trial(BASELINE, Plan.empty(fingerprint), lambda: fn, warmup=0),
         Trial(
             XLA,
@@ -141,11 +273,16 @@ def make_trials(
         ),
         Trial(
             AMP,
-            Plan(fingerprint=dict(fingerprint), precision=dict.fromkeys(names, "bf16")),
+            Plan(fingerprint=dict(fingerprint), precision=dict.fromkeys(names, LOW)),
             amp_step,
+            warmup=WARMUP[AMP],
             inspect=bf16_op_counts,
+            probe=planning.probe,
+            enable=amp.enable,
         ),
+        op_types,
     ]
+    return trials
 
 
 class Trials:
@@ -191,7 +328,10 @@ class Trials:
         else:
             start = time.perf_counter()
             try:
-                result = trial.fn(*args, **kwargs)
+                if trial.probe is not None and trial.calls <= trial.warmup:
+                    result = trial.probe.call(trial.calls, trial.fn, args, kwargs)
+                else:
+                    result = trial.fn(*args, **kwargs)
             except Exception as exc:
                 if trial.name == BASELINE:
                     raise
@@ -205,6 +345,7 @@ class Trials:
                     self._inspect(trial, args, kwargs)
         if trial.calls == trial.warmup + self.verify_steps:
             self._index += 1
+            self.amp.restore()  # a candidate's TF settings hold for its turn only
         return result
 
     def _inspect(self, trial: Trial, args: Sequence, kwargs: Mapping) -> None:
@@ -219,8 +360,7 @@ class Trials:
 
     def _failed(self, trial: Trial, error: str) -> None:
         trial.error = error
-        if trial.name == AMP:
-            self.amp.restore()
+        self.amp.restore()
         warnings.warn(
             f"qsync Recorder: candidate {trial.name} failed ({trial.error}); this run goes on with the"
             " original train step",
@@ -245,8 +385,8 @@ class Trials:
                 hvd.broadcast(tf.constant(choice, tf.int32), root_rank=0, name="qsync.choice").numpy()
             )
         self.chosen = self.trials[choice]
-        if self.chosen.name != AMP:
-            self.amp.restore()
+        if self.chosen.enable is not None:
+            self.chosen.enable()
         if self.rank == 0:
             self._write(medians, out, reason)
         return self.chosen
@@ -273,7 +413,11 @@ class Trials:
         }
         plan = chosen.plan
         if chosen.name != BASELINE:
-            plan.prediction = {"step_ms": float(medians[self.trials.index(chosen)]), "source": MEASURED}
+            plan.prediction = {
+                **(chosen.prediction or {"step_ms": None, "source": "not priced"}),
+                "measured_step_ms": float(medians[self.trials.index(chosen)]),
+                "measured_source": MEASURED,
+            }
         plan.save(self.output_dir / PLAN_FILE)
         text = json.dumps(self.verification, indent=2, allow_nan=False)
         write_text_atomic(self.output_dir / VERIFICATION_FILE, text + "\n", what="verification")
@@ -329,13 +473,19 @@ def choose(names: Sequence[str], medians: np.ndarray, out: np.ndarray) -> tuple[
 
 def format_verification(verification: Mapping[str, Any]) -> str:
     """A few lines: the baseline, each candidate, the decision."""
-    lines = [f"qsync apply: baseline {verification['baseline']['all_ranks_step_ms']:.2f} ms/step (measured)"]
+    base = verification["baseline"]
+    lines = [f"qsync apply: baseline {base['all_ranks_step_ms']:.2f} ms/step (measured){_predicted(base)}"]
     for c in verification["candidates"]:
         ms = c["all_ranks_step_ms"]
         figure = f"{ms:.2f} ms/step (measured)" if ms is not None else "no figure"
         note = f", failed: {c['error']}" if c["error"] else ("" if c["finite"] else ", not finite")
-        lines.append(f"  {c['name']:<10} {figure}{note}")
+        lines.append(f"  {c['name']:<12} {figure}{_predicted(c)}{note}")
     decision = verification["decision"]
     what = "to the original step" if decision == "roll back" else verification["chosen"]
     lines.append(f"  decision: {decision} {what} ({verification['reason']})")
     return "\n".join(lines)
+
+
+def _predicted(entry: Mapping[str, Any]) -> str:
+    prediction = entry.get("prediction")
+    return f", {prediction['step_ms']:.2f} predicted" if prediction else ""

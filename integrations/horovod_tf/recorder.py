@@ -20,7 +20,16 @@ unchanged. Call by call, counted from 0:
   times, and in mode "report" rank 0 gathers all ranks' traces, prints the summary and writes
   ``<output_dir>/report.json``, as the Lightning callback does;
 - in mode "apply", after the report, the next calls try XLA and bfloat16 mixed precision on the live
-  run, measure them against the original step and keep the best or roll back (see `apply`).
+  run, measure them against the original step and keep the best or roll back (see `apply`); with
+  more than one process also the best predicted gradient groups (``recorder.groups``), and the
+  best predicted fusion threshold and cycle time go into ``plan.json`` for the next launch (see
+  `fusion`).
+
+Communication (more than one process): Horovod's timeline is on during each recorded step
+(`fusion.Timeline`; rank 0 writes it under ``trace/rank0/horovod_timeline/``), and the
+collectives' tensors, sizes and dtypes are read from the step's concrete function graph (when the
+decorated step is a ``tf.function``); the trace's collective ops carry both, and its
+``communication`` entry the fusion threshold, cycle time and groups in effect.
 
 Ranks meet (one Horovod all-reduce of a flag) when a profiler session opens and when it closes,
 and before the report. Each opening meeting is followed by a ``qsync::clock_sync`` mark (see
@@ -53,15 +62,21 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
+from qsync_callback.integrations.horovod_tf import fusion
 from qsync_callback.integrations.horovod_tf.apply import (
+    AMP,
     BASELINE,
     CANDIDATE_WARMUP,
-    CANDIDATES,
+    PLAN_FILE,
     AmpOption,
+    OpTypePlanning,
     Trials,
     make_trials,
+    trial_calls,
 )
+from qsync_callback.plan import Plan
 from qsync_callback.recorder.kineto import CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step, Trace, rank_trace_path
 from qsync_callback.recorder.xspace import (
@@ -82,6 +97,8 @@ PEAK_SOURCE = "not measured: TensorFlow reports allocator peaks for GPUs only"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+fusion.enable_dynamic_timeline()  # before the user's hvd.init(), which reads it
+
 
 class Recorder:
     """Record a window of a Horovod + TensorFlow training run and report on it (see the module
@@ -100,6 +117,10 @@ class Recorder:
         optimizer: the optimizer the step applies (default: ``model.optimizer`` if compiled); its
             variables count as resident memory and its name scope marks update ops.
         verify_steps: in mode "apply", timed calls of the baseline and of each candidate (at least 1).
+
+    Attribute ``groups`` (default None: Horovod's default) is what the step should pass to
+    ``hvd.DistributedGradientTape(tape, groups=recorder.groups)``; in mode "apply" a candidate sets
+    the planned gradient groups there and re-traces the step.
     """
 
     def __init__(
@@ -138,7 +159,8 @@ class Recorder:
         self.report: dict[str, Any] | None = None
         self.step_ms: list[float] = []  # the timed (unprofiled) calls
         self.rank = 0
-        self.world_size = 1
+        self.world_size = hvd.size() if hvd.is_initialized() else 1
+        self.groups: Any = None
         self._step_fn: Callable | None = None
         self._calls = 0
         self._safe = FailSafe("qsync Recorder", self.close)
@@ -151,7 +173,12 @@ class Recorder:
         self._layers: list[dict[str, Any]] = []
         self._amp = AmpOption()
         self._trials: Trials | None = None  # mode "apply": running, then decided
+        self._traces: list[Trace] | None = None  # rank 0, after the report: every rank's trace
         self._applied: Callable | None = None  # the kept candidate's step function
+        self._timeline: fusion.Timeline | None = None  # more than one process: Horovod's timeline
+        self._collectives: dict[str, list[dict[str, Any]]] = {}  # from the step's graph
+        self._fusion: fusion.FusionPlanning | None = None  # mode "apply", more than one process
+        self._groups_before: Any = None
 
     # ----------------------------------------------------------------- schedule
 
@@ -175,7 +202,9 @@ class Recorder:
         """Calls until the recorder is done: the window, and in mode "apply" the trials too."""
         calls = self.recorded_steps[-1] + self.measure_steps + 1
         if self.mode == "apply":
-            calls += self.verify_steps + len(CANDIDATES) * (self.verify_steps + CANDIDATE_WARMUP)
+            calls += trial_calls(self.verify_steps)
+            if self.world_size > 1:
+                calls += CANDIDATE_WARMUP + self.verify_steps  # the gradient-groups candidate
         return calls
 
     @property
@@ -241,7 +270,11 @@ class Recorder:
             self._safe.run(self._prepare_window)
             self._open_session(self._profile_dir() / WARMUP_RUN)
         elif step in self.recorded_steps:
+            if step == self.recorded_steps[0] and self.world_size > 1:
+                self._read_collectives(args, kwargs)
             self._open_session(self._profile_dir() / f"step{step}")
+            if self._timeline is not None and self._session is not None:
+                self._timeline.start(step, write=self.rank == 0)
 
     def _after(self, step: int, elapsed_ms: float | None) -> None:
         if self._finished:
@@ -275,6 +308,19 @@ class Recorder:
         shutil.rmtree(self._profile_dir(), ignore_errors=True)
         self._profile_dir().mkdir(parents=True, exist_ok=True)
         self._resident = resident_bytes(self.model, self.optimizer)
+        if self.world_size > 1:
+            timeline_dir = self._profile_dir().parent / fusion.TIMELINE_DIR
+            shutil.rmtree(timeline_dir, ignore_errors=True)
+            self._timeline = fusion.Timeline(timeline_dir)
+
+    def _read_collectives(self, args: Sequence, kwargs: Mapping) -> None:
+        """The step's all-reduced tensors from its graph; a step that is no ``tf.function`` (or a
+        graph that cannot be read) leaves them to Horovod's timeline, on rank 0."""
+        variables = self.model.trainable_variables if self.model is not None else []
+        try:
+            self._collectives = fusion.graph_collectives(self._step_fn, args, kwargs, variables, self.groups)
+        except Exception:  # noqa: BLE001 - optional structure: the timeline still gives rank 0's sizes
+            self._collectives = {}
 
     def _open_session(self, logdir: Path) -> None:
         """Start a profiler session into ``logdir``, meet the other ranks, then put a clock mark into
@@ -297,6 +343,8 @@ class Recorder:
         queues behind them), then stop the profiler; keep the session's profile or remove it."""
         session = self._session
         ok = self._agree()
+        if self._timeline is not None:
+            self._timeline.stop()
         stopped = self._safe.run(self._stop_profiler) is not None
         if session is None:
             return
@@ -317,7 +365,8 @@ class Recorder:
             scopes.append(self.optimizer.name)
         steps, ops = [], []
         for session, mark_us in self._sessions:
-            converted = convert_xspace(load_xspace(find_xspace(session)), self._layers, scopes)
+            space = load_xspace(find_xspace(session))
+            converted = convert_xspace(space, self._layers, scopes, collective_tensors=self._collectives)
             if converted["clock_sync_us"] is None:
                 raise ValueError(f"{session}: the profile lost its clock mark")
             shift = mark_us - converted["clock_sync_us"]
@@ -338,7 +387,34 @@ class Recorder:
             measured={"peak_bytes": None, "peak_source": PEAK_SOURCE},
             fingerprint=self._fingerprint,
             raw_trace=PROFILE_DIR,
+            communication=self._communication(ops),
         )
+
+    def _communication(self, ops: list[Op]) -> dict[str, Any]:
+        """Horovod's settings in effect and the timeline (its records go into ``ops``, on rank 0)."""
+        settings = fusion.horovod_settings()
+        groups = self.groups
+        if isinstance(groups, list):
+            groups = [[v.name for v in group] for group in groups]
+        out = {"library": "horovod", **settings, "groups": groups, "plan_in_effect": self._plan_in_effect()}
+        if self._timeline is not None:
+            if self.rank == 0:
+                fusion.attach_timeline(ops, self._timeline.records())
+            out.update(self._timeline.describe(self._profile_dir().parent))
+        return out
+
+    def _plan_in_effect(self) -> bool:
+        """Whether a plan.json of an earlier run set the fusion threshold and cycle time in effect
+        (said once, on rank 0)."""
+        path = self.output_dir / PLAN_FILE
+        try:
+            plan = Plan.load(path) if path.exists() else None
+        except QSyncInputError:
+            return False
+        in_effect = fusion.settings_in_effect(plan)
+        if in_effect and self.rank == 0:
+            print(f"qsync: {path}'s fusion threshold and cycle time are in effect", flush=True)
+        return in_effect
 
     def _save(self) -> None:
         self.trace.measured["step_ms"] = list(self.step_ms)
@@ -361,7 +437,21 @@ class Recorder:
 
     def _make_trials(self) -> Trials:
         layers = [layer["name"] for layer in self._layers]
-        trials = make_trials(self._step_fn, layers, self._fingerprint, self._amp)
+        planning = OpTypePlanning(
+            self._traces,
+            self.rank,
+            self._profile_dir() / AMP,
+            self.output_dir,
+            lambda text: _gather_strings(text, self.world_size)[0],
+        )
+        trials = make_trials(self._step_fn, layers, self._fingerprint, self._amp, planning)
+        if self.world_size > 1:
+            self._fusion = fusion.FusionPlanning(self._traces, self.rank, planning.share)
+            self._groups_before = self.groups
+            variables = self.model.trainable_variables if self.model is not None else []
+            trials.append(
+                fusion.groups_trial(self._step_fn, variables, self._fingerprint, self._fusion, self)
+            )
         return Trials(trials, self.verify_steps, self.rank, self.world_size, self.output_dir, self._amp)
 
     def _trial_step(self, fn: Callable, args: Sequence, kwargs: Mapping) -> Any:
@@ -376,7 +466,19 @@ class Recorder:
             if chosen is None:
                 self._trials.chosen = None  # back to the original step and TF's options (see close)
             self._applied = chosen.fn if chosen and chosen.name != BASELINE else None
+            if self._fusion is not None:
+                self._safe.run(self._settle_fusion, chosen)
         return result
+
+    def _settle_fusion(self, chosen: Any) -> None:
+        """The user's groups again unless the groups candidate was kept; rank 0 writes the fusion
+        threshold and cycle time for the next launch into plan.json and says so."""
+        if chosen is None or chosen.name != fusion.GROUPS:
+            self.groups = self._groups_before
+        if self.rank == 0 and chosen is not None:
+            message = self._fusion.write_next_launch(self.output_dir / PLAN_FILE)
+            if message:
+                print(message, flush=True)
 
     def _report(self, texts: list[str]) -> None:
         traces = [Trace.from_dict(json.loads(t), source=f"rank {i} trace") for i, t in enumerate(texts)]
@@ -384,6 +486,7 @@ class Recorder:
             path = rank_trace_path(self._trace_dir(), trace.rank)
             if not path.exists():
                 trace.save(path)
+        self._traces = traces
         self.report = build_report(traces)
         write_report(self.report, self.output_dir / REPORT_FILE)
         print(format_summary(self.report) + f"\n  written to {self.output_dir}", flush=True)

@@ -2,7 +2,13 @@
 
 Nodes are ops (``"r<rank>/<op id>"``), one start and one end sentinel per rank
 (``"r<rank>/start"``, ``"r<rank>/end"``), and, in the global graph, one node per collective
-(``"comm/<k>"``) that stands for the k-th collective of the step on every rank. Node attributes:
+(``"comm/<k>"``) that stands for one collective of the step on every rank: the k-th (by time), or,
+where every rank names its collectives uniquely (Horovod: the op's name), the one of that name; and
+where Horovod's timeline says which tensors were fused into one response, one node per response.
+A collective node's ``parts`` list what it was made of, one entry per joined collective op:
+``{"key", "tensors", "launch": [nodes], "consumers": [nodes]}`` (the ops on every rank that it
+waited for and that waited for it), so that a what-if can regroup them (`tensor_fusion.py`).
+Node attributes:
 
 - ``queue``: where it runs, ``"r<rank>/<thread>"``; ops on one queue run one at a time, in order;
 - ``dur``: microseconds, the recorded duration less the profiler's own share (``overhead_us``);
@@ -23,6 +29,7 @@ from collections.abc import Sequence
 
 import networkx as nx
 
+from qsync_callback.recorder.horovod_timeline import tensor_key
 from qsync_callback.recorder.trace import Op, Trace, clock_offsets_us
 
 
@@ -128,16 +135,18 @@ def build_step_graph(trace: Trace, step_index: int) -> nx.DiGraph:
 def build_global_graph(traces: Sequence[Trace], step_position: int) -> nx.DiGraph:
     """The step at ``step_position`` (0 = first recorded) of every rank, joined by collectives.
 
-    The k-th collective of the step on each rank becomes one node ``comm/<k>``: it starts when the
-    last rank has launched it and ends when the first rank saw it complete (times on the common
-    clock); every rank's launching op precedes it and every rank's waiting op follows it.
+    A collective node starts when the last rank has launched it and ends when the first rank saw it
+    complete (times on the common clock), or spans the response's execution in Horovod's timeline;
+    every rank's launching op precedes it and every rank's waiting op follows it. The collective
+    nodes form one queue, in order of their start.
     """
     if len(traces) == 1:
         return build_step_graph(traces[0], traces[0].steps[step_position].index)
     graph = nx.DiGraph(step=step_position, ranks=[t.rank for t in traces])
     times: dict[str, tuple[float, float]] = {}
     per_rank_comms: list[list[str]] = []
-    for trace, offset in zip(traces, clock_offsets_us(traces), strict=True):
+    offsets = clock_offsets_us(traces)
+    for trace, offset in zip(traces, offsets, strict=True):
         step_index = trace.steps[step_position].index
         times.update(_add_rank(graph, trace, step_index, offset))
         comms = sorted(
@@ -145,26 +154,102 @@ def build_global_graph(traces: Sequence[Trace], step_position: int) -> nx.DiGrap
             key=lambda n: times[n][0],
         )
         per_rank_comms.append(comms)
-    count = min(len(c) for c in per_rank_comms)
-    for k in range(count):
-        members = [comms[k] for comms in per_rank_comms]
-        start = max(times[m][0] for m in members)
-        end = max(start, min(times[m][1] for m in members))
-        merged = f"comm/{k}"
-        attrs = {
-            **graph.nodes[members[0]],
-            "queue": "comm",
-            "rank": None,
-            "dur": end - start,
-            "gap_overhead": 0.0,
-        }
-        graph.add_node(merged, **attrs)
-        times[merged] = (start, end)
-        for m in members:
-            for p in graph.predecessors(m):
-                graph.add_edge(p, merged, kind=graph.edges[p, m]["kind"])
-            for s in graph.successors(m):
-                graph.add_edge(merged, s, kind=graph.edges[m, s]["kind"])
-            graph.remove_node(m)
+    joined = _join_ranks(graph, per_rank_comms)
+    merged = []
+    for k, (members, span) in enumerate(_by_response(graph, joined, offsets)):
+        merged.append(_merge_collective(graph, times, f"comm/{k}", members, span))
+    merged.sort(key=lambda n: times[n][0])
+    for a, b in zip(merged, merged[1:], strict=False):
+        graph.add_edge(a, b, kind="order")
     _set_gaps(graph, times)
     return graph
+
+
+def _join_ranks(graph: nx.DiGraph, per_rank_comms: list[list[str]]) -> list[list[str]]:
+    """Each collective's node on every rank: by name where every rank has the same unique names,
+    otherwise the k-th of each rank (by start time)."""
+    keys = [[tensor_key(graph.nodes[n]["name"]) for n in comms] for comms in per_rank_comms]
+    if all(len(set(k)) == len(k) and set(k) == set(keys[0]) for k in keys):
+        by_key = [dict(zip(k, comms, strict=True)) for k, comms in zip(keys, per_rank_comms, strict=True)]
+        return [[nodes[key] for nodes in by_key] for key in keys[0]]
+    count = min(len(c) for c in per_rank_comms)
+    return [[comms[k] for comms in per_rank_comms] for k in range(count)]
+
+
+def _by_response(
+    graph: nx.DiGraph, joined: list[list[str]], offsets: Sequence[float]
+) -> list[tuple[list[list[str]], tuple[float, float] | None]]:
+    """Joined collectives grouped by the Horovod response that carried them (from the timeline's
+    records on some rank's nodes), with the response's execution span on the common clock; a
+    collective with no record is a group of its own, with no span."""
+    groups: dict[int, tuple[list[list[str]], list[float]]] = {}
+    out: list[tuple[list[list[str]], tuple[float, float] | None]] = []
+    for members in joined:
+        record = None
+        for node in members:
+            records = [t["timeline"] for t in _tensors(graph.nodes[node]) if t.get("timeline")]
+            if records:
+                offset = offsets[graph.graph["ranks"].index(graph.nodes[node]["rank"])]
+                record = (records[0]["response"], [r["op_us"][i] + offset for r in records for i in (0, 1)])
+                break
+        if record is None:
+            out.append(([members], None))
+            continue
+        response, bounds = record
+        if response not in groups:
+            groups[response] = ([], [])
+            out.append((groups[response][0], None))
+        groups[response][0].append(members)
+        groups[response][1].extend(bounds)
+    spans = {id(g[0]): (min(g[1]), max(g[1])) for g in groups.values()}
+    return [(members, spans.get(id(members), span)) for members, span in out]
+
+
+def _merge_collective(
+    graph: nx.DiGraph,
+    times: dict[str, tuple[float, float]],
+    merged: str,
+    joined: list[list[str]],
+    span: tuple[float, float] | None,
+) -> str:
+    """Replace the nodes of ``joined`` (collective ops, each on every rank) by one node ``merged``
+    that waits for all their launches and that all their consumers wait for."""
+    nodes = [n for members in joined for n in members]
+    if span is None:
+        start = max(times[m][0] for m in nodes)
+        span = (start, max(start, min(times[m][1] for m in nodes)))
+    parts = []
+    for members in joined:
+        attrs = [graph.nodes[m] for m in members]
+        tensors = next((a["collective"]["tensors"] for a in attrs if _tensors(a)), [])
+        launch = {p for m in members for p in graph.predecessors(m) if not _is_comm(graph, p)}
+        consumers = {s for m in members for s in graph.successors(m) if not _is_comm(graph, s)}
+        key = tensor_key(attrs[0]["name"])
+        parts.append(
+            {"key": key, "tensors": tensors, "launch": sorted(launch), "consumers": sorted(consumers)}
+        )
+    first = graph.nodes[nodes[0]]
+    collective = dict(first["collective"] or {})
+    if any(p["tensors"] for p in parts):
+        collective["tensors"] = [t for p in parts for t in p["tensors"]]
+        collective["bytes"] = sum(int(t.get("bytes") or 0) for t in collective["tensors"])
+    attrs = {**first, "queue": "comm", "rank": None, "dur": span[1] - span[0], "gap_overhead": 0.0}
+    graph.add_node(merged, **{**attrs, "collective": collective, "parts": parts})
+    times[merged] = span
+    for m in nodes:
+        for p in graph.predecessors(m):
+            if not _is_comm(graph, p):
+                graph.add_edge(p, merged, kind=graph.edges[p, m]["kind"])
+        for s in graph.successors(m):
+            if not _is_comm(graph, s):
+                graph.add_edge(merged, s, kind=graph.edges[m, s]["kind"])
+    graph.remove_nodes_from(nodes)
+    return merged
+
+
+def _tensors(attrs: dict) -> list:
+    return (attrs["collective"] or {}).get("tensors") or []
+
+
+def _is_comm(graph: nx.DiGraph, node: str) -> bool:
+    return graph.nodes[node]["kind"] == "comm"

@@ -5,8 +5,12 @@ their collectives) and replayed; the prediction is the median of the replayed st
 the liveness model of each rank (`memory.py`); the prediction is the largest rank's peak.
 
 A plan is priced as transforms of the recorded graph and liveness: per-layer precision
-(`precision.py`). A plan with decisions this version cannot price yet (buckets, fused regions,
-activation policies) is refused with a message naming them, never silently priced as if empty.
+(`precision.py`) and per-op-type precision (`op_precision.py`, time only). A plan with decisions
+this version cannot price yet (fused regions, activation policies) is refused with a
+message naming them, never silently priced as if empty. Horovod's tensor fusion (``communication``:
+fusion threshold and cycle time; ``buckets``: gradient groups) is priced by regrouping the recorded
+all-reduces (`tensor_fusion.py`, time only) on traces with Horovod's timeline records; on others it
+is refused, saying what is missing.
 """
 
 from __future__ import annotations
@@ -21,8 +25,17 @@ from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import predict_memory, tensor_lifetimes
+from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan
 from qsync_callback.predictor.precision import apply_precision, check_precision_plan, precision_lives
 from qsync_callback.predictor.replay import replay
+from qsync_callback.predictor.tensor_fusion import (
+    AllreduceCost,
+    apply_fusion,
+    can_price_fusion,
+    check_buckets,
+    fit_allreduce_cost,
+    fusion_correction_us,
+)
 from qsync_callback.recorder.trace import Trace
 
 
@@ -48,11 +61,8 @@ def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> N
     unpriced = [
         name
         for name, decisions in (
-            ("op_precision", plan.op_precision),
-            ("buckets", plan.buckets),
             ("fused_regions", plan.fused_regions),
             ("activation", plan.activation),
-            ("communication", plan.communication),
         )
         if decisions
     ]
@@ -61,7 +71,15 @@ def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> N
             f"{source}: this version prices precision plans only; "
             f"the plan's {', '.join(unpriced)} decisions cannot be priced yet"
         )
+    if plan.buckets or plan.communication:
+        reason = can_price_fusion(traces)
+        if reason is not None:
+            names = ", ".join(
+                n for n, d in (("buckets", plan.buckets), ("communication", plan.communication)) if d
+            )
+            raise QSyncInputError(f"{source}: the plan's {names} decisions cannot be priced: {reason}")
     check_precision_plan(traces, plan.precision, source)
+    check_op_precision_plan(traces, plan.op_precision, source)
 
 
 class Predictor:
@@ -78,6 +96,7 @@ class Predictor:
         positions = min(len(t.steps) for t in self.traces)
         self._graphs = [build_global_graph(self.traces, pos) for pos in range(positions)]
         self._lives = [tensor_lifetimes(t) for t in self.traces]
+        self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
 
     def predict(self, plan: Plan | None = None, plan_source: str = "<plan>") -> Prediction:
         """Price ``plan`` (default: the recorded configuration)."""
@@ -86,8 +105,13 @@ class Predictor:
             check_plan(self.traces, plan, plan_source)
             precision = plan.precision
         graphs = [apply_precision(g, self.traces, precision) if precision else g for g in self._graphs]
+        if plan is not None and plan.op_precision:
+            graphs = [apply_op_precision(g, self.traces, plan.op_precision) for g in graphs]
+        corrections = [0.0] * len(graphs)
+        if plan is not None and (plan.buckets or plan.communication):
+            graphs, corrections = self._apply_fusion(graphs, plan, plan_source)
         replays = [replay(g) for g in graphs]
-        step_us = [r.step_us for r in replays]
+        step_us = [r.step_us + c for r, c in zip(replays, corrections, strict=True)]
         median_us = statistics.median(step_us)
         typical = min(range(len(replays)), key=lambda i: abs(replays[i].step_us - median_us))
         memory = [
@@ -104,6 +128,33 @@ class Predictor:
             memory_breakdown=largest.breakdown,
             layer_ms=_layer_ms(graphs[typical]),
         )
+
+    @property
+    def graphs(self) -> list[nx.DiGraph]:
+        """The recorded steps' global graphs (do not change them: `predict` prices copies)."""
+        return self._graphs
+
+    def fusion_cost(self) -> AllreduceCost:
+        """The all-reduce cost fitted on the recorded responses (once per predictor)."""
+        return self._fused()[0]
+
+    def _fused(self) -> tuple[AllreduceCost, list[float]]:
+        if self._fusion is None:
+            cost = fit_allreduce_cost(self._graphs, self.traces[0].world_size)
+            settings = self.traces[0].communication
+            self._fusion = (cost, [fusion_correction_us(g, cost, settings) for g in self._graphs])
+        return self._fusion
+
+    def _apply_fusion(
+        self, graphs: Sequence[nx.DiGraph], plan: Plan, source: str
+    ) -> tuple[list[nx.DiGraph], list[float]]:
+        """The graphs regrouped by the plan's fusion settings (the recorded ones where it sets none)
+        and buckets, and each recorded step's correction (`tensor_fusion.fusion_correction_us`)."""
+        check_buckets(self._graphs[0], plan.buckets, source)
+        cost, corrections = self._fused()
+        settings = {**self.traces[0].communication, **plan.communication}
+        threshold, cycle = int(settings["fusion_threshold_bytes"]), float(settings["cycle_time_ms"])
+        return [apply_fusion(g, cost, threshold, cycle, plan.buckets) for g in graphs], corrections
 
 
 def _layer_ms(graph: nx.DiGraph) -> dict[str, float]:

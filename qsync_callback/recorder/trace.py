@@ -18,11 +18,16 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "saved_activation_bytes": {"net.0": ..., ...},   # saved for backward in one step, by layer
       "precision": {"net.0": "bf16", ...},   # the precision each layer ran at (absent: fp32)
       "precision_costs": {...},         # per-layer probes at each precision and the fitted casts
-                                        # (`recorder/precision_probes.py`); absent if not probed
+                                        # (`recorder/precision_probes.py`); absent if not probed;
+                                        # for a graph rewrite chosen by op type (TF), under
+                                        # "op_types" (below)
       "layer_statistics": {...},        # per-layer value statistics for the precision indicator
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024}, ...],
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "..."},
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
+      "communication": {...},           # the collective library's settings in effect, and where its
+                                        # own record is (Horovod: fusion threshold, cycle time,
+                                        # groups, timeline; see `recorder/horovod_timeline.py`)
       "fingerprint": {...},
       "raw_trace": "kineto.json"        # the profiler's own trace, beside this file
     }
@@ -31,6 +36,21 @@ Times are microseconds on this rank's clock. An op's ``dur_us`` and ``gap_us`` a
 ``overhead_us`` is the part of ``dur_us`` and ``gap_overhead_us`` the part of the idle time before
 the op that the profiler itself added (events recorded inside or before it, times the calibrated
 per-event cost); the graph subtracts them so that predictions are for runs without the profiler.
+
+Per-op-type precision costs (``precision_costs["op_types"]``, written by
+`integrations/horovod_tf/mixed_precision.py`, read by `predictor/op_precision.py`)::
+
+    {"ops": {"mlp/fc1/Relu": "MatMul", ...},   # op type of recorded ops, by op name (a fused op:
+                                               # its root type, as the rewrite's lists name it)
+     "edges": [["x", "mlp/fc1/Relu", 65536], ...],   # float tensors between ops: producer,
+                                               # consumer, bytes at fp32 (one entry per use)
+     "costs": {"MatMul": {"ops": 5, "measured_ops": 5, "fp32_us": 8012.4, "bf16_us": 1950.2}, ...},
+                                               # per step: the type's ops (measured_ops of them
+                                               # ran at bf16 under the rewrite) summed, at fp32
+                                               # (the recorded steps) and at bf16 (profiled steps)
+     "casts": {"fp32->bf16": {"us_per_byte": .., "bytes": .., "casts": 9}, "bf16->fp32": {...}},
+                                               # the rewrite's own Cast ops, per step, per fp32 byte
+     "source": "..."}                          # what was measured where (rank, steps)
 """
 
 from __future__ import annotations
@@ -60,7 +80,11 @@ class Op:
     backward on CPU), "comm:<n>" (a communication thread or stream), "cuda:<stream>", or
     "tid:<n>" for any other thread. ``deps`` are ids of ops on other threads it waited for
     (same-thread order is implied by start time). ``collective`` is set on communication ops:
-    {"op": "all_reduce", "numel": ..., "bytes": ..., "dtype": ...}.
+    {"op": "all_reduce", "numel": ..., "bytes": ..., "dtype": ...}. A Horovod collective op (one per
+    ``HorovodAllreduce``, or per ``HorovodGroupedAllreduce`` of several tensors) also lists its
+    ``"tensors"``: [{"name": <Horovod's tensor name, last path component>, "variable": <the variable
+    whose gradient it is, or null>, "shape": [...], "dtype": ..., "bytes": ...,
+    "timeline": <rank 0 only: `TensorRecord.to_dict()`, the coordinator's phases and response>}].
     """
 
     id: int
@@ -122,6 +146,7 @@ class Trace:
     profiler_overhead_us: dict[str, float] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     raw_trace: str | None = None
+    communication: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the ops and steps are shallow copies (their fields are plain JSON values)."""
@@ -172,6 +197,7 @@ class Trace:
                 profiler_overhead_us={k: float(v) for k, v in data.get("profiler_overhead_us", {}).items()},
                 fingerprint=dict(data.get("fingerprint", {})),
                 raw_trace=data.get("raw_trace"),
+                communication=dict(data.get("communication", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise QSyncInputError(f"{source}: malformed trace ({type(exc).__name__}: {exc})") from None

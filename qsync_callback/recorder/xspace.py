@@ -11,8 +11,12 @@ and one node per asynchronous collective. Horovod's ops run as async kernels: an
 event on Horovod's background thread when it completed, the two joined by a context id. A
 collective runs on Horovod's thread from its launch, or from the previous collective's completion
 if that was later, to its own completion: a queue of non-overlapping spans whose sum is the
-thread's busy time. (A collective's sizes and Horovod's own phases are not in the XSpace: they come
-from the step function's graph and Horovod's timeline.) Only the host plane is read.
+thread's busy time. It waits for the op that ran last before its launch on the launching thread,
+and the first op that starts on a compute thread after its completion (the executor schedules the
+consumer from Horovod's completion callback) waits for it. A collective's tensors, sizes and dtypes
+are not in the XSpace: the recorder passes them in (``collective_tensors``, from the step
+function's graph), keyed by the collective op's own name (`horovod_timeline.tensor_key`); Horovod's
+phases come from its timeline. Only the host plane is read.
 
 Kinds come from the op's name scope: ops under ``gradient_tape/`` or ``gradients/`` are backward,
 ops under an optimizer's scope (``Adam/``, ``SGD/``, ...) or of an ``Apply*`` type are update,
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.recorder.horovod_timeline import tensor_key
 from qsync_callback.recorder.kineto import CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step
 
@@ -177,13 +182,16 @@ def convert_xspace(
     layers: Sequence[Mapping[str, Any]] = (),
     optimizer_scopes: Iterable[str] = OPTIMIZER_SCOPES,
     step_name: str = STEP_NAME,
+    collective_tensors: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Read an XSpace; return ``steps`` (list[Step]), ``ops`` (list[Op]) and ``clock_sync_us``
     (None when no sync mark was recorded).
 
     ``layers`` is ``keras_layers(model)`` (ops get a layer only where one is given); steps are the
-    host events named ``step_name`` that carry a ``step_num`` stat. Times are microseconds on the
-    profile's clock. Raises ValueError if the profile has no host plane or no step.
+    host events named ``step_name`` that carry a ``step_num`` stat; ``collective_tensors`` maps a
+    collective op's key to its tensors (``{"name", "shape", "dtype", "bytes", ...}``, see
+    `qsync_callback.recorder.trace.Op`). Times are microseconds on the profile's clock. Raises
+    ValueError if the profile has no host plane or no step.
     """
     # "/host:CPU" holds the ops; once XLA has compiled anything in the process, a "/host:metadata"
     # plane comes first
@@ -229,7 +237,8 @@ def convert_xspace(
         for e in _outermost(e for e in events if _is_host_op(e)):
             name, op_type = _identity(e)
             add(e, name, op_type, thread, e.start, e.end)
-    _add_collectives(everything, lines, step_of, add, ops)
+    done_at = _add_collectives(everything, lines, step_of, add, ops, collective_tensors or {})
+    _link_consumers(ops, done_at)
     _classify(ops, op_types, optimizer_scopes)
     _attribute_layers(ops, layers)
     sync = [e for e in everything if e.name == CLOCK_SYNC]
@@ -271,8 +280,10 @@ def _add_collectives(
     step_of: Callable[[float], Step | None],
     add: Callable[..., Op | None],
     ops: list[Op],
-) -> None:
-    """One comm op per collective launched in a step, on the thread that completed it.
+    collective_tensors: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> dict[int, float]:
+    """One comm op per collective launched in a step, on the thread that completed it; returns the
+    completion time of each by op id.
 
     Spans on that thread are cut so as not to overlap: a collective runs from its launch or the
     previous completion, whichever is later, to its own completion. A completion the profile lost
@@ -295,6 +306,7 @@ def _add_collectives(
             pending.append((step.end_us, line, start))
     nodes = {line: [e for e in events if e.node_id is not None] for line, events in lines.items()}
     free_at: dict[int, float] = {}
+    completed: dict[int, float] = {}
     for done_at, line, start in sorted(pending, key=lambda p: p[0]):
         begin = max(start.start, free_at.get(line, -math.inf))
         free_at[line] = done_at
@@ -304,9 +316,37 @@ def _add_collectives(
             continue
         kind = _COLLECTIVE_TYPE.match(op_type).group(2)
         op.kind, op.collective = "comm", {"op": _COLLECTIVE_OP[kind]}
+        tensors = collective_tensors.get(tensor_key(name))
+        if tensors:
+            op.collective.update(collective_sizes(tensors))
+        completed[op.id] = done_at
         before = [e for e in nodes.get(start.line, []) if e.end <= start.start]
         if before and ops[before[-1].node_id].step == op.step:
             op.deps.append(before[-1].node_id)
+    return completed
+
+
+def collective_sizes(tensors: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A collective's ``tensors`` (copies) with their total ``bytes`` and ``numel`` and the
+    ``dtype`` (the first tensor's)."""
+    copies = [dict(t) for t in tensors]
+    return {
+        "tensors": copies,
+        "bytes": sum(int(t.get("bytes") or 0) for t in copies),
+        "numel": sum(math.prod(t["shape"]) for t in copies if t.get("shape") is not None),
+        "dtype": copies[0].get("dtype"),
+    }
+
+
+def _link_consumers(ops: list[Op], done_at: Mapping[int, float]) -> None:
+    """The first op of the same step that starts on a non-communication thread at or after a
+    collective's completion waits for it."""
+    compute = sorted((op for op in ops if not op.thread.startswith("comm:")), key=lambda o: o.start_us)
+    starts = [op.start_us for op in compute]
+    for op_id, done in done_at.items():
+        i = bisect.bisect_left(starts, done)
+        if i < len(compute) and compute[i].step == ops[op_id].step:
+            compute[i].deps.append(op_id)
 
 
 def _classify(ops: list[Op], op_types: list[str], optimizer_scopes: Iterable[str]) -> None:

@@ -1,0 +1,170 @@
+"""What a per-op-type precision plan (``Plan.op_precision``, TensorFlow's auto-mixed-precision unit)
+does to the recorded step, as a graph transform on the recorded fp32 trace.
+
+It reads the trace's ``precision_costs["op_types"]`` (schema in `recorder/trace.py`; written by
+`integrations/horovod_tf/mixed_precision.py`): the op type of each recorded op, the float tensors
+that flow between ops with their fp32 bytes, per op type the measured time of its ops at fp32 (the
+recorded steps) and at the low precision (profiled steps of the framework's own rewrite), and the
+measured cost per byte of the casts that rewrite inserted.
+
+- Time: every op of a changed type keeps its recorded duration times its type's measured ratio
+  (``<p>_us / fp32_us``, summed over the same ops in both runs).
+- Data: the tensors between ops on different threads become edges of the graph, so that a
+  consumer waits for its producer rather than for the host gap recorded in front of it (TF's
+  executor threads take ops as their inputs are ready; see `_add_data_edges`).
+- Casts: where a tensor flows between ops that now run at different precisions, one cast node per
+  tensor and direction, priced ``bytes * us_per_byte`` of that direction. A cast to the low
+  precision goes on the consuming op's queue right before its first consumer (the framework casts
+  a tensor once for all its consumers); a cast back goes on the producing op's queue right after
+  it. Ops the trace gives no type (inputs, variables, ops of other threads) count as fp32.
+
+The plan's op types not in the table, and precisions not measured, are refused
+(`check_op_precision_plan`), never priced as if unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import networkx as nx
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.predictor.precision import _insert
+from qsync_callback.recorder.trace import Trace
+
+OP_TYPES = "op_types"  # the key under Trace.precision_costs
+
+
+def op_type_table(trace: Trace) -> Mapping:
+    """The trace's per-op-type costs (empty if it has none)."""
+    return trace.precision_costs.get(OP_TYPES, {})
+
+
+def changed_op_types(op_precision: Mapping[str, str]) -> dict[str, str]:
+    """The op types ``op_precision`` moves away from fp32 (the trace was recorded at fp32)."""
+    return {t: p for t, p in op_precision.items() if p != FULL_PRECISION}
+
+
+def check_op_precision_plan(traces: Sequence[Trace], op_precision: Mapping[str, str], source: str) -> None:
+    """Refuse a plan the traces cannot price: a trace without per-op-type costs, an op type with no
+    measured time at the plan's precision, a precision whose casts were not measured."""
+    changed = changed_op_types(op_precision)
+    if not changed:
+        return
+    for trace in traces:
+        table = op_type_table(trace)
+        if not table.get("costs"):
+            raise QSyncInputError(
+                f"{source}: the trace of rank {trace.rank} has no per-op-type precision costs; record it "
+                "with the Horovod + TensorFlow Recorder in mode 'apply'"
+            )
+        if trace.precision:
+            raise QSyncInputError(f"{source}: op-type plans are priced from a run recorded at fp32")
+        for op_type, p in changed.items():
+            cost = table["costs"].get(op_type, {})
+            if cost.get(f"{p}_us") is None:
+                measured = ", ".join(sorted(table["costs"])) or "none"
+                raise QSyncInputError(
+                    f"{source}: op type {op_type!r} at {p} was not measured (measured: {measured})"
+                )
+            for pair in (f"{FULL_PRECISION}->{p}", f"{p}->{FULL_PRECISION}"):
+                if pair not in table.get("casts", {}):
+                    raise QSyncInputError(f"{source}: no measured {pair} casts to price op type {op_type!r}")
+
+
+def type_ratio(table: Mapping, op_type: str, precision: str) -> float:
+    """Measured time at ``precision`` over fp32 of ``op_type``'s ops."""
+    cost = table["costs"][op_type]
+    return cost[f"{precision}_us"] / max(cost[f"{FULL_PRECISION}_us"], 1e-9)
+
+
+def _add_data_edges(
+    graph: nx.DiGraph,
+    out: nx.DiGraph,
+    nodes: Mapping[tuple[int, str], list[str]],
+    rank: int,
+    edges: Sequence[Sequence],
+) -> None:
+    """Make the tensors between ops on different queues edges of ``out``, and take the wait for them
+    out of the consumer's host gap: ``gap = recorded start - latest recorded end of its predecessors``
+    (as `graph.py` computes it), now over the data predecessors too. Replayed as recorded, the step
+    is unchanged; with ops made faster, a consumer on another thread starts earlier. Only edges that
+    point forward in recorded time are added (so the graph stays acyclic)."""
+    changed = set()
+    for producer, consumer, _ in edges:
+        for src in nodes.get((rank, producer), []):
+            for dst in nodes.get((rank, consumer), []):
+                a, b = graph.nodes[src], graph.nodes[dst]
+                if a["queue"] != b["queue"] and a["recorded_start"] + a["dur"] <= b["recorded_start"]:
+                    if not out.has_edge(src, dst):
+                        out.add_edge(src, dst, kind="dep")
+                        changed.add(dst)
+    for node in changed:
+        start = graph.nodes[node]["recorded_start"]
+        ready = max(graph.nodes[p]["recorded_start"] + graph.nodes[p]["dur"] for p in out.predecessors(node))
+        out.nodes[node]["gap"] = min(out.nodes[node]["gap"], max(0.0, start - ready))
+
+
+def apply_op_precision(
+    graph: nx.DiGraph, traces: Sequence[Trace], op_precision: Mapping[str, str]
+) -> nx.DiGraph:
+    """A copy of a step's graph (`build_global_graph`) with the ops of changed types rescaled and
+    the cast nodes added (see the module docstring)."""
+    changed = changed_op_types(op_precision)
+    out = graph.copy()
+    if not changed:
+        return out
+    nodes: dict[tuple[int, str], list[str]] = {}
+    for node, attrs in graph.nodes(data=True):
+        if attrs["rank"] is not None and attrs["kind"] not in ("comm", "sentinel"):
+            nodes.setdefault((attrs["rank"], attrs["name"]), []).append(node)
+    for trace in traces:
+        table = op_type_table(trace)
+        types = table.get("ops", {})
+        _add_data_edges(graph, out, nodes, trace.rank, table.get("edges", []))
+
+        def precision_of(name: str, types: Mapping = types) -> str:
+            return changed.get(types.get(name, ""), FULL_PRECISION)
+
+        for name, op_type in types.items():
+            if op_type in changed:
+                ratio = type_ratio(table, op_type, changed[op_type])
+                for node in nodes.get((trace.rank, name), []):
+                    out.nodes[node]["dur"] *= ratio
+        casts: dict[tuple[str, str], tuple[str, int]] = {}  # (tensor, to) -> (anchor node, bytes)
+        for producer, consumer, nbytes in table.get("edges", []):
+            src, dst = precision_of(producer), precision_of(consumer)
+            if src == dst:
+                continue
+            anchors = nodes.get((trace.rank, consumer if dst != FULL_PRECISION else producer))
+            if not anchors:
+                continue
+            anchor = anchors[0] if dst != FULL_PRECISION else anchors[-1]
+            known = casts.get((producer, dst))
+            start = graph.nodes[anchor]["recorded_start"]
+            if known is None or start < graph.nodes[known[0]]["recorded_start"]:
+                casts[(producer, dst)] = (anchor, int(nbytes))
+        for (producer, dst), (anchor, nbytes) in sorted(casts.items()):
+            src = precision_of(producer)
+            attrs = graph.nodes[anchor]
+            _insert(
+                out,
+                anchor,
+                f"r{trace.rank}/cast/{producer}/{dst}",
+                {
+                    "name": f"qsync::cast_{src}_{dst}:{producer}",
+                    "kind": "cast",
+                    "queue": attrs["queue"],
+                    "rank": trace.rank,
+                    "layer": attrs["layer"],
+                    "bytes": nbytes,
+                    "collective": None,
+                    "op_id": None,
+                    "gap": 0.0,
+                    "recorded_start": attrs["recorded_start"],
+                    "dur": nbytes * table["casts"][f"{src}->{dst}"]["us_per_byte"],
+                },
+                before=dst != FULL_PRECISION,
+            )
+    return out

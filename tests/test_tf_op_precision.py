@@ -1,0 +1,211 @@
+"""Mixed precision per op type (TF's auto-mixed-precision lists): pricing on a hand-written trace with
+a known answer, the plan's translation into TF's env lists and their effect on TF's rewrite, the env
+put back, and the Horovod + TensorFlow example choosing, applying and verifying an op-type plan."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.integrations.horovod_tf.apply import (
+    AMP_OPTION,
+    MEASURED,
+    PREDICTED,
+    AmpOption,
+    bf16_op_counts,
+)
+from qsync_callback.integrations.horovod_tf.mixed_precision import (
+    ENV_PREFIX,
+    PRIORLIST_FILE,
+    PRIORLIST_FILE_VAR,
+    env_lists,
+)
+from qsync_callback.plan import Plan
+from qsync_callback.planner.op_precision import choose_op_precision
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import load_trace_dir
+
+from tracebuilder import op, trace
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
+
+
+def _op_trace(costs: dict, threads: tuple[str, str] = ("main", "main")):
+    """One step: fc/MatMul (0-100 us) then fc/Relu (105-125) then loss (125-135); the MatMul's
+    inputs are the batch x (400 bytes) and the weight w (800 bytes), which are no recorded ops."""
+    mm, relu = threads
+    ops = [
+        op(0, "fc/MatMul", "forward", mm, 0.0, 100.0),
+        op(1, "fc/Relu", "forward", relu, 105.0, 20.0),
+        op(2, "loss", "forward", "main", 125.0, 10.0),
+    ]
+    table = {
+        "ops": {"fc/MatMul": "MatMul", "fc/Relu": "Relu", "loss": "Sum"},
+        "edges": [["x", "fc/MatMul", 400], ["w", "fc/MatMul", 800], ["fc/MatMul", "fc/Relu", 400]]
+        + [["fc/Relu", "loss", 400]],
+        "costs": costs,
+        "casts": {"fp32->bf16": {"us_per_byte": 0.01}, "bf16->fp32": {"us_per_byte": 0.02}},
+    }
+    return trace(ops, 135.0, precision_costs={"op_types": table})
+
+
+MATMUL = {"ops": 1, "measured_ops": 1, "fp32_us": 100.0, "bf16_us": 25.0}
+RELU = {"ops": 1, "measured_ops": 1, "fp32_us": 20.0, "bf16_us": 10.0}
+
+
+def test_changed_op_types_are_scaled_and_casts_added_where_precisions_meet():
+    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": RELU})])
+    assert predictor.predict().step_ms == pytest.approx(0.135)
+    # MatMul at bf16: 100 -> 25 us; x and w cast to bf16 before it (4 + 8 us), its output back to
+    # fp32 after it (8 us); the host gap before Relu (5 us) stays: Relu 20, loss 10
+    only_matmul = Plan(op_precision={"MatMul": "bf16"})
+    assert predictor.predict(only_matmul).step_ms == pytest.approx((4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3)
+    # MatMul and Relu at bf16: no cast between them; Relu's output cast back (8 us)
+    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
+    assert predictor.predict(both).step_ms == pytest.approx((4 + 8 + 25 + 5 + 10 + 8 + 10) / 1e3)
+    # an op type kept at fp32 changes nothing
+    assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
+
+
+def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():
+    """Relu runs on another thread and waited 105 us for the MatMul: with the MatMul faster (and its
+    casts), Relu starts right after them, not after the recorded 105 us."""
+    predictor = Predictor([_op_trace({"MatMul": MATMUL}, threads=("tid:1", "main"))])
+    assert predictor.predict().step_ms == pytest.approx(0.135)
+    plan = Plan(op_precision={"MatMul": "bf16"})
+    assert predictor.predict(plan).step_ms == pytest.approx((4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3)
+
+
+def test_plans_the_traces_cannot_price_are_refused():
+    predictor = Predictor([_op_trace({"MatMul": MATMUL})])
+    with pytest.raises(QSyncInputError, match="op type 'Relu' at bf16 was not measured"):
+        predictor.predict(Plan(op_precision={"Relu": "bf16"}))
+    bare = Predictor([trace([op(0, "fc/MatMul", "forward", "main", 0.0, 10.0)], 10.0)])
+    with pytest.raises(QSyncInputError, match="has no per-op-type precision costs"):
+        bare.predict(Plan(op_precision={"MatMul": "bf16"}))
+
+
+def test_the_planner_chooses_by_predicted_step_and_leaves_excluded_types_alone():
+    """Relu is slower at bf16 (30 us against 20): at bf16 it would save the cast between it and the
+    MatMul (8 us) but need one after it (8 us), a loss of 10 us, so it stays fp32. Sum is excluded."""
+    slower_relu = {**RELU, "bf16_us": 30.0}
+    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": slower_relu, "Sum": dict(MATMUL)})])
+    choice = choose_op_precision(predictor, Plan(), exclude=["Sum"])
+    assert choice.plan.op_precision == {"MatMul": "bf16", "Relu": "fp32"}
+    assert choice.candidates == ["MatMul"] and choice.search == "exhaustive" and choice.plans_priced == 4
+    # cheaper at bf16, Relu joins MatMul there: 25 + 15 and one cast back instead of 25 + 20
+    faster_relu = {**RELU, "bf16_us": 15.0}
+    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": faster_relu})])
+    assert choose_op_precision(predictor, Plan()).plan.op_precision == {"MatMul": "bf16", "Relu": "bf16"}
+    assert choice.prediction.step_ms == predictor.predict(choice.plan).step_ms
+
+
+def test_an_op_type_plan_becomes_tf_env_lists_and_a_priorlist(tmp_path):
+    env = env_lists({"MatMul": "bf16", "ReluGrad": "bf16", "BiasAddGrad": "fp32"}, tmp_path / PRIORLIST_FILE)
+    p = ENV_PREFIX
+    assert env == {
+        p + "ALLOWLIST_ADD": "ReluGrad",  # MatMul is on TF's allow list already
+        p + "ALLOWLIST_REMOVE": "BiasAddGrad",
+        p + "INFERLIST_REMOVE": "MatMul,ReluGrad,BiasAddGrad",
+        p + "CLEARLIST_REMOVE": "MatMul,ReluGrad,BiasAddGrad",
+        p + "DENYLIST_REMOVE": "MatMul,ReluGrad",
+        p + "DENYLIST_ADD": "BiasAddGrad",
+        p + "PRIORLIST_ADD": "MatMul,ReluGrad",
+        PRIORLIST_FILE_VAR: str(tmp_path / PRIORLIST_FILE),
+    }
+    assert (tmp_path / PRIORLIST_FILE).read_text() == "MatMul\nReluGrad\n"
+    with pytest.raises(ValueError, match="bf16 or fp32 only, not fp16"):
+        env_lists({"MatMul": "fp16"})
+
+
+def _relu_mlp_step():
+    model = tf.keras.Sequential([tf.keras.layers.Dense(32, activation="relu"), tf.keras.layers.Dense(4)])
+    model.build((None, 16))
+    optimizer = tf.keras.optimizers.SGD(0.01)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    args = (tf.random.normal((8, 16)), tf.zeros((8,), tf.int32))
+    step(*args)
+    return step, args
+
+
+def test_the_env_lists_steer_tfs_rewrite_and_are_put_back(tmp_path, monkeypatch):
+    """TF's own rewrite (Grappler, as the step's next trace would run it) follows the env: ReluGrad
+    kept at fp32, MatMul at bf16; afterwards the env and the option are as they were, a variable the
+    user had set included."""
+    step, args = _relu_mlp_step()
+    default = bf16_op_counts(step, args, {})
+    if not default:
+        pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
+    assert default.get("ReluGrad", 0) > 0 and default.get("MatMul", 0) > 0
+    monkeypatch.setenv(ENV_PREFIX + "CLEARLIST_REMOVE", "Snapshot")  # the user's own setting
+    before = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    option_before = tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False)
+    amp = AmpOption()
+    amp.enable(env_lists({"MatMul": "bf16", "ReluGrad": "fp32"}, tmp_path / PRIORLIST_FILE))
+    planned = bf16_op_counts(step, args, {})
+    assert planned.get("MatMul") == default["MatMul"] and "ReluGrad" not in planned
+    assert tf.config.optimizer.get_experimental_options()[AMP_OPTION] is True
+    amp.restore()
+    assert {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)} == before
+    assert tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False) == option_before
+    assert bf16_op_counts(step, args, {}) == default
+
+
+def test_the_example_chooses_applies_and_verifies_an_op_type_plan(tmp_path):
+    """One process of the example's MLP in mode "apply": rank 0 measures TF's uniform bf16 rewrite
+    per op type, the predictor prices plans, the chosen one is applied through the env lists and
+    measured; predicted and measured figures sit side by side in verification.json."""
+    out = tmp_path / "qsync"
+    args = [sys.executable, str(EXAMPLE), "--mode", "apply", "--output-dir", str(out)]
+    args += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    verification = json.loads((out / "verification.json").read_text())
+    by_name = {c["name"]: c for c in verification["candidates"]}
+    if not by_name["amp_bf16"]["evidence"]:
+        pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
+    ops, baseline = by_name["amp_op_types"], verification["baseline"]
+    plan = Plan.from_dict(ops["plan"])
+    for entry in (baseline, by_name["amp_bf16"], ops):
+        assert entry["prediction"]["source"] == PREDICTED and entry["prediction"]["step_ms"] > 0
+    assert ops["prediction"]["search"] == "exhaustive" and ops["source"] == MEASURED
+    # the costs the prediction came from are in the trace, for `qsync predict --plan` later
+    (trace,) = load_trace_dir(out / "trace")
+    table = trace.precision_costs["op_types"]
+    assert table["costs"]["MatMul"]["bf16_us"] < table["costs"]["MatMul"]["fp32_us"]
+    assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"}
+    assert Predictor([trace]).predict(plan).step_ms == pytest.approx(ops["prediction"]["step_ms"])
+    if ops["error"] is not None:
+        # on a machine loaded by other jobs bf16 can measure no faster: then no plan was predicted
+        # faster than the baseline, and the candidate stepped aside saying so
+        assert "found no op type that makes the step faster" in ops["error"]
+        assert ops["prediction"]["step_ms"] == baseline["prediction"]["step_ms"]
+        return
+    assert ops["finite"] and ops["step_ms"] > 0 and ops["all_ranks_step_ms"] > 0  # measured
+    assert plan.op_precision["MatMul"] == "bf16"  # the MLP's matmuls are several times faster at bf16
+    assert ops["evidence"]["MatMul"] > 0  # TF's rewrite under the env lists turned them to bf16
+    low = sorted(t for t, p in plan.op_precision.items() if p == "bf16")
+    assert (out / PRIORLIST_FILE).read_text().split() == low
+    kept = Plan.load(out / "plan.json")
+    if verification["chosen"] == "amp_op_types":
+        assert kept.op_precision == plan.op_precision
+        assert kept.prediction["step_ms"] == ops["prediction"]["step_ms"]
+        assert kept.prediction["measured_step_ms"] == ops["all_ranks_step_ms"]
+    assert f"amp_op_types {ops['all_ranks_step_ms']:.2f} ms/step (measured)" in " ".join(run.stdout.split())
