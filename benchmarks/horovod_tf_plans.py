@@ -1,12 +1,26 @@
-"""Applied TF plans, predicted against measured step time, Horovod + TensorFlow.
+"""Applied TF plans, predicted against measured step time, Horovod + TensorFlow: one table, a row per
+(model, processes, plan kind).
 
 For each Keras model of ``examples/train_horovod_tf.py`` and each process count, runs the example in
 mode "apply" ``--repeats`` times, each in fresh processes (the launcher of `runs.py`), and reads each
-run's verification.json: per plan kind tried on the live run (baseline, XLA, uniform bf16 mixed
-precision, per-op-type mixed precision) the measured step time (median of its timed calls, slowest
-rank) and, where the predictor prices it, the predicted one; and which was kept. Writes
-``<out>/horovod_tf_plans.md`` and ``.json``; the runs go under ``<out>/horovod_tf_plan_runs/``.
-Exits non-zero if any run wrote no verification.json.
+run's verification.json: per plan kind tried on the live run (uniform bf16 mixed precision, per-op-type
+mixed precision, XLA, and with 2+ processes gradient groups) the measured step time (median of its
+timed calls, slowest rank), the predicted one where the predictor prices it, the baseline's measured
+step time in the same run, and whether it was kept, or the run rolled back. A candidate that failed
+(XLA where Horovod's all-reduce has no XLA kernel) shows its reason.
+
+Fusion threshold and cycle time (2+ processes) apply at the next launch only: the predicted step
+time is the apply run's ``plan.json`` ``prediction.communication``; where the plan holds settings,
+the same job is launched twice more in mode "report", once with the plan's
+``HOROVOD_FUSION_THRESHOLD`` / ``HOROVOD_CYCLE_TIME`` and once without them (which goes first
+alternates between repeats), and each launch's report.json gives the measured step time (median of
+the slowest rank's unprofiled steps). A launch whose trace does not show the settings in effect
+counts as failed.
+
+Each table cell is the median over the repeats (error: the median of each run's own predicted /
+measured - 1). Writes ``<out>/horovod_tf_plans.md`` and ``.json`` (the table's rows and every run's
+figures); the runs go under ``<out>/horovod_tf_plan_runs/``. Exits non-zero if any launch wrote
+no verification.json or report.json.
 
     python benchmarks/horovod_tf_plans.py [--models mlp,cnn] [--procs 1,2] [--repeats 3]
         [--batch-size 64] [--verify-steps 10] [--out benchmarks/results]
@@ -15,9 +29,14 @@ Exits non-zero if any run wrote no verification.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
+import statistics
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,40 +45,181 @@ from runs import launch_command, stderr_tail
 
 from qsync_callback.jsonio import read_json
 
+FUSION = "fusion"
+FUSION_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME")  # Horovod's names
+KINDS = {  # the row order, and how the table names each kind
+    "amp_bf16": "bf16 AMP, uniform",
+    "amp_op_types": "bf16 AMP, op-type lists",
+    "xla": "XLA",
+    "groups": "gradient groups",
+    FUSION: "fusion threshold + cycle time",
+}
+NOTE_CHARS = 160  # of a failure's reason, in the table (the JSON has it whole)
+NAME_CHARS = 24  # longer words of a reason (generated graph and node names) are left out of the table
 
-def run(model: str, procs: int, batch_size: int, verify_steps: int, run_dir: Path) -> tuple[int, float]:
-    """One run of the example in mode "apply"; returns (exit code, wall seconds)."""
+
+def run(
+    model: str,
+    procs: int,
+    batch_size: int,
+    verify_steps: int,
+    run_dir: Path,
+    mode: str = "apply",
+    env: dict[str, str | None] | None = None,
+) -> tuple[int, float]:
+    """One run of the example in ``mode``, with ``env`` set (a None value: unset); returns (exit
+    code, wall seconds)."""
     example = [sys.executable, str(EXAMPLE), "--model", model, "--batch-size", str(batch_size)]
     threads = max(1, (os.cpu_count() or 1) // procs)
-    example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync"), "--mode", "apply"]
+    example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync"), "--mode", mode]
     example += ["--verify-steps", str(verify_steps)]
     cmd = example
     if procs > 1:
         horovodrun = str(Path(sys.executable).with_name("horovodrun"))
         cmd = [horovodrun, "-np", str(procs), "-H", f"localhost:{procs}", "--gloo", *example]
+    if env:
+        unset = [arg for key, value in env.items() if value is None for arg in ("-u", key)]
+        cmd = ["env", *unset, *(f"{k}={v}" for k, v in env.items() if v is not None), *cmd]
     return launch_command(cmd, run_dir, TIMEOUT_S)
 
 
-def read_rows(model: str, procs: int, repeat: int, run_dir: Path) -> list[dict[str, Any]]:
-    """One row per trial of the run: measured and predicted step time, whether it was kept."""
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    return 100.0 * (predicted / measured - 1) if predicted and measured else None
+
+
+def _outcome(trial: dict[str, Any], chosen: str) -> str:
+    if trial["error"] is not None:
+        return "failed"
+    if trial["excluded"]:
+        return "out (not finite)" if not trial["finite"] else "out"
+    if trial["name"] == chosen:
+        return "kept"
+    return "rolled back" if chosen == "baseline" else f"{chosen} kept"
+
+
+def trial_runs(model: str, procs: int, repeat: int, run_dir: Path) -> list[dict[str, Any]]:
+    """One record per candidate tried live in the run: predicted, measured and baseline step time,
+    and what became of it."""
     verification = read_json(run_dir / "qsync" / "verification.json", what="verification")
-    rows = []
-    for trial in [verification["baseline"], *verification["candidates"]]:
-        measured = trial["all_ranks_step_ms"]
+    baseline_ms = verification["baseline"]["all_ranks_step_ms"]
+    out = []
+    for trial in verification["candidates"]:
         predicted = (trial.get("prediction") or {}).get("step_ms")
-        plan = trial["plan"]
-        rows.append(
+        measured = trial["all_ranks_step_ms"] if trial["error"] is None else None
+        low = [t for t, p in (trial["plan"].get("op_precision") or {}).items() if p == "bf16"]
+        out.append(
             {
                 "model": model,
                 "procs": procs,
                 "repeat": repeat,
                 "plan": trial["name"],
-                "op_precision": plan.get("op_precision") or None,
-                "measured_ms": measured,
                 "predicted_ms": predicted,
-                "error_pct": 100.0 * (predicted / measured - 1) if predicted and measured else None,
-                "kept": trial["name"] == verification["chosen"],
+                "measured_ms": measured,
+                "error_pct": _error_pct(predicted, measured),
+                "baseline_ms": baseline_ms,
+                "outcome": _outcome(trial, verification["chosen"]),
                 "error": trial["error"],
+                "detail": "bf16: " + ", ".join(low) if low else None,
+            }
+        )
+    return out
+
+
+def _settings_in_effect(run_dir: Path, settings: dict[str, Any]) -> bool:
+    """Whether rank 0's trace of a launch shows ``settings`` (a plan's communication) set by env."""
+    trace = read_json(run_dir / "qsync" / "trace" / "rank0" / "trace.json", what="trace")
+    communication = trace["communication"]
+    return set(FUSION_ENV) <= set(communication["from_env"]) and all(
+        math.isclose(float(communication[key]), float(value)) for key, value in settings.items()
+    )
+
+
+def fusion_run(
+    model: str, procs: int, repeat: int, apply_dir: Path, launch: Callable[..., tuple[int, float]]
+) -> tuple[dict[str, Any], list[str]]:
+    """The fusion record of a repeat: plan.json's predicted step time at its settings, and (where it
+    holds settings) the step time measured by two launches in mode "report", with and without the
+    settings' env; ``launch(run_dir, env=...)`` runs one. Returns the record and the failed launches."""
+    plan = read_json(apply_dir / "qsync" / "plan.json", what="plan")
+    settings = plan.get("communication") or {}
+    prediction = (plan.get("prediction") or {}).get("communication") or {}
+    record = {
+        "model": model,
+        "procs": procs,
+        "repeat": repeat,
+        "plan": FUSION,
+        "predicted_ms": prediction.get("step_ms"),
+        "predicted_recorded_settings_ms": prediction.get("recorded_step_ms"),
+        "settings": settings or None,
+        "measured_ms": None,
+        "error_pct": None,
+        "baseline_ms": None,
+        "outcome": "next launch" if settings else "not planned",
+        "error": None,
+        "detail": None,
+    }
+    if not settings:
+        verification = read_json(apply_dir / "qsync" / "verification.json", what="verification")
+        groups = next((c for c in verification["candidates"] if c["name"] == "groups"), None)
+        priced = groups is not None and groups["prediction"] is not None
+        record["detail"] = "recorded settings predicted best" if priced else "not priced"
+        return record, []
+    threshold, cycle = settings["fusion_threshold_bytes"], settings["cycle_time_ms"]
+    record["detail"] = f"{threshold / 2**20:g} MiB, {cycle:g} ms"
+    recorded_ms = record["predicted_recorded_settings_ms"]
+    if recorded_ms is not None:
+        record["detail"] += f"; predicted {recorded_ms:.2f} at the recorded settings"
+    with_env = dict(zip(FUSION_ENV, (str(threshold), f"{cycle:g}"), strict=True))
+    launches = [("baseline_ms", dict.fromkeys(FUSION_ENV)), ("measured_ms", with_env)]
+    failures = []
+    for key, env in launches if repeat % 2 else launches[::-1]:
+        run_dir = apply_dir.with_name(f"{apply_dir.name}-{'fusion' if key == 'measured_ms' else 'default'}")
+        rc, wall_s = launch(run_dir, env=env)
+        print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
+        try:
+            report = read_json(run_dir / "qsync" / "report.json", what="report")
+            if key == "measured_ms" and not _settings_in_effect(run_dir, settings):
+                raise ValueError("the launch's trace does not show the plan's settings in effect")
+        except Exception as exc:  # noqa: BLE001 - report every failed launch, then exit non-zero
+            record["error"] = f"{run_dir.name}: {exc}"
+            failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
+            continue
+        record[key] = report["measured"]["step_ms"]
+    record["error_pct"] = _error_pct(record["predicted_ms"], record["measured_ms"])
+    return record, failures
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, processes, plan kind): medians over the repeats, every run's outcome."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["model"], r["procs"], r["plan"]), []).append(r)
+    pairs = list(dict.fromkeys(key[:2] for key in groups))  # in the order they ran
+    kinds = list(KINDS)
+    rows = []
+    for (model, procs, plan), runs in sorted(
+        groups.items(), key=lambda kv: (pairs.index(kv[0][:2]), kinds.index(kv[0][2]))
+    ):
+        outcomes = Counter(r["outcome"] for r in runs)
+        notes = [n for n in dict.fromkeys(r["error"] or r["detail"] for r in runs) if n]
+        rows.append(
+            {
+                "model": model,
+                "procs": procs,
+                "plan": plan,
+                "runs": len(runs),
+                "predicted_ms": _median([r["predicted_ms"] for r in runs]),
+                "measured_ms": _median([r["measured_ms"] for r in runs]),
+                "error_pct": _median([r["error_pct"] for r in runs]),
+                "baseline_ms": _median([r["baseline_ms"] for r in runs]),
+                "failed_runs": sum(r["error"] is not None for r in runs),
+                "outcome": ", ".join(f"{o} x{n}" if len(runs) > 1 else o for o, n in outcomes.items()),
+                "notes": notes,
             }
         )
     return rows
@@ -69,20 +229,32 @@ def _ms(value: float | None) -> str:
     return f"{value:.2f}" if value is not None else "-"
 
 
-def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -> str:
+def _note(text: str) -> str:
+    """A reason, short: generated names left out, cut to `NOTE_CHARS`, ``|`` escaped."""
+    text = " ".join(w if len(w) <= NAME_CHARS else "..." for w in text.split()).replace("|", "\\|")
+    return text if len(text) <= NOTE_CHARS else text[: NOTE_CHARS - 3] + "..."
+
+
+def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Namespace) -> str:
     lines = [
-        "| model | procs | run | plan | op types at bf16 | measured ms | predicted ms | error % | kept |",
-        "|---|---:|---:|---|---|---:|---:|---:|---|",
+        "| model | procs | plan kind | predicted ms | measured ms | error % | baseline measured ms "
+        "| kept / rolled back | notes |",
+        "|---|---:|---|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
-        low = ", ".join(t for t, p in (r["op_precision"] or {}).items() if p == "bf16") or "-"
+        measured = "failed" if r["measured_ms"] is None and r["failed_runs"] else _ms(r["measured_ms"])
         error = f"{r['error_pct']:+.1f}" if r["error_pct"] is not None else "-"
-        measured = _ms(r["measured_ms"]) if r["error"] is None else "failed"
         lines.append(
-            f"| {r['model']} | {r['procs']} | {r['repeat']} | {r['plan']} | {low} | {measured} "
-            f"| {_ms(r['predicted_ms'])} | {error} | {'yes' if r['kept'] else ''} |"
+            f"| {r['model']} | {r['procs']} | {KINDS[r['plan']]} | {_ms(r['predicted_ms'])} | {measured} "
+            f"| {error} | {_ms(r['baseline_ms'])} | {r['outcome']} | {'; '.join(map(_note, r['notes']))} |"
         )
-    lines += ["", f"batch size {batch_size} per process; error = predicted / measured - 1"]
+    lines += [
+        "",
+        f"batch size {args.batch_size} per process, {args.verify_steps} timed calls per candidate; medians"
+        f" over {args.repeats} run(s); error = predicted / measured - 1 (each run's own pair, median). Fusion"
+        " threshold + cycle time: predicted in plan.json, measured by a launch with its env in mode"
+        ' "report", baseline by one without it.',
+    ]
     lines += [f"FAILED: {f}" for f in failures]
     return "\n".join(lines)
 
@@ -98,19 +270,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    rows, failures = [], []
+    records, failures = [], []
     load_at_start = os.getloadavg()
     for model in args.models.split(","):
         for procs in (int(p) for p in args.procs.split(",")):
             for repeat in range(1, args.repeats + 1):
                 run_dir = args.out / "horovod_tf_plan_runs" / f"{model}-p{procs}-r{repeat}"
                 rc, wall_s = run(model, procs, args.batch_size, args.verify_steps, run_dir)
+                print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
                 try:
-                    rows.extend(read_rows(model, procs, repeat, run_dir))
+                    records.extend(trial_runs(model, procs, repeat, run_dir))
+                    if procs > 1:
+                        launch = functools.partial(
+                            run, model, procs, args.batch_size, args.verify_steps, mode="report"
+                        )
+                        record, failed = fusion_run(model, procs, repeat, run_dir, launch)
+                        records.append(record)
+                        failures += failed
                 except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
                     failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
-                print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
-    text = markdown(rows, failures, args.batch_size)
+    rows = table_rows(records)
+    text = markdown(rows, failures, args)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "horovod_tf_plans.md").write_text(text + "\n")
@@ -121,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_at_start": load_at_start,
         "batch_size": args.batch_size,
         "verify_steps": args.verify_steps,
+        "repeats": args.repeats,
     }
-    raw = {"environment": environment, "rows": rows, "failures": failures}
+    raw = {"environment": environment, "rows": rows, "runs": records, "failures": failures}
     (args.out / "horovod_tf_plans.json").write_text(json.dumps(raw, indent=2) + "\n")
     return 1 if failures else 0
 

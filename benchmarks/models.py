@@ -22,7 +22,7 @@ SEED = 1234
 NUM_CLASSES = 10
 
 
-class _Classifier(pl.LightningModule):
+class Classifier(pl.LightningModule):
     """Cross-entropy classification on ``(inputs, labels)`` batches; subclasses build ``self.net``."""
 
     net: nn.Module
@@ -40,7 +40,7 @@ class _Classifier(pl.LightningModule):
         return self.loss(self(x), y)
 
 
-class MLP(_Classifier):
+class MLP(Classifier):
     """Three hidden Linear/ReLU layers on flat 1024-feature inputs; Adam."""
 
     def __init__(self, in_features: int = 1024, hidden: int = 2048, lr: float = 1e-3):
@@ -59,7 +59,7 @@ class MLP(_Classifier):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-class CNN(_Classifier):
+class CNN(Classifier):
     """Three Conv2d/BatchNorm/ReLU/MaxPool blocks on 3x32x32 images, 10 classes; SGD with momentum."""
 
     def __init__(self, width: int = 32, lr: float = 0.05):
@@ -94,7 +94,7 @@ class _MeanPoolHead(nn.Module):
         return self.linear(h.mean(dim=1))
 
 
-class Transformer(_Classifier):
+class Transformer(Classifier):
     """Sequence classification: Embedding -> batch-first TransformerEncoder -> mean pool -> Linear; Adam."""
 
     def __init__(

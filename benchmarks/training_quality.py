@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from models import Classifier
 from runs import environment
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -56,14 +57,14 @@ RECORD_EPOCHS = 8  # 48 steps: the callback's window closes after about 30
 CALLBACK_SCHEDULE = {"warmup_steps": 10, "profile_steps": 5, "measure_steps": 10, "verify_steps": 3}
 
 
-class DigitsMLP(pl.LightningModule):
+class DigitsMLP(Classifier):
     """64 -> 256 -> 256 -> 256 -> 10 with ReLU and dropout; SGD (lr 0.05, momentum 0.9).
 
     With this batch, saved activations outweigh weights, gradients and momentum, so the peak is in
     the backward pass, where a layer's precision changes what it saves."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(lr=0.05)
         self.net = nn.Sequential(
             nn.Linear(64, HIDDEN),
             nn.ReLU(),
@@ -76,17 +77,9 @@ class DigitsMLP(pl.LightningModule):
             nn.Dropout(DROPOUT),
             nn.Linear(HIDDEN, 10),
         )
-        self.loss = nn.CrossEntropyLoss()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return self.loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
 def digits_split() -> tuple[TensorDataset, TensorDataset]:

@@ -3,11 +3,15 @@
     python examples/train_horovod_tf.py                                            # 1 process
     horovodrun -np 2 -H localhost:2 --gloo python examples/train_horovod_tf.py     # 2 processes
     python examples/train_horovod_tf.py --mode apply      # then try XLA and bf16, keep the best or roll back
+    python examples/train_horovod_tf.py --mode apply      # again: applies the kept plan at the first step
+    python examples/train_horovod_tf.py --plan other/plan.json   # a given plan, then record and report
 
 The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the recorded
 window rank 0 prints measured against predicted step time and writes ``<output_dir>/report.json``;
 every rank writes its trace under ``<output_dir>/trace/rank<k>/``. With ``--mode apply`` rank 0 also
 writes ``plan.json`` and ``verification.json`` there, and every rank prints which step it ends with.
+A later ``--mode apply`` with the same ``--output-dir`` applies that kept plan at the first step
+instead of trying again (``--plan none``: try again).
 """
 
 from __future__ import annotations
@@ -84,6 +88,11 @@ def main() -> None:
     parser.add_argument("--verify-steps", type=int, default=10, help="mode apply: timed calls per trial")
     parser.add_argument("--mode", choices=("record", "report", "apply"), default="report")
     parser.add_argument("--threads", type=int, help="TF's intra- and inter-op threads per process")
+    parser.add_argument(
+        "--plan",
+        help="a plan.json to apply at the first step (default in mode apply: the one kept in --output-dir;"
+        " 'none': no plan)",
+    )
     args = parser.parse_args()
 
     hvd.init()
@@ -105,6 +114,7 @@ def main() -> None:
         mode=args.mode,
         optimizer=optimizer,
         verify_steps=args.verify_steps,
+        plan=False if args.plan == "none" else args.plan,
     )
 
     @profile(recorder)
@@ -126,7 +136,7 @@ def main() -> None:
     for step in range(steps):
         x, y = batches[step % len(batches)]
         loss = train_step(x, y, step == 0)
-    if args.mode == "apply":
+    if args.mode == "apply" or recorder.plan_path is not None:
         print(f"rank {hvd.rank()}: qsync applied {recorder.active}", flush=True)
     if hvd.rank() == 0:
         print(f"step {steps}: loss {float(loss):.4f}", flush=True)

@@ -220,6 +220,8 @@ def test_bad_verify_steps_and_modes_are_refused():
         Recorder(mode="replay")
     with pytest.raises(ValueError, match="need verify_steps >= 1"):
         Recorder(mode="apply", verify_steps=0)
+    with pytest.raises(TypeError, match="plan must be a plan file's path, None or False, not True"):
+        Recorder(mode="apply", plan=True)
 
 
 def test_two_processes_under_horovodrun_end_with_the_same_decision(tmp_path):

@@ -1,17 +1,22 @@
 """Mixed precision per op type (TF's auto-mixed-precision lists): pricing on a hand-written trace with
 a known answer, the plan's translation into TF's env lists and their effect on TF's rewrite, the env
-put back, and the Horovod + TensorFlow example choosing, applying and verifying an op-type plan."""
+put back, the Horovod + TensorFlow example choosing, applying and verifying an op-type plan, and the
+next launch applying the kept plan (a plan for another run refused)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import horovod.tensorflow as hvd
 import pytest
 import tensorflow as tf
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.integrations.horovod_tf.apply import (
     AMP_OPTION,
     MEASURED,
@@ -25,10 +30,12 @@ from qsync_callback.integrations.horovod_tf.mixed_precision import (
     PRIORLIST_FILE_VAR,
     env_lists,
 )
+from qsync_callback.integrations.horovod_tf.recorder import batch_shapes_of, tf_fingerprint
 from qsync_callback.plan import Plan
 from qsync_callback.planner.op_precision import choose_op_precision
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.recorder.xspace import keras_layers
 
 from tracebuilder import op, trace
 
@@ -140,14 +147,14 @@ def _relu_mlp_step():
 
     args = (tf.random.normal((8, 16)), tf.zeros((8,), tf.int32))
     step(*args)
-    return step, args
+    return model, step, args
 
 
 def test_the_env_lists_steer_tfs_rewrite_and_are_put_back(tmp_path, monkeypatch):
     """TF's own rewrite (Grappler, as the step's next trace would run it) follows the env: ReluGrad
     kept at fp32, MatMul at bf16; afterwards the env and the option are as they were, a variable the
     user had set included."""
-    step, args = _relu_mlp_step()
+    _, step, args = _relu_mlp_step()
     default = bf16_op_counts(step, args, {})
     if not default:
         pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
@@ -166,6 +173,77 @@ def test_the_env_lists_steer_tfs_rewrite_and_are_put_back(tmp_path, monkeypatch)
     assert bf16_op_counts(step, args, {}) == default
 
 
+def _amp_state() -> tuple[dict, bool]:
+    """TF's AMP env variables and whether its bf16 rewrite option is on."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    return env, bool(tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False))
+
+
+@pytest.fixture
+def amp_state():
+    """TF's AMP env variables and rewrite option as before the test, put back after it (a plan the
+    recorder applied stays in force)."""
+    env, option = _amp_state()
+    yield env, option
+    for key in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+        del os.environ[key]
+    os.environ.update(env)
+    tf.config.optimizer.set_experimental_options({AMP_OPTION: option})
+
+
+def _qsync_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "qsync Recorder" in str(w.message)]
+
+
+def test_a_kept_plan_is_applied_at_the_first_call_and_one_for_another_run_refused(tmp_path, amp_state):
+    """Mode "apply" with the plan.json an earlier run kept in its output directory: at the first call
+    the plan's op types run at bf16 (TF's env lists, the step re-traced) and nothing is recorded. A
+    plan for another run (2 processes) is refused with one warning and nothing applied: given, the
+    recorder steps aside; kept, mode "apply" plans afresh."""
+    hvd.init()
+    model, step, args = _relu_mlp_step()
+    if not bf16_op_counts(step, args, {}):
+        pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
+    fingerprint = tf_fingerprint(keras_layers(model), batch_shapes_of((args, {})), 8, 1, "cpu")
+    del fingerprint["device"]  # whatever this machine is
+    plan = Plan(fingerprint=fingerprint, op_precision={"MatMul": "bf16", "ReluGrad": "fp32"})
+    foreign = Plan(fingerprint={**fingerprint, "world_size": 2}, op_precision=plan.op_precision)
+    foreign.save(tmp_path / "foreign.json")
+    for name in ("stale", "kept"):
+        (tmp_path / name).mkdir()
+    foreign.save(tmp_path / "stale" / "plan.json")
+    plan.save(tmp_path / "kept" / "plan.json")
+    weights = model.get_weights()
+
+    def first_call(**options) -> tuple[Recorder, float, list[str]]:
+        """One call of the step through a new recorder, from the same weights."""
+        model.set_weights(weights)
+        recorder = Recorder(model, batch_size=8, warmup_steps=2, profile_steps=1, measure_steps=0, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = float(profile(recorder)(step)(*args))
+        return recorder, loss, _qsync_warnings(caught)
+
+    model.set_weights(weights)
+    fp32 = float(step(*args))
+    recorder, loss, warned = first_call(
+        output_dir=tmp_path / "given", mode="report", plan=tmp_path / "foreign.json"
+    )
+    assert len(warned) == 1 and "made for another run (world_size: plan made for 2, run has 1)" in warned[0]
+    assert recorder.finished and recorder.active == "baseline" and loss == fp32
+    assert _amp_state() == amp_state  # nothing applied
+    recorder, loss, warned = first_call(output_dir=tmp_path / "stale", mode="apply")
+    assert len(warned) == 1 and "not applying the kept plan" in warned[0] and "planning afresh" in warned[0]
+    assert not recorder.finished and recorder.failure is None and loss == fp32
+    assert _amp_state() == amp_state
+    recorder, loss, warned = first_call(output_dir=tmp_path / "kept", mode="apply")
+    assert warned == [] and recorder.finished and recorder.active == "amp_op_types"
+    assert loss != fp32 and math.isclose(loss, fp32, rel_tol=1e-2)  # the MatMuls computed in bf16
+    env, option = _amp_state()
+    assert option and env[ENV_PREFIX + "DENYLIST_ADD"] == "ReluGrad"
+    assert not (tmp_path / "kept" / "trace").exists()  # nothing recorded
+
+
 def test_the_example_chooses_applies_and_verifies_an_op_type_plan(tmp_path):
     """One process of the example's MLP in mode "apply": rank 0 measures TF's uniform bf16 rewrite
     per op type, the predictor prices plans, the chosen one is applied through the env lists and
@@ -178,6 +256,11 @@ def test_the_example_chooses_applies_and_verifies_an_op_type_plan(tmp_path):
     run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     verification = json.loads((out / "verification.json").read_text())
+    # the next launch in the same output directory applies the kept plan at its first step
+    again = subprocess.run([*args, "--steps", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"applying the plan from {out / 'plan.json'}" in again.stdout
+    assert f"rank 0: qsync applied {verification['chosen']}" in again.stdout
     by_name = {c["name"]: c for c in verification["candidates"]}
     if not by_name["amp_bf16"]["evidence"]:
         pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")

@@ -34,6 +34,11 @@ every rank switches at the same call: the fastest candidate is kept only if it i
 `SLOWER_TOLERANCE` faster than the baseline (`qsync_callback.verify`), otherwise the run rolls back
 to the original step, with TF's options and env as they were. Rank 0 writes ``plan.json`` (the plan in
 effect) and ``verification.json`` (every figure and the decision) and prints a summary.
+
+At a later launch the Recorder applies a kept plan (``Recorder(plan=...)``) at the first call with
+`enact`: the step's Python function re-traced with what the plan decides (XLA for a fused region
+over every layer, TF's bf16 rewrite for bf16 on every layer, or with the env lists of its
+``op_precision``); gradient groups and communication settings are the recorder's (`fusion`).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ CANDIDATE_WARMUP = 2
 XLA = "xla"
 AMP = "amp_bf16"
 AMP_OPS = "amp_op_types"
+GROUPS = "groups"  # the gradient-groups candidate (`fusion.groups_trial`)
 CANDIDATES = (XLA, AMP, AMP_OPS)
 WARMUP = {AMP: PROBE_CALLS}  # untimed calls of a candidate, where not CANDIDATE_WARMUP
 AMP_OPTION = "auto_mixed_precision_onednn_bfloat16"
@@ -283,6 +289,38 @@ def make_trials(
         op_types,
     ]
     return trials
+
+
+def enact(plan: Plan, fn: Callable, layers: Sequence[str], amp: AmpOption, priorlist_file: Path) -> Callable:
+    """The step function that runs ``plan``'s live decisions (a plan kept by an earlier run): the
+    Python function of ``fn`` re-traced, under XLA for a fused region over every layer, with TF's
+    bf16 rewrite on (``amp``) for bf16 on every layer or for ``op_precision`` (its env lists,
+    `mixed_precision.env_lists`); ``fn`` itself for a plan with no live decision. Gradient groups
+    need the re-trace too (the caller sets them). A decision TF cannot enact raises ValueError
+    before anything is set."""
+    names = set(layers)
+    if plan.activation:
+        raise ValueError("activation policies (offload, recompute) are not enacted on TensorFlow")
+    if plan.precision and (set(plan.precision) != names or set(plan.precision.values()) != {LOW}):
+        raise ValueError(
+            "TF's bf16 rewrite covers the whole step: a plan's precision must be bf16 everywhere"
+        )
+    if plan.precision and plan.op_precision:
+        raise ValueError("a plan sets either bf16 on every layer or a precision per op type, not both")
+    if plan.fused_regions and [sorted(r) for r in plan.fused_regions] != [sorted(names)]:
+        raise ValueError("XLA compiles the whole step: a plan's fused region must hold every layer")
+    env = env_lists(plan.op_precision, priorlist_file) if plan.op_precision else {}
+    if not (plan.precision or plan.op_precision or plan.fused_regions or plan.buckets):
+        return fn
+    if plan.precision or plan.op_precision:
+        amp.enable(env)  # read when the new function is traced and optimized: its first call
+    return tf.function(python_function(fn), jit_compile=bool(plan.fused_regions))
+
+
+def live_kinds(plan: Plan) -> list[str]:
+    """The candidates whose decisions ``plan`` holds (what `enact` changes in the running step)."""
+    decisions = (plan.fused_regions, plan.precision, plan.op_precision, plan.buckets)
+    return [name for name, decided in zip((XLA, AMP, AMP_OPS, GROUPS), decisions, strict=True) if decided]
 
 
 class Trials:

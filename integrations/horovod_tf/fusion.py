@@ -20,7 +20,9 @@ change in a running job: the chosen values go into ``plan.json`` with the ``horo
 environment that apply them at the next launch (`next_launch`). Gradient groups can change live:
 the user passes ``groups=recorder.groups`` to ``hvd.DistributedGradientTape``; `groups_trial`
 sets the planned groups and re-traces the step's Python function, which is then measured like the
-other candidates (see `apply`).
+other candidates (see `apply`). At a later launch with the kept plan (``Recorder(plan=...)``) its
+groups are set the same way (`groups_by_variable`), and its fusion threshold and cycle time are
+only checked against the environment in effect (`launch_note`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.integrations.horovod_tf.apply import Trial, python_function
+from qsync_callback.integrations.horovod_tf.apply import GROUPS, Trial, python_function
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.horovod_timeline import TensorRecord, part_keys, read_timeline, tensor_key
 
@@ -48,7 +50,6 @@ CYCLE_ENV = "HOROVOD_CYCLE_TIME"
 DEFAULT_THRESHOLD_BYTES = 128 * 2**20  # Horovod 0.28's defaults (horovodrun --help)
 DEFAULT_CYCLE_MS = 1.0
 TIMELINE_DIR = "horovod_timeline"
-GROUPS = "groups"
 _COLLECTIVE_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce")
 
 
@@ -290,6 +291,17 @@ def settings_in_effect(plan: Plan | None, env: Mapping[str, str] = os.environ) -
         name in current["from_env"] and math.isclose(float(current[key]), float(plan.communication[key]))
         for key, name in (("fusion_threshold_bytes", THRESHOLD_ENV), ("cycle_time_ms", CYCLE_ENV))
         if key in plan.communication
+    )
+
+
+def launch_note(plan: Plan) -> str:
+    """What to tell the user about ``plan``'s fusion threshold and cycle time at launch: in effect,
+    or how to launch with them."""
+    if settings_in_effect(plan):
+        return "qsync: the plan's fusion threshold and cycle time are in effect"
+    return (
+        "qsync: the plan's fusion threshold and cycle time are not in effect (Horovod reads them at"
+        f" hvd.init()); launch with {next_launch(plan.communication)}"
     )
 
 

@@ -25,6 +25,17 @@ unchanged. Call by call, counted from 0:
   best predicted fusion threshold and cycle time go into ``plan.json`` for the next launch (see
   `fusion`).
 
+The next launch with the kept plan: ``plan="path/plan.json"``, or in mode "apply" by default the
+``plan.json`` an earlier run kept in ``output_dir`` (``plan=False``: plan afresh). At call 0 rank 0
+reads it and checks that it was made for this run (`Plan.check_for`); every rank enacts it
+(`apply.enact`: XLA, the bf16 rewrite with its env lists, or TF's default lists, re-traced; its
+gradient groups into ``recorder.groups``), all or none, and rank 0 says whether its fusion threshold
+and cycle time are the ones in effect (they cannot change after ``hvd.init()``). In mode "apply"
+the recorder is then done; in modes "record" and "report" it records and reports the run under the
+plan. A given plan that cannot be read, was made for another run or holds a decision TF cannot enact
+warns once and the recorder steps aside with nothing applied; a kept one made for another run is
+not used (one warning), and mode "apply" plans afresh.
+
 Communication (more than one process): Horovod's timeline is on during each recorded step
 (`fusion.Timeline`; rank 0 writes it under ``trace/rank0/horovod_timeline/``), and the
 collectives' tensors, sizes and dtypes are read from the step's concrete function graph (when the
@@ -55,7 +66,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import horovod
 import horovod.tensorflow as hvd
@@ -73,9 +84,12 @@ from qsync_callback.integrations.horovod_tf.apply import (
     AmpOption,
     OpTypePlanning,
     Trials,
+    enact,
+    live_kinds,
     make_trials,
     trial_calls,
 )
+from qsync_callback.integrations.horovod_tf.mixed_precision import PRIORLIST_FILE
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.kineto import CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step, Trace, rank_trace_path
@@ -117,6 +131,9 @@ class Recorder:
         optimizer: the optimizer the step applies (default: ``model.optimizer`` if compiled); its
             variables count as resident memory and its name scope marks update ops.
         verify_steps: in mode "apply", timed calls of the baseline and of each candidate (at least 1).
+        plan: the plan to apply at the first call (see the module docstring): a plan file; None (the
+            default): in mode "apply" the ``plan.json`` kept in ``output_dir``, if there is one;
+            False: none.
 
     Attribute ``groups`` (default None: Horovod's default) is what the step should pass to
     ``hvd.DistributedGradientTape(tape, groups=recorder.groups)``; in mode "apply" a candidate sets
@@ -135,6 +152,7 @@ class Recorder:
         *,
         optimizer: Any = None,
         verify_steps: int = 10,
+        plan: str | Path | Literal[False] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -146,6 +164,8 @@ class Recorder:
             raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
         if model is not None and not hasattr(model, "layers"):
             raise TypeError(f"model must be a Keras model, not {type(model).__name__}")
+        if not (plan is None or plan is False or isinstance(plan, (str, Path))):
+            raise TypeError(f"plan must be a plan file's path, None or False, not {plan!r}")
         self.model = model
         self.batch_size = batch_size
         self.output_dir = Path(output_dir)
@@ -154,6 +174,8 @@ class Recorder:
         self.measure_steps = measure_steps
         self.mode = mode
         self.verify_steps = verify_steps
+        self.plan_path = Path(plan) if isinstance(plan, (str, Path)) else None
+        self.use_kept_plan = plan is None and mode == "apply"
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.trace: Trace | None = None
         self.report: dict[str, Any] | None = None
@@ -179,6 +201,7 @@ class Recorder:
         self._collectives: dict[str, list[dict[str, Any]]] = {}  # from the step's graph
         self._fusion: fusion.FusionPlanning | None = None  # mode "apply", more than one process
         self._groups_before: Any = None
+        self._start_plan: Plan | None = None  # the plan enacted at call 0, on every rank
 
     # ----------------------------------------------------------------- schedule
 
@@ -209,7 +232,10 @@ class Recorder:
 
     @property
     def active(self) -> str:
-        """Which step function runs now: "baseline" (the original) or the kept candidate's name."""
+        """Which step function runs now: "baseline" (the original), the kept candidate's name, or
+        the kinds of the plan applied at the first call (joined by "+")."""
+        if self._start_plan is not None:
+            return "+".join(live_kinds(self._start_plan)) or BASELINE
         if self._trials is None or self._trials.chosen is None:
             return BASELINE
         return self._trials.chosen.name
@@ -239,6 +265,7 @@ class Recorder:
         step = self._calls
         self._calls += 1
         self._before(step, args, kwargs)
+        fn = self._applied or fn
         recorded = self._session is not None and step in self.recorded_steps
         start = time.perf_counter()
         try:
@@ -266,6 +293,10 @@ class Recorder:
                 self._finished = True
                 return
             self._safe.run(self._start, args, kwargs)
+            if self.plan_path is not None or self.use_kept_plan:
+                self._use_start_plan()
+                if self._finished:
+                    return
         if step == self.warmup_steps - 1:
             self._safe.run(self._prepare_window)
             self._open_session(self._profile_dir() / WARMUP_RUN)
@@ -297,6 +328,60 @@ class Recorder:
             self._layers, batch_shapes_of((args, kwargs)), self.batch_size, self.world_size, _device()
         )
 
+    def _use_start_plan(self) -> None:
+        """Call 0: rank 0 finds the plan to start with (`_find_start_plan`); every rank enacts it, all
+        or none (a failure on any rank makes every rank step aside, TF's options and env put back).
+        In mode "apply" the recorder is then done."""
+        text = (self._safe.run(self._find_start_plan) or "") if self.rank == 0 else ""
+        shared = self._exchange(text)
+        if not self._agree() or not shared or not shared[0]:
+            return
+        enacted = self._safe.run(self._enact, shared[0])
+        if not self._agree():
+            return  # close() has put TF's option and env back; groups were not set
+        self._start_plan, self._applied, self.groups = enacted
+        if self.rank == 0:
+            kinds = ", ".join(live_kinds(self._start_plan)) or "no change to the step"
+            print(f"qsync: applied the plan at the first call ({kinds})", flush=True)
+            if self._start_plan.communication:
+                print(fusion.launch_note(self._start_plan), flush=True)
+        if self.mode == "apply":
+            self._finished = True
+
+    def _find_start_plan(self) -> str:
+        """Rank 0: the JSON of the plan to start with, or "" for none. A given plan that cannot be
+        read or was made for another run raises QSyncInputError; the kept one is then only not used,
+        with a warning."""
+        if self.plan_path is not None:
+            path, source = self.plan_path, str(self.plan_path)
+        else:
+            path, source = self.output_dir / PLAN_FILE, f"the kept plan {self.output_dir / PLAN_FILE}"
+            if not path.exists():
+                return ""
+        try:
+            plan = Plan.load(path)
+            plan.check_for(self._fingerprint, source=source)
+        except QSyncInputError as exc:
+            if self.plan_path is not None:
+                raise
+            warnings.warn(
+                f"qsync Recorder: not applying {exc}; planning afresh", RuntimeWarning, stacklevel=3
+            )
+            return ""
+        print(f"qsync: applying the plan from {path}", flush=True)
+        return plan.to_json()
+
+    def _enact(self, text: str) -> tuple[Plan, Callable | None, Any]:
+        """Rank 0's plan on this rank: the plan, its step function (None: the original) and its
+        gradient groups, which the caller sets once every rank has them; TF's bf16 option and env
+        lists are set here (`apply.enact`; `close` puts them back)."""
+        plan = Plan.from_json(text, source="rank 0's plan")
+        variables = self.model.trainable_variables if self.model is not None else []
+        groups = fusion.groups_by_variable(plan.buckets, variables) if plan.buckets else self.groups
+        layers = [layer["name"] for layer in self._layers]
+        fn = enact(plan, self._step_fn, layers, self._amp, self.output_dir / PRIORLIST_FILE)
+        return plan, (fn if fn is not self._step_fn else None), groups
+
     def _trace_dir(self) -> Path:
         return self.output_dir / "trace"
 
@@ -317,8 +402,9 @@ class Recorder:
         """The step's all-reduced tensors from its graph; a step that is no ``tf.function`` (or a
         graph that cannot be read) leaves them to Horovod's timeline, on rank 0."""
         variables = self.model.trainable_variables if self.model is not None else []
+        step_fn = self._applied or self._step_fn
         try:
-            self._collectives = fusion.graph_collectives(self._step_fn, args, kwargs, variables, self.groups)
+            self._collectives = fusion.graph_collectives(step_fn, args, kwargs, variables, self.groups)
         except Exception:  # noqa: BLE001 - optional structure: the timeline still gives rank 0's sizes
             self._collectives = {}
 
@@ -404,8 +490,10 @@ class Recorder:
         return out
 
     def _plan_in_effect(self) -> bool:
-        """Whether a plan.json of an earlier run set the fusion threshold and cycle time in effect
-        (said once, on rank 0)."""
+        """Whether the plan applied at the first call (said then), or else a plan.json of an earlier
+        run, set the fusion threshold and cycle time in effect (said once, on rank 0)."""
+        if self._start_plan is not None:
+            return fusion.settings_in_effect(self._start_plan)
         path = self.output_dir / PLAN_FILE
         try:
             plan = Plan.load(path) if path.exists() else None
@@ -512,7 +600,7 @@ class Recorder:
         try:
             return _gather_strings(text, self.world_size)
         except Exception as exc:  # noqa: BLE001
-            self._safe.fail(f"exchanging traces with the other ranks failed: {type(exc).__name__}: {exc}")
+            self._safe.fail(f"exchanging with the other ranks failed: {type(exc).__name__}: {exc}")
             return None
 
     def close(self) -> None:
