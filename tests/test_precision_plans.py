@@ -12,7 +12,10 @@ from qsync_callback.planner.precision import (
     fastest_plan,
     least_memory_plan,
 )
+from qsync_callback.predictor.graph import build_global_graph
+from qsync_callback.predictor.precision import apply_precision
 from qsync_callback.predictor.predict import Predictor, predict
+from qsync_callback.predictor.replay import replay
 from qsync_callback.recorder.precision_probes import layer_input_shapes
 from qsync_callback.units import parse_bytes, parse_share
 
@@ -107,6 +110,72 @@ def test_bf16_layer_is_rescaled_and_gets_its_cast_nodes():
     backward = 200 * 150 / 200
     assert planned.step_ms * 1e3 == pytest.approx(base.step_ms * 1e3 - 300 + forward + backward)
     assert planned.layer_ms["fc1"] * 1e3 == pytest.approx(forward + backward)
+
+
+def _fork_step(comm_us: float, rank: int = 0, world_size: int = 1):
+    """fc1's last forward op launches an all-reduce (comm_us long) and the step runs on into fc2;
+    the loss waits for both. Durations and casts are exact binary fractions: at bf16, fc2's forward
+    (100 * 0.5 + 4 + 2) ends exactly when a 56 us all-reduce does."""
+    casts = {
+        "fp32->bf16": {"alpha_us_per_element": 2**-10, "beta_us": 1.0, "r2": 1.0},
+        "bf16->fp32": {"alpha_us_per_element": 2**-10, "beta_us": 1.0, "r2": 1.0},
+        "fp32->int8": {"alpha_us_per_element": 2**-9, "beta_us": 2.0, "r2": 1.0},
+        "int8->fp32": {"alpha_us_per_element": 2**-9, "beta_us": 2.0, "r2": 1.0},
+    }
+    probes = {"fp32": _probe(100, 200, 4096), "bf16": _probe(56, 150, 2048), "int8": _probe(300, 400, 1024)}
+    layer = {**_layer(probes), "input_numel": 1024, "output_numel": 1024, "weight_numel": 1024}
+    collective = {"op": "all_reduce", "numel": 10, "bytes": 40}
+    ops = [
+        op(0, "aten::linear", "forward", "main", 0, 40, layer="fc1"),
+        op(1, "aten::add", "forward", "main", 40, 60, layer="fc1"),
+        op(2, "gloo:all_reduce", "comm", "comm:1", 100, comm_us, deps=[1], collective=collective),
+        op(3, "aten::linear", "forward", "main", 100, 100, layer="fc2"),
+        op(4, "aten::cross_entropy_loss", "forward", "main", 200, 10, deps=[2]),
+        op(5, "AddmmBackward0", "backward", "main", 210, 200, layer="fc2"),
+        op(6, "AddmmBackward0", "backward", "main", 410, 200, layer="fc1"),
+        op(7, "sgd", "update", "main", 610, 50),
+    ]
+    return trace(
+        ops,
+        step_end=660,
+        rank=rank,
+        world_size=world_size,
+        host="h",
+        precision_costs={"casts": casts, "layers": {"fc1": layer, "fc2": layer}},
+        layers=[{"name": "fc1"}, {"name": "fc2"}],
+    )
+
+
+def _graph_path(traces, precision):
+    """Step time, critical-path share and layer times of the first step priced on a transformed
+    copy of its graph (cast nodes inserted), then replayed."""
+    graph = apply_precision(build_global_graph(traces, 0), traces, precision)
+    result = replay(graph)
+    layer_ms = {}
+    for _, attrs in graph.nodes(data=True):
+        if attrs["layer"] is not None and attrs["kind"] in ("forward", "backward", "cast"):
+            layer_ms[attrs["layer"]] = layer_ms.get(attrs["layer"], 0.0) + attrs["dur"] / 1e3
+    return result.step_us / 1e3, result.critical_share, layer_ms
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_precision_plans_priced_in_place_match_the_graph_transform(ranks):
+    """The predictor folds each cast into the op it would be inserted next to instead of copying
+    the graph: the same step time, critical path and layer times, through a fork and a join."""
+    traces = [_fork_step(56.0 - 16 * r, rank=r, world_size=ranks) for r in range(ranks)]
+    predictor = Predictor(traces)
+    plans = [{}, {"fc1": "bf16"}, {"fc2": "bf16"}, {"fc1": "int8", "fc2": "bf16"}, {"fc2": "int8"}]
+    for precision in plans:
+        priced = predictor.predict(Plan(precision=precision))
+        step_ms, share, layer_ms = _graph_path(traces, precision)
+        assert priced.step_ms == pytest.approx(step_ms, rel=1e-12)
+        assert priced.critical_path_share == pytest.approx(share, rel=1e-12)
+        assert priced.layer_ms == pytest.approx(layer_ms, rel=1e-12)
+        assert predictor.estimate(precision).step_ms == priced.step_ms  # one recorded step
+    if ranks == 1:
+        # fc2 at bf16 ends with the all-reduce: the loss waited for the all-reduce (the cast after
+        # fc2 came last among its predecessors), as on the transformed graph
+        assert predictor.predict(Plan(precision={"fc2": "bf16"})).critical_path_share["communication"] > 0
 
 
 def test_saved_bytes_follow_the_precision_and_the_freed_input():

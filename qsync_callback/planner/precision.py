@@ -2,14 +2,21 @@
 
 The problem: minimise the summed indicator (the damage to training, `predictor/indicator.py`) of
 the chosen per-layer precisions, subject to predicted step time <= ``max_step_ms`` and predicted
-peak memory <= ``memory_budget``. Every plan is priced by the predictor (graph transforms and a
-replay, `predictor/precision.py`), never by a formula of its own.
+peak memory <= ``memory_budget``. Every plan is priced by the predictor (op durations and tensors
+changed on the recorded steps, then a replay and the memory curve: `predictor/precision.py`),
+never by a formula of its own.
 
-- ``fastest_plan``: each layer at the precision that alone makes the step fastest, checked by a
-  replay (the default time target is this plan's predicted time + 5%).
+Each (layer, precision) move is first priced alone by the predictor's estimate
+(`Predictor.estimate`: the replay of one recorded step, the median one, and the full memory curve),
+and those single-move estimates rank the moves; every plan that a search below keeps or returns is
+priced by the full predictor (every recorded step replayed).
+
+- ``fastest_plan``: each layer at the precision that alone makes the step fastest, checked by the
+  predictor (the default time target is this plan's predicted time + 5%).
 - ``allocate_precision`` (greedy, as in QSync): start from the recorded precision (fp32, no
   damage). While a constraint is violated, lower the layer whose move buys the most violation per
-  unit of indicator (estimated from each move priced alone), and price the new plan by replay.
+  unit of indicator (its single-move estimate's change applied to the current plan), and price the
+  new plan by the predictor; a move whose priced plan does not reduce the violation is dropped.
   Then recover: raise layers back, most sensitive first, wherever the plan stays feasible.
 - ``exact_precision``: every combination priced by the predictor; for small instances, so that
   the greedy's gap is measured rather than assumed.
@@ -42,7 +49,7 @@ class PrecisionChoice:
     target_step_ms: float | None
     memory_budget: int | None
     feasible: bool
-    plans_priced: int
+    plans_priced: int  # by the predictor, or by its estimate (`Predictor.estimate`) for single moves
 
 
 def candidate_precisions(predictor: Predictor, precisions: Iterable[str]) -> dict[str, list[str]]:
@@ -57,7 +64,8 @@ def candidate_precisions(predictor: Predictor, precisions: Iterable[str]) -> dic
 
 
 class _Pricer:
-    """Prices plans given as layer -> precision, counting how many."""
+    """Prices plans given as layer -> precision (or estimates them, `Predictor.estimate`), counting
+    how many."""
 
     def __init__(self, predictor: Predictor):
         self.predictor = predictor
@@ -67,6 +75,10 @@ class _Pricer:
     def __call__(self, choice: Mapping[str, str]) -> Prediction:
         self.priced += 1
         return self.predictor.predict(self.plan(choice))
+
+    def estimate(self, choice: Mapping[str, str]) -> Prediction:
+        self.priced += 1
+        return self.predictor.estimate(choice)
 
     def plan(self, choice: Mapping[str, str]) -> Plan:
         return Plan(
@@ -94,23 +106,36 @@ def _indicator_sum(choice: Mapping[str, str], indicator: Mapping[str, Mapping[st
     return sum(_damage(indicator, name, p) for name, p in choice.items())
 
 
-def _single_moves(pricer: _Pricer, candidates: Mapping[str, list[str]]) -> dict[tuple[str, str], Prediction]:
-    """Every (layer, precision) move away from the recording, each priced alone."""
-    return {(name, p): pricer({name: p}) for name, options in candidates.items() for p in options[1:]}
+@dataclass
+class _Moves:
+    """Every (layer, precision) move away from the recording, each estimated alone, and the
+    recording estimated the same way (what a move's estimate is compared with)."""
+
+    base: Prediction
+    alone: dict[tuple[str, str], Prediction]
+
+    def held(self, name: str, precision: str) -> Prediction:
+        """The estimate of ``name`` alone at ``precision`` (the recording's at full precision)."""
+        return self.alone.get((name, precision), self.base)
+
+
+def _single_moves(pricer: _Pricer, candidates: Mapping[str, list[str]]) -> _Moves:
+    """Every (layer, precision) move away from the recording, each estimated alone."""
+    return _Moves(
+        pricer.estimate({}),
+        {(name, p): pricer.estimate({name: p}) for name, options in candidates.items() for p in options[1:]},
+    )
 
 
 def _best_alone(
-    pricer: _Pricer,
-    alone: Mapping[tuple[str, str], Prediction],
-    base: Prediction,
-    figure: Callable[[Prediction], float],
+    pricer: _Pricer, moves: _Moves, base: Prediction, figure: Callable[[Prediction], float]
 ) -> tuple[dict[str, str], Prediction]:
     """Each layer at the precision whose move alone gives the lowest ``figure`` (step time, peak),
-    the combination checked by replay; the recorded configuration if that is lower still."""
+    the combination priced by the predictor; the recorded configuration (``base``) if that is
+    lower still."""
     choice: dict[str, str] = {}
-    for (name, p), single in alone.items():
-        held = alone.get((name, choice[name]), base) if name in choice else base
-        if figure(single) < figure(held):
+    for (name, p), single in moves.alone.items():
+        if figure(single) < figure(moves.held(name, choice.get(name, FULL_PRECISION))):
             choice[name] = p
     combined = pricer(choice)
     return (choice, combined) if figure(combined) <= figure(base) else ({}, base)
@@ -125,28 +150,25 @@ def _peak_bytes(prediction: Prediction) -> float:
 
 
 def fastest_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
-    """Each layer at the precision that alone gives the fastest predicted step, checked by replay;
-    returns the choice and its prediction (the recorded configuration if that is faster)."""
+    """Each layer at the precision that alone gives the fastest predicted step, checked by the
+    predictor; returns the choice and its prediction (the recorded configuration if that is
+    faster)."""
     pricer = _Pricer(predictor)
-    alone = _single_moves(pricer, candidate_precisions(predictor, precisions))
-    return _best_alone(pricer, alone, predictor.predict(), _step_ms)
+    moves = _single_moves(pricer, candidate_precisions(predictor, precisions))
+    return _best_alone(pricer, moves, predictor.predict(), _step_ms)
 
 
 def _fastest_fit(
-    pricer: _Pricer,
-    alone: Mapping[tuple[str, str], Prediction],
-    base: Prediction,
-    choice: dict[str, str],
-    current: Prediction,
-    budget: int,
+    pricer: _Pricer, moves: _Moves, choice: dict[str, str], current: Prediction, budget: int
 ) -> Prediction:
-    """From the fastest plan, the moves that buy the most memory per time lost until the plan fits
-    ``budget`` (as far as they can); the prediction of where that ends."""
-    moves = dict(alone)
-    while current.peak_bytes > budget and moves:
+    """From the fastest plan, the moves that buy the most memory per time lost (by their
+    estimates) until the plan fits ``budget`` (as far as they can); the prediction of where that
+    ends."""
+    left = dict(moves.alone)
+    while current.peak_bytes > budget and left:
         best, best_score = None, 0.0
-        for (name, p), single in moves.items():
-            held = alone.get((name, choice.get(name, FULL_PRECISION)), base)
+        for (name, p), single in left.items():
+            held = moves.held(name, choice.get(name, FULL_PRECISION))
             gain = held.peak_bytes - single.peak_bytes
             if p == choice.get(name, FULL_PRECISION) or gain <= 0:
                 continue
@@ -155,7 +177,7 @@ def _fastest_fit(
                 best, best_score = (name, p), score
         if best is None:
             break
-        moves.pop(best)
+        left.pop(best)
         trial = {**choice, best[0]: best[1]}
         priced = pricer(trial)
         if priced.peak_bytes < current.peak_bytes:
@@ -167,12 +189,12 @@ def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[
     """The plan with the lowest predicted peak the precisions allow (the smallest budget a plan can
     meet), and its prediction."""
     pricer = _Pricer(predictor)
-    alone = _single_moves(pricer, candidate_precisions(predictor, precisions))
-    return _best_alone(pricer, alone, predictor.predict(), _peak_bytes)
+    moves = _single_moves(pricer, candidate_precisions(predictor, precisions))
+    return _best_alone(pricer, moves, predictor.predict(), _peak_bytes)
 
 
 def _unreachable_budget(
-    pricer: _Pricer, alone: Mapping[tuple[str, str], Prediction], base: Prediction, budget: int | None
+    pricer: _Pricer, moves: _Moves, base: Prediction, budget: int | None
 ) -> tuple[dict[str, str], Prediction] | None:
     """The least-memory plan and its prediction when even it exceeds ``budget``; None when a plan
     can meet the budget (or there is none)."""
@@ -180,7 +202,7 @@ def _unreachable_budget(
         return None
     if budget <= 0:
         raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
-    closest, prediction = _best_alone(pricer, alone, base, _peak_bytes)
+    closest, prediction = _best_alone(pricer, moves, base, _peak_bytes)
     return (closest, prediction) if prediction.peak_bytes > budget else None
 
 
@@ -209,8 +231,8 @@ def allocate_precision(
     pricer = _Pricer(predictor)
     candidates = candidate_precisions(predictor, precisions)
     base = pricer({})
-    alone = _single_moves(pricer, candidates)
-    unreachable = _unreachable_budget(pricer, alone, base, memory_budget)
+    moves = _single_moves(pricer, candidates)
+    unreachable = _unreachable_budget(pricer, moves, base, memory_budget)
     if unreachable is not None:
         closest, prediction = unreachable
         if not best_effort:
@@ -232,18 +254,19 @@ def allocate_precision(
             pricer.priced,
         )
     if max_step_ms is None:
-        fastest_choice, fastest = _best_alone(pricer, alone, base, _step_ms)
+        fastest_choice, fastest = _best_alone(pricer, moves, base, _step_ms)
         if memory_budget is not None and fastest.peak_bytes > memory_budget:
-            fastest = _fastest_fit(pricer, alone, base, fastest_choice, fastest, memory_budget)
+            fastest = _fastest_fit(pricer, moves, fastest_choice, fastest, memory_budget)
         max_step_ms = fastest.step_ms * (1 + DEFAULT_SLACK)
     choice = {name: FULL_PRECISION for name in candidates}
     current = base
-    while _violation(current, max_step_ms, memory_budget) > 0:
+    alone = dict(moves.alone)
+    while (violation := _violation(current, max_step_ms, memory_budget)) > 0:
         best, best_score = None, 0.0
         for (name, p), single in alone.items():
             if choice[name] == p:
                 continue
-            was = alone.get((name, choice[name]), base)
+            was = moves.held(name, choice[name])
             gain_t = was.step_ms - single.step_ms
             gain_m = was.peak_bytes - single.peak_bytes
             estimate = Prediction(
@@ -252,9 +275,7 @@ def allocate_precision(
                 replayed_step_ms=[],
                 per_rank_peak_bytes=[],
             )
-            gained = _violation(current, max_step_ms, memory_budget) - _violation(
-                estimate, max_step_ms, memory_budget
-            )
+            gained = violation - _violation(estimate, max_step_ms, memory_budget)
             if gained <= 0:
                 continue
             cost = _damage(indicator, name, p) - _damage(indicator, name, choice[name])
@@ -265,7 +286,7 @@ def allocate_precision(
             break
         trial = {**choice, best[0]: best[1]}
         priced = pricer(trial)
-        if _violation(priced, max_step_ms, memory_budget) >= _violation(current, max_step_ms, memory_budget):
+        if _violation(priced, max_step_ms, memory_budget) >= violation:
             alone.pop(best)  # the estimate did not hold together with the other moves: drop this move
             continue
         choice, current = trial, priced

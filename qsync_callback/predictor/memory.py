@@ -17,13 +17,18 @@ The bytes resident at a step's start (parameters, buffers, gradients, optimizer 
 gradient buckets) come from the recorder, which counts the model's and optimizers' tensors; every
 step starts from that same state. A step's curve is that baseline plus the bytes of every tensor
 alive at each moment; the largest over the recorded steps is the predicted peak, with the bytes of
-each category alive at that moment.
+each category alive at that moment. `MemoryCurve` keeps each step's births and deaths as sorted
+arrays, so that a plan's extra tensors (`precision.PrecisionLives`) are merged in rather than the
+curve rebuilt.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from qsync_callback.recorder.trace import Op, Trace
 
@@ -183,35 +188,79 @@ def _unseen_gradient_frees(trace: Trace, lives: list[TensorLife]) -> list[Tensor
     return unseen
 
 
+Events = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, byte changes, category codes
+
+
+class MemoryCurve:
+    """One rank's recorded memory curve, ready to be priced again with extra tensors: each step's
+    births and deaths (`lifetime_events`)."""
+
+    def __init__(self, trace: Trace, lives: Sequence[TensorLife]):
+        self.resident_bytes = dict(trace.resident_bytes)
+        self._resident = sum(trace.resident_bytes.values())
+        self._steps = lifetime_events(lives)
+
+    def predict(self, extra: Sequence[dict[int, Events]] = ()) -> MemoryPrediction:
+        """The curve's maximum over the recorded steps with the tensors of ``extra``
+        (`lifetime_events` each) alive as well, and the bytes by category then (see
+        `predict_memory`)."""
+        resident = self._resident
+        step_peaks: dict[int, int] = {}
+        peak, peak_step, peak_at = resident, None, None
+        for step in sorted(set(self._steps).union(*extra)):
+            _, deltas, categories = _merged(self._steps.get(step), [e[step] for e in extra if step in e])
+            level = np.add.accumulate(np.concatenate(([resident], deltas)))[1:]
+            candidates = np.where(deltas > 0, level, -np.inf)
+            top = int(np.argmax(candidates))
+            step_peaks[step] = int(max(resident, candidates[top]))
+            if candidates[top] > peak:
+                peak, peak_step, peak_at = candidates[top], step, (deltas[: top + 1], categories[: top + 1])
+        live_by_category: dict[str, int] = {}
+        if peak_at is not None:
+            sums = np.bincount(peak_at[1], weights=peak_at[0], minlength=len(_CURVE_CATEGORIES))
+            live_by_category = dict(zip(_CURVE_CATEGORIES, (int(v) for v in sums), strict=True))
+        breakdown = {
+            c: self.resident_bytes.get(c, 0) + live_by_category.get(c, 0)
+            for c in ("parameters", "buffers", "gradient_buckets", *CATEGORIES)
+        }
+        breakdown["freed_resident"] = live_by_category.get("resident", 0)
+        return MemoryPrediction(int(peak), peak_step, breakdown, step_peaks)
+
+
+_CURVE_CATEGORIES = (*CATEGORIES, "resident")
+_CODES = {c: k for k, c in enumerate(_CURVE_CATEGORIES)}
+
+
+def lifetime_events(lives: Sequence[TensorLife]) -> dict[int, Events]:
+    """Per step: the times, byte changes and category codes of its tensors' births and deaths,
+    sorted by time, then change (frees first), stably (in the order of ``lives`` otherwise)."""
+    rows: dict[int, list[tuple[float, float, int]]] = defaultdict(list)
+    for life in lives:
+        if life.birth_us is not None:
+            rows[life.step].append((life.birth_us, life.bytes, _CODES[life.category]))
+        if life.death_us is not None:
+            rows[life.step].append((life.death_us, -life.bytes, _CODES[life.category]))
+    events = {}
+    for step, events_of in rows.items():
+        times, deltas, categories = (np.array(column) for column in zip(*events_of, strict=True))
+        order = np.lexsort((deltas, times))
+        events[step] = (times[order].astype(float), deltas[order].astype(float), categories[order])
+    return events
+
+
+def _merged(base: Events | None, extra: Sequence[Events]) -> Events:
+    """The events of ``base`` and ``extra`` in one list sorted by time, then change; at equal time
+    and change, ``base`` first."""
+    parts = [base, *extra] if base is not None else list(extra)
+    if len(parts) == 1:
+        return parts[0]
+    times, deltas, categories = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+    order = np.lexsort((deltas, times))
+    return times[order], deltas[order], categories[order]
+
+
 def predict_memory(trace: Trace, lives: list[TensorLife] | None = None) -> MemoryPrediction:
     """The memory curve's maximum over the recorded steps, and the bytes by category then.
 
     Each step's curve starts from the resident bytes and follows its tensors' births and deaths."""
-    lives = tensor_lifetimes(trace) if lives is None else lives
-    by_step: dict[int, list[tuple[float, int, TensorLife]]] = defaultdict(list)
-    for life in lives:
-        if life.birth_us is not None:
-            by_step[life.step].append((life.birth_us, life.bytes, life))
-        if life.death_us is not None:
-            by_step[life.step].append((life.death_us, -life.bytes, life))
-    resident = sum(trace.resident_bytes.values())
-    step_peaks: dict[int, int] = {}
-    peak, peak_step, peak_breakdown = resident, None, {}
-    for step, deltas in sorted(by_step.items()):
-        deltas.sort(key=lambda d: (d[0], d[1]))
-        level = resident
-        live_by_category: dict[str, int] = defaultdict(int)
-        step_peaks[step] = resident
-        for _, delta, life in deltas:
-            level += delta
-            live_by_category[life.category] += delta
-            if delta > 0 and level > step_peaks[step]:
-                step_peaks[step] = level
-                if level > peak or peak_step is None:
-                    peak, peak_step, peak_breakdown = level, step, dict(live_by_category)
-    breakdown = {
-        c: trace.resident_bytes.get(c, 0) + peak_breakdown.get(c, 0)
-        for c in ("parameters", "buffers", "gradient_buckets", *CATEGORIES)
-    }
-    breakdown["freed_resident"] = peak_breakdown.get("resident", 0)
-    return MemoryPrediction(int(peak), peak_step, breakdown, step_peaks)
+    return MemoryCurve(trace, tensor_lifetimes(trace) if lives is None else lives).predict()

@@ -1,5 +1,5 @@
-"""What a per-layer precision plan does to the recorded step: QSync's cost mapping as graph and
-liveness transforms.
+"""What a per-layer precision plan does to the recorded step: QSync's cost mapping as changes to
+the recorded graph and liveness.
 
 Time. For a layer moved from its recorded precision (fp32) to ``p``, the probes of
 `recorder/precision_probes.py` give its forward and backward time at both precisions on the run's
@@ -26,6 +26,12 @@ saved (when the fp32 tensors died in the recording, else the end of the backward
 temporaries of the layer's forward and backward change too (a dequantized int8 input in the
 backward, say): the probe measured their peak at each precision (`probe_layer_costs`), and the
 difference is a synthetic tensor alive while the layer's forward (or backward) ops run.
+
+Pricing. `PrecisionDurations` gives a plan's op durations on the recorded graphs compiled once
+(`replay.CompiledGraph`), each cast folded into the op it sits next to, and `PrecisionLives` its
+synthetic tensors, gathered once per (layer, precision): no graph is copied, so a planner prices
+many plans quickly. `apply_precision` makes the same change on a copy of a graph, with the cast
+nodes, for plans whose other decisions transform the graph too.
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ import math
 from collections.abc import Mapping, Sequence
 
 import networkx as nx
+import numpy as np
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION
-from qsync_callback.predictor.memory import TensorLife
+from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
+from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.recorder.trace import Op, Trace
 
 _CAST_FLOOR = 0.1  # a layer's compute is at least this share of its probed forward, whatever the casts fit
@@ -119,6 +127,33 @@ def layer_time_scales(costs: Mapping, layer: str, precision: str) -> tuple[float
     return compute / max(base["forward_us"], 1e-9), low["backward_us"] / max(base["backward_us"], 1e-9)
 
 
+def _layer_move(
+    trace: Trace, layer: str, precision: str, first: Op | None
+) -> tuple[float, float, float, float]:
+    """What moving ``layer`` to ``precision`` does in one step whose first forward op of the layer is
+    ``first``: (forward scale, backward scale, cast time before it, cast time after it)."""
+    costs = trace.precision_costs
+    forward_scale, backward_scale = layer_time_scales(costs, layer, precision)
+    before_us, after_us = layer_casts_us(costs, layer, precision, input_scale(costs["layers"][layer], first))
+    return forward_scale, backward_scale, before_us, after_us
+
+
+def _layer_nodes(graph: nx.DiGraph) -> dict[tuple[int, str], tuple[list[str], list[str]]]:
+    """Per (rank, layer): its forward nodes in ``graph`` by recorded start, and its backward nodes."""
+    groups: dict[tuple[int, str], tuple[list[str], list[str]]] = {}
+    for node, attrs in graph.nodes(data=True):
+        if (
+            attrs["layer"] is not None
+            and attrs["kind"] in ("forward", "backward")
+            and attrs["rank"] is not None
+        ):
+            forward, backward = groups.setdefault((attrs["rank"], attrs["layer"]), ([], []))
+            (forward if attrs["kind"] == "forward" else backward).append(node)
+    for forward, _ in groups.values():
+        forward.sort(key=lambda n: graph.nodes[n]["recorded_start"])
+    return groups
+
+
 def _insert(graph: nx.DiGraph, anchor: str, node: str, attrs: dict, before: bool) -> None:
     """Put ``node`` on ``anchor``'s queue right before (taking its predecessors and host gap) or
     right after it (taking its successors)."""
@@ -140,32 +175,22 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
     """A copy of a step's graph (`build_global_graph`) with the layers in ``precision`` repriced and
     their cast nodes added (see the module docstring)."""
     out = graph.copy()
-    by_rank = {t.rank: t for t in traces}
-    ops_by_rank = {t.rank: {op.id: op for op in t.ops} for t in traces}
-    layer_nodes: dict[tuple[int, str, str], list[str]] = {}
-    for node, attrs in graph.nodes(data=True):
-        if (
-            attrs["layer"] is not None
-            and attrs["kind"] in ("forward", "backward")
-            and attrs["rank"] is not None
-        ):
-            layer_nodes.setdefault((attrs["rank"], attrs["layer"], attrs["kind"]), []).append(node)
-    for rank, trace in by_rank.items():
-        costs = trace.precision_costs
+    groups = _layer_nodes(graph)
+    for trace in {t.rank: t for t in traces}.values():
+        rank = trace.rank
+        ops = {op.id: op for op in trace.ops}
         for layer, p in changed_layers(trace, precision).items():
-            forward_scale, backward_scale = layer_time_scales(costs, layer, p)
-            forward = sorted(
-                layer_nodes.get((rank, layer, "forward"), []), key=lambda n: graph.nodes[n]["recorded_start"]
+            forward, backward = groups.get((rank, layer), ([], []))
+            first = graph.nodes[forward[0]] if forward else None
+            forward_scale, backward_scale, before_us, after_us = _layer_move(
+                trace, layer, p, ops.get(first["op_id"]) if first else None
             )
             for node in forward:
                 out.nodes[node]["dur"] *= forward_scale
-            for node in layer_nodes.get((rank, layer, "backward"), []):
+            for node in backward:
                 out.nodes[node]["dur"] *= backward_scale
-            if not forward:
+            if first is None:
                 continue
-            first = graph.nodes[forward[0]]
-            scale = input_scale(costs["layers"][layer], ops_by_rank[rank].get(first["op_id"]))
-            before_us, after_us = layer_casts_us(costs, layer, p, scale)
             common = {
                 "kind": "cast",
                 "queue": first["queue"],
@@ -196,55 +221,171 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
     return out
 
 
-def precision_lives(
-    trace: Trace, lives: Sequence[TensorLife], precision: Mapping[str, str]
-) -> list[TensorLife]:
-    """Synthetic tensors for what each changed layer adds to (or takes from) the memory curve, per
-    recorded step: its saved-for-backward bytes, alive from the end of its forward until its
-    backward lets them go (when the recorded fp32 ones died, else the backward's end), and the
-    change in its forward's and backward's temporaries, alive while they run."""
-    changed = changed_layers(trace, precision)
-    if not changed:
-        return []
-    freed: dict[tuple[int, str], int] = {}
-    released: dict[tuple[int, str], float] = {}  # when the layer's backward let its saved tensors go
-    for life in lives:
-        death = life.death_op
-        if (
-            life.category == "activations"
-            and death is not None
-            and death.kind == "backward"
-            and death.layer in changed
-            and (life.birth_op is None or life.birth_op.layer != death.layer)  # an input, not its own
-        ):
-            key = (life.step, death.layer)
-            freed[key] = freed.get(key, 0) + life.bytes
-            released[key] = max(released.get(key, life.death_us), life.death_us)
-    spans: dict[tuple[int, str, str], list[float]] = {}
-    first_forward: dict[tuple[int, str], Op] = {}
-    for op in trace.ops:
-        if op.layer in changed and op.kind in ("forward", "backward"):
-            span = spans.setdefault((op.step, op.layer, op.kind), [op.start_us, op.end_us])
-            span[0], span[1] = min(span[0], op.start_us), max(span[1], op.end_us)
-            held = first_forward.get((op.step, op.layer))
-            if op.kind == "forward" and (held is None or op.start_us < held.start_us):
-                first_forward[(op.step, op.layer)] = op
-    layers = trace.precision_costs["layers"]
-    extra = []
-    for (step, layer, kind), (start, end) in sorted(spans.items()):
-        costs = layers[layer]["costs"]
-        low, base = costs[changed[layer]], costs[FULL_PRECISION]
-        scale = input_scale(layers[layer], first_forward.get((step, layer)))
-        transient = low.get(f"{kind}_transient_bytes", 0) - base.get(f"{kind}_transient_bytes", 0)
-        extra.append(
-            TensorLife(-1, int(transient * scale), step, start, end, None, None, "temporaries", layer)
-        )
-        backward = spans.get((step, layer, "backward"))
-        if kind == "forward" and backward is not None:
-            saved = _saved_bytes(low, scale) - freed.get((step, layer), 0)
-            release = released.get((step, layer), backward[1])
-            extra.append(TensorLife(-1, saved, step, end, release, None, None, "activations", layer))
-    return extra
+class PrecisionDurations:
+    """Per-layer precision plans priced on compiled step graphs without copying them: each plan is
+    the op durations it gives (`apply_precision`'s rescaling) with every cast folded into the op it
+    would be inserted next to. A cast node right before an op takes over its predecessors and host
+    gap and is its only predecessor; one right after takes over its successors and is their
+    predecessor in its place: either way the replay ends every other op at the same time as with
+    the op lasting the cast's time longer. The one difference is the order in which a successor
+    that waits for several consults them (it breaks ties for the critical path): the cast after an
+    op comes last, which the replay is told (``moved``)."""
+
+    def __init__(
+        self, graphs: Sequence[nx.DiGraph], compiled: Sequence[CompiledGraph], traces: Sequence[Trace]
+    ):
+        self._traces = list({t.rank: t for t in traces}.values())
+        self._compiled = list(compiled)
+        groups = [_layer_nodes(g) for g in graphs]
+        self._keys = {key: k for k, key in enumerate(sorted({key for g in groups for key in g}))}
+        none = len(self._keys)
+        ops = {t.rank: {op.id: op for op in t.ops} for t in self._traces}
+        self._forward_key: list[np.ndarray] = []
+        self._backward_key: list[np.ndarray] = []
+        self._first: list[np.ndarray] = []
+        self._last: list[np.ndarray] = []
+        self._first_op: list[list[Op | None]] = []
+        for graph, comp, group in zip(graphs, self._compiled, groups, strict=True):
+            forward_key = np.full(len(comp.nodes), none, dtype=np.int64)
+            backward_key = np.full(len(comp.nodes), none, dtype=np.int64)
+            first = np.full(none, -1, dtype=np.int64)
+            last = np.full(none, -1, dtype=np.int64)
+            first_op: list[Op | None] = [None] * none
+            for (rank, layer), (forward, backward) in group.items():
+                k = self._keys[(rank, layer)]
+                forward_key[[comp.index[n] for n in forward]] = k
+                backward_key[[comp.index[n] for n in backward]] = k
+                if forward:
+                    first[k], last[k] = comp.index[forward[0]], comp.index[forward[-1]]
+                    first_op[k] = ops.get(rank, {}).get(graph.nodes[forward[0]]["op_id"])
+            self._forward_key.append(forward_key)
+            self._backward_key.append(backward_key)
+            self._first.append(first)
+            self._last.append(last)
+            self._first_op.append(first_op)
+        self._moves: dict[tuple[int, str], tuple[float, float, np.ndarray, np.ndarray]] = {}
+
+    def _move(
+        self, trace: Trace, k: int, layer: str, precision: str
+    ) -> tuple[float, float, np.ndarray, np.ndarray]:
+        """`_layer_move` of key ``k`` at ``precision``, with the casts per graph (0 where the layer
+        has no forward op)."""
+        if (k, precision) not in self._moves:
+            moves = [_layer_move(trace, layer, precision, first_op[k]) for first_op in self._first_op]
+            before = np.array(
+                [m[2] if first[k] >= 0 else 0.0 for m, first in zip(moves, self._first, strict=True)]
+            )
+            after = np.array(
+                [m[3] if first[k] >= 0 else 0.0 for m, first in zip(moves, self._first, strict=True)]
+            )
+            self._moves[(k, precision)] = (moves[0][0], moves[0][1], before, after)
+        return self._moves[(k, precision)]
+
+    def __call__(
+        self, precision: Mapping[str, str], graphs: Sequence[int] | None = None
+    ) -> list[tuple[np.ndarray, frozenset[int]]]:
+        """Per compiled graph (or those at positions ``graphs``): the op durations under
+        ``precision`` and the ops whose folded cast would follow them (`CompiledGraph.run`)."""
+        positions = range(len(self._compiled)) if graphs is None else graphs
+        keys, forward, backward, before, after = [], [], [], [], []
+        for trace in self._traces:
+            for layer, p in changed_layers(trace, precision).items():
+                k = self._keys.get((trace.rank, layer))
+                if k is None:
+                    continue
+                move = self._move(trace, k, layer, p)
+                keys.append(k)
+                forward.append(move[0])
+                backward.append(move[1])
+                before.append(move[2])
+                after.append(move[3])
+        if not keys:
+            return [(self._compiled[g].dur, frozenset()) for g in positions]
+        forward_scale = np.ones(len(self._keys) + 1)
+        backward_scale = np.ones(len(self._keys) + 1)
+        forward_scale[keys] = forward
+        backward_scale[keys] = backward
+        before_us, after_us = np.array(before), np.array(after)
+        out = []
+        for g in positions:
+            comp = self._compiled[g]
+            dur = comp.dur * forward_scale[self._forward_key[g]] * backward_scale[self._backward_key[g]]
+            first, last = self._first[g][keys], self._last[g][keys]
+            present = first >= 0
+            dur[first[present]] += before_us[present, g]
+            dur[last[present]] += after_us[present, g]
+            followed = last[present & (after_us[:, g] != 0)]
+            moved = frozenset(i for i in followed.tolist() if i in comp.feeds_join)
+            out.append((dur, moved))
+        return out
+
+
+class PrecisionLives:
+    """The synthetic tensors a precision plan adds to one rank's memory curve, from what its
+    recorded steps say of every layer (gathered once): per changed layer and recorded step, its
+    saved-for-backward bytes, alive from the end of its forward until its backward lets them go
+    (when the recorded fp32 ones died, else the backward's end), and the change in its forward's
+    and backward's temporaries, alive while they run."""
+
+    def __init__(self, trace: Trace, lives: Sequence[TensorLife]):
+        self.trace = trace
+        self._freed: dict[tuple[int, str], int] = {}
+        self._released: dict[tuple[int, str], float] = {}  # when the layer's backward let them go
+        for life in lives:
+            death = life.death_op
+            if (
+                life.category == "activations"
+                and death is not None
+                and death.kind == "backward"
+                and death.layer is not None
+                and (life.birth_op is None or life.birth_op.layer != death.layer)  # an input, not its own
+            ):
+                key = (life.step, death.layer)
+                self._freed[key] = self._freed.get(key, 0) + life.bytes
+                self._released[key] = max(self._released.get(key, life.death_us), life.death_us)
+        spans: dict[tuple[int, str, str], list[float]] = {}
+        self._first_forward: dict[tuple[int, str], Op] = {}
+        for op in trace.ops:
+            if op.layer is not None and op.kind in ("forward", "backward"):
+                span = spans.setdefault((op.step, op.layer, op.kind), [op.start_us, op.end_us])
+                span[0], span[1] = min(span[0], op.start_us), max(span[1], op.end_us)
+                held = self._first_forward.get((op.step, op.layer))
+                if op.kind == "forward" and (held is None or op.start_us < held.start_us):
+                    self._first_forward[(op.step, op.layer)] = op
+        self._spans: dict[str, list[tuple[int, str, float, float]]] = {}
+        for (step, layer, kind), (start, end) in sorted(spans.items()):
+            self._spans.setdefault(layer, []).append((step, kind, start, end))
+        self._events: dict[tuple[str, str], dict[int, Events]] = {}
+        self._backward_end = {
+            (step, layer): end for (step, layer, kind), (_, end) in spans.items() if kind == "backward"
+        }
+
+    def __call__(self, precision: Mapping[str, str]) -> list[dict[int, Events]]:
+        """The synthetic tensors of ``precision``, per changed layer (`memory.lifetime_events`)."""
+        out = []
+        for layer, p in changed_layers(self.trace, precision).items():
+            if (layer, p) not in self._events:
+                self._events[(layer, p)] = lifetime_events(self._lives(layer, p))
+            out.append(self._events[(layer, p)])
+        return out
+
+    def _lives(self, layer: str, precision: str) -> list[TensorLife]:
+        """The synthetic tensors of ``layer`` moved to ``precision`` (see the class docstring)."""
+        entry = self.trace.precision_costs["layers"][layer]
+        low, base = entry["costs"][precision], entry["costs"][FULL_PRECISION]
+        extra = []
+        for step, kind, start, end in self._spans.get(layer, []):
+            scale = input_scale(entry, self._first_forward.get((step, layer)))
+            transient = low.get(f"{kind}_transient_bytes", 0) - base.get(f"{kind}_transient_bytes", 0)
+            extra.append(
+                TensorLife(-1, int(transient * scale), step, start, end, None, None, "temporaries", layer)
+            )
+            backward_end = self._backward_end.get((step, layer))
+            if kind == "forward" and backward_end is not None:
+                saved = _saved_bytes(low, scale) - self._freed.get((step, layer), 0)
+                release = self._released.get((step, layer), backward_end)
+                extra.append(TensorLife(-1, saved, step, end, release, None, None, "activations", layer))
+        return extra
 
 
 def _saved_bytes(probe: Mapping, scale: float) -> int:

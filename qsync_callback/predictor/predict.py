@@ -4,10 +4,11 @@ Step time: each recorded step position is built into a global graph (all ranks j
 their collectives) and replayed; the prediction is the median of the replayed steps. Peak memory:
 the liveness model of each rank (`memory.py`); the prediction is the largest rank's peak.
 
-A plan is priced as transforms of the recorded graph and liveness: per-layer precision
-(`precision.py`) and per-op-type precision (`op_precision.py`, time only). A plan with decisions
-this version cannot price yet (fused regions, activation policies) is refused with a
-message naming them, never silently priced as if empty. Horovod's tensor fusion (``communication``:
+A plan is priced as changes to the recorded graph and liveness: per-layer precision
+(`precision.py`: changed op durations and extra tensors on the graphs compiled once, with no copy)
+and per-op-type precision (`op_precision.py`, time only: transformed copies of the graphs). A
+plan with decisions this version cannot price yet (fused regions, activation policies) is refused
+with a message naming them, never silently priced as if empty. Horovod's tensor fusion (``communication``:
 fusion threshold and cycle time; ``buckets``: gradient groups) is priced by regrouping the recorded
 all-reduces (`tensor_fusion.py`, time only) on traces with Horovod's timeline records; on others it
 is refused, saying what is missing.
@@ -16,18 +17,24 @@ is refused, saying what is missing.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import networkx as nx
+import numpy as np
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
 from qsync_callback.predictor.graph import build_global_graph
-from qsync_callback.predictor.memory import predict_memory, tensor_lifetimes
+from qsync_callback.predictor.memory import MemoryCurve, tensor_lifetimes
 from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan
-from qsync_callback.predictor.precision import apply_precision, check_precision_plan, precision_lives
-from qsync_callback.predictor.replay import replay
+from qsync_callback.predictor.precision import (
+    PrecisionDurations,
+    PrecisionLives,
+    apply_precision,
+    check_precision_plan,
+)
+from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.predictor.tensor_fusion import (
     AllreduceCost,
     apply_fusion,
@@ -57,7 +64,11 @@ class Prediction:
 
 def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> None:
     """Refuse a plan made for another run, or with decisions this version cannot price."""
-    plan.check_for(traces[0].fingerprint, [layer["name"] for layer in traces[0].layers], source=source)
+    layers = [layer["name"] for layer in traces[0].layers]
+    if plan.fingerprint != traces[0].fingerprint:  # equal ones match: no need to compare them closely
+        plan.check_for(traces[0].fingerprint, layers, source=source)
+    elif layers:
+        plan.validate_for(layers, source=source)
     unpriced = [
         name
         for name, decisions in (
@@ -85,8 +96,10 @@ def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> N
 class Predictor:
     """Prices plans on one set of recorded traces (one per rank).
 
-    The recorded steps' graphs and tensor lifetimes are built once; each `predict` transforms
-    copies of them, so a planner can price many plans quickly.
+    The recorded steps' graphs (compiled for replay, `replay.CompiledGraph`) and memory curves are
+    built once. A precision plan is priced on them as changed op durations (`PrecisionDurations`)
+    and extra tensors (`PrecisionLives`), with no copy: a planner prices many plans quickly. A plan
+    with per-op-type precision or fusion decisions transforms copies of the graphs, compiled anew.
     """
 
     def __init__(self, traces: Sequence[Trace]):
@@ -95,28 +108,65 @@ class Predictor:
         self.traces = list(traces)
         positions = min(len(t.steps) for t in self.traces)
         self._graphs = [build_global_graph(self.traces, pos) for pos in range(positions)]
-        self._lives = [tensor_lifetimes(t) for t in self.traces]
+        self._compiled = [CompiledGraph(g) for g in self._graphs]
+        self._durations = PrecisionDurations(self._graphs, self._compiled, self.traces)
+        lives = [tensor_lifetimes(t) for t in self.traces]
+        self._curves = [MemoryCurve(t, rank_lives) for t, rank_lives in zip(self.traces, lives, strict=True)]
+        self._precision_lives = [
+            PrecisionLives(t, rank_lives) for t, rank_lives in zip(self.traces, lives, strict=True)
+        ]
         self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
+        self._typical: int | None = None  # the recorded step the estimates replay, when first needed
 
     def predict(self, plan: Plan | None = None, plan_source: str = "<plan>") -> Prediction:
         """Price ``plan`` (default: the recorded configuration)."""
-        precision: dict[str, str] = {}
-        if plan is not None:
+        if plan is None:
+            plan = Plan()
+        else:
             check_plan(self.traces, plan, plan_source)
-            precision = plan.precision
-        graphs = [apply_precision(g, self.traces, precision) if precision else g for g in self._graphs]
-        if plan is not None and plan.op_precision:
+        if not (plan.op_precision or plan.buckets or plan.communication):
+            runs = self._durations(plan.precision)
+            return self._price(plan.precision, self._compiled, runs, [0.0] * len(runs))
+        graphs = [
+            apply_precision(g, self.traces, plan.precision) if plan.precision else g for g in self._graphs
+        ]
+        if plan.op_precision:
             graphs = [apply_op_precision(g, self.traces, plan.op_precision) for g in graphs]
         corrections = [0.0] * len(graphs)
-        if plan is not None and (plan.buckets or plan.communication):
+        if plan.buckets or plan.communication:
             graphs, corrections = self._apply_fusion(graphs, plan, plan_source)
-        replays = [replay(g) for g in graphs]
-        step_us = [r.step_us + c for r, c in zip(replays, corrections, strict=True)]
+        compiled = [CompiledGraph(g) for g in graphs]
+        return self._price(plan.precision, compiled, [(c.dur, frozenset()) for c in compiled], corrections)
+
+    def estimate(self, precision: Mapping[str, str]) -> Prediction:
+        """A quick estimate of a precision plan for ranking moves, not for choosing a plan: step time
+        from one recorded step (the one the recorded configuration's median comes from), peak
+        memory as `predict` prices it."""
+        check_precision_plan(self.traces, precision, "<estimate>")
+        if self._typical is None:
+            replayed = [c.run().step_us for c in self._compiled]
+            self._typical = _closest(replayed, statistics.median(replayed))
+        at = self._typical
+        return self._price(precision, [self._compiled[at]], self._durations(precision, [at]), [0.0])
+
+    def _price(
+        self,
+        precision: Mapping[str, str],
+        compiled: Sequence[CompiledGraph],
+        runs: Sequence[tuple[np.ndarray, frozenset[int]]],
+        corrections: Sequence[float],
+    ) -> Prediction:
+        """Replay each step graph with its op durations, price the memory with ``precision``'s extra
+        tensors, and gather the prediction (step time: the median step; shares and layer times: the
+        step closest to it)."""
+        timings = [c.run(dur, moved) for c, (dur, moved) in zip(compiled, runs, strict=True)]
+        step_us = [t.step_us + c for t, c in zip(timings, corrections, strict=True)]
         median_us = statistics.median(step_us)
-        typical = min(range(len(replays)), key=lambda i: abs(replays[i].step_us - median_us))
+        typical = _closest([t.step_us for t in timings], median_us)
+        graph, dur = compiled[typical], runs[typical][0]
         memory = [
-            predict_memory(t, [*lives, *precision_lives(t, lives, precision)])
-            for t, lives in zip(self.traces, self._lives, strict=True)
+            curve.predict(lives(precision))
+            for curve, lives in zip(self._curves, self._precision_lives, strict=True)
         ]
         largest = max(memory, key=lambda m: m.peak_bytes)
         return Prediction(
@@ -124,14 +174,14 @@ class Predictor:
             peak_bytes=largest.peak_bytes,
             replayed_step_ms=[us / 1e3 for us in step_us],
             per_rank_peak_bytes=[m.peak_bytes for m in memory],
-            critical_path_share=replays[typical].critical_share,
+            critical_path_share=graph.critical_share(graph.critical_path(timings[typical]), dur),
             memory_breakdown=largest.breakdown,
-            layer_ms=_layer_ms(graphs[typical]),
+            layer_ms=graph.layer_totals(dur / 1e3, ("forward", "backward", "cast")),
         )
 
     @property
     def graphs(self) -> list[nx.DiGraph]:
-        """The recorded steps' global graphs (do not change them: `predict` prices copies)."""
+        """The recorded steps' global graphs (do not change them: the predictor compiled them once)."""
         return self._graphs
 
     def fusion_cost(self) -> AllreduceCost:
@@ -157,13 +207,9 @@ class Predictor:
         return [apply_fusion(g, cost, threshold, cycle, plan.buckets) for g in graphs], corrections
 
 
-def _layer_ms(graph: nx.DiGraph) -> dict[str, float]:
-    """Time of each layer's ops (forward, backward and casts; every rank) in one replayed step."""
-    totals: dict[str, float] = {}
-    for _, attrs in graph.nodes(data=True):
-        if attrs["layer"] is not None and attrs["kind"] in ("forward", "backward", "cast"):
-            totals[attrs["layer"]] = totals.get(attrs["layer"], 0.0) + attrs["dur"] / 1e3
-    return totals
+def _closest(step_us: Sequence[float], median_us: float) -> int:
+    """The position of the replayed step closest to the median (the first such)."""
+    return min(range(len(step_us)), key=lambda i: abs(step_us[i] - median_us))
 
 
 def predict(traces: Sequence[Trace], plan: Plan | None = None, plan_source: str = "<plan>") -> Prediction:

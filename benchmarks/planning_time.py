@@ -1,0 +1,154 @@
+"""Planning time for a deep model: the allocator on a recorded run of ``--layers`` Linear layers.
+
+One real Lightning run of a deep, narrow MLP (``--layers`` Linear layers of width ``--width``,
+ReLU between; batch 64) with ``QSyncCallback(mode="apply")`` records the run and probes every
+layer at every precision (its time target unbounded, so nothing is applied). Then, in this
+process, the planner runs on the saved traces, timed with ``time.perf_counter``: building the
+predictor (graphs and tensor lifetimes of the recorded steps), the indicator, and the greedy
+allocation for speed (the default target) and for a memory budget halfway between the recorded
+peak and the least any plan reaches. Issue 3's target: planning, after the probes, under 2 s for
+200 layers.
+
+    python benchmarks/planning_time.py [--layers 200] [--width 64] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from runs import environment
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from qsync_callback.integrations.lightning import QSyncCallback
+from qsync_callback.planner.precision import allocate_precision, least_memory_plan
+from qsync_callback.predictor.indicator import sensitivity
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import load_trace_dir
+
+PRECISIONS = ["fp32", "bf16", "int8"]
+BATCH = 64
+STEPS = 40
+TARGET_S = 2.0
+
+
+class DeepMLP(pl.LightningModule):
+    """``layers`` Linear layers of ``width`` with ReLU between; SGD."""
+
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for _ in range(layers - 1):
+            blocks += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*blocks, nn.Linear(width, 10))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def record(layers: int, width: int, out: Path) -> Path:
+    """Train with the callback in mode "apply" (unbounded time target); the trace directory."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(BATCH * STEPS, width), torch.randint(0, 10, (BATCH * STEPS,)))
+    callback = QSyncCallback(
+        mode="apply", output_dir=out, max_step_time=1e6, precisions=PRECISIONS, plan_cache=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[callback],
+    )
+    trainer.fit(DeepMLP(layers, width), DataLoader(data, batch_size=BATCH))
+    return out / "trace"
+
+
+def time_planning(trace_dir: Path) -> dict[str, Any]:
+    """Seconds for each planning stage on the saved traces, and plans priced."""
+    traces = load_trace_dir(trace_dir)
+    start = time.perf_counter()
+    predictor = Predictor(traces)
+    built = time.perf_counter()
+    indicator = sensitivity(traces[0].layer_statistics, PRECISIONS)
+    indicated = time.perf_counter()
+    speed = allocate_precision(predictor, indicator, PRECISIONS)
+    speed_done = time.perf_counter()
+    recorded = predictor.predict().peak_bytes
+    least = least_memory_plan(predictor, PRECISIONS)[1].peak_bytes
+    budget_start = time.perf_counter()
+    memory = allocate_precision(predictor, indicator, PRECISIONS, memory_budget=(least + recorded) // 2)
+    memory_done = time.perf_counter()
+    return {
+        "layers_probed": len(traces[0].precision_costs.get("layers", {})),
+        "ops_per_step": len(traces[0].ops) // max(len(traces[0].steps), 1),
+        "predictor_s": built - start,
+        "indicator_s": indicated - built,
+        "speed_plan_s": speed_done - indicated,
+        "speed_plans_priced": speed.plans_priced,
+        "memory_plan_s": memory_done - budget_start,
+        "memory_plans_priced": memory.plans_priced,
+        "memory_feasible": memory.feasible,
+        "one_plan_ms": 1e3 * (speed_done - indicated) / max(speed.plans_priced, 1),
+        "probe_s": traces[0].precision_costs.get("probe_s"),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    planning = result["indicator_s"] + result["speed_plan_s"]
+    lines = [
+        "| quantity | value |",
+        "|---|---:|",
+        f"| Linear layers probed | {result['layers_probed']} |",
+        f"| recorded ops per step | {result['ops_per_step']} |",
+        f"| probes (during the run, before planning) | {result['probe_s']:.1f} s |",
+        f"| predictor built (graphs, lifetimes) | {result['predictor_s']:.2f} s |",
+        f"| indicator | {result['indicator_s']:.3f} s |",
+        f"| greedy, speed target | {result['speed_plan_s']:.2f} s |",
+        f"| plans priced for it | {result['speed_plans_priced']} |",
+        f"| greedy, memory budget | {result['memory_plan_s']:.2f} s |",
+        f"| plans priced for it | {result['memory_plans_priced']} |",
+        f"| one plan priced | {result['one_plan_ms']:.1f} ms |",
+        "",
+        f"Planning for speed (predictor built, indicator, greedy): "
+        f"{result['predictor_s'] + planning:.2f} s; target {TARGET_S:.0f} s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    run_dir = args.out / "planning_time"
+    result = {
+        "layers": args.layers,
+        "width": args.width,
+        **time_planning(record(args.layers, args.width, run_dir)),
+    }
+    table = markdown(result)
+    (args.out / "planning_time.md").write_text(table)
+    raw = {"environment": environment(precisions=PRECISIONS), **result}
+    (args.out / "planning_time.json").write_text(json.dumps(raw, indent=2))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
