@@ -86,6 +86,28 @@ class _Pricer:
             precision={k: v for k, v in choice.items() if v != FULL_PRECISION},
         )
 
+    def choice(
+        self,
+        choice: Mapping[str, str],
+        prediction: Prediction,
+        indicator: Mapping[str, Mapping[str, float]],
+        target_step_ms: float | None,
+        memory_budget: int | None,
+        feasible: bool,
+    ) -> PrecisionChoice:
+        """The result of a search: ``choice`` as a plan carrying ``prediction``, and its figures."""
+        plan = self.plan(choice)
+        plan.prediction = {"step_ms": prediction.step_ms, "peak_bytes": prediction.peak_bytes}
+        return PrecisionChoice(
+            plan,
+            prediction,
+            _indicator_sum(choice, indicator),
+            target_step_ms,
+            memory_budget,
+            feasible,
+            self.priced,
+        )
+
 
 def _violation(prediction: Prediction, target_ms: float | None, budget: int | None) -> float:
     """How far a prediction is outside the constraints, as relative excess (0: feasible)."""
@@ -242,17 +264,7 @@ def allocate_precision(
                 f"{_describe_choice(closest)} ({prediction.step_ms:.1f} ms/step predicted); "
                 "best effort (best_effort=True, qsync plan --best-effort) takes it anyway"
             )
-        plan = pricer.plan(closest)
-        plan.prediction = {"step_ms": prediction.step_ms, "peak_bytes": prediction.peak_bytes}
-        return PrecisionChoice(
-            plan,
-            prediction,
-            _indicator_sum(closest, indicator),
-            max_step_ms,
-            memory_budget,
-            False,
-            pricer.priced,
-        )
+        return pricer.choice(closest, prediction, indicator, max_step_ms, memory_budget, feasible=False)
     if max_step_ms is None:
         fastest_choice, fastest = _best_alone(pricer, moves, base, _step_ms)
         if memory_budget is not None and fastest.peak_bytes > memory_budget:
@@ -293,11 +305,7 @@ def allocate_precision(
     feasible = _violation(current, max_step_ms, memory_budget) == 0
     if feasible:
         choice, current = _recover(pricer, choice, current, candidates, indicator, max_step_ms, memory_budget)
-    plan = pricer.plan(choice)
-    plan.prediction = {"step_ms": current.step_ms, "peak_bytes": current.peak_bytes}
-    return PrecisionChoice(
-        plan, current, _indicator_sum(choice, indicator), max_step_ms, memory_budget, feasible, pricer.priced
-    )
+    return pricer.choice(choice, current, indicator, max_step_ms, memory_budget, feasible)
 
 
 def _recover(
@@ -359,17 +367,7 @@ def exact_precision(
             least_violating = (violation, choice, priced)
     feasible = best is not None
     _, choice, prediction = best if feasible else least_violating
-    plan = pricer.plan(choice)
-    plan.prediction = {"step_ms": prediction.step_ms, "peak_bytes": prediction.peak_bytes}
-    return PrecisionChoice(
-        plan,
-        prediction,
-        _indicator_sum(choice, indicator),
-        max_step_ms,
-        memory_budget,
-        feasible,
-        pricer.priced,
-    )
+    return pricer.choice(choice, prediction, indicator, max_step_ms, memory_budget, feasible)
 
 
 def plan_precision(
