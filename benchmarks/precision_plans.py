@@ -1,21 +1,22 @@
 """Precision plans, predicted against measured, on real Lightning runs; and the greedy allocator's
 gap to the exact search.
 
-For each model: one recording run with ``QSyncCallback(mode="apply")`` (probes every layer at every
-precision, gathers the indicator's statistics; planning with no constraint keeps fp32, so nothing
-is applied). From its traces the predictor prices a set of plans: every layer at fp32 (through
-the LP modules), each uniform low precision (where a layer runs it), the allocator's choice for
-speed (its default target) and for a memory budget halfway between the recorded peak and the
-least any plan reaches, and two random
-mixed plans. Each plan then runs in a fresh process with ``QSyncCallback(mode="report",
-plan=...)``: applied at step 0 and recorded, so its measured step time (median of the unprofiled
-steps; with ``--repeats N``, the median over N runs of that) and peak memory can be set against
-the prediction made from the fp32 recording. Finally
-the exact search prices every combination (when there are at most ``--exact-limit``) and the
-greedy's summed indicator is compared with the optimum under the same constraints.
+For each model: ``--recordings`` recording runs with ``QSyncCallback(mode="apply")`` (each probes
+every layer at every precision and gathers the indicator's statistics; planning with no constraint
+keeps fp32, so nothing is applied). From the first one's traces the planner picks a set of plans:
+every layer at fp32 (through the LP modules), each uniform low precision (where a layer runs it),
+the allocator's choice for speed (its default target) and for a memory budget halfway between the
+recorded peak and the least any plan reaches, and two random mixed plans. Each plan then runs in a
+fresh process with ``QSyncCallback(mode="report", plan=...)``: applied at step 0 and recorded, so
+its measured step time (median of the unprofiled steps; with ``--repeats N``, the median over N
+runs of that) and peak memory can be set against the prediction made from the fp32 recordings (the
+median over them: one recording carries the machine's speed at the time it ran, as one measured
+run does). Finally the exact search prices every combination (when there are at most
+``--exact-limit``) and the greedy's summed indicator is compared with the optimum under the same
+constraints.
 
     python benchmarks/precision_plans.py [--models mlp,cnn,transformer] [--precisions fp32,bf16,int8]
-        [--repeats 1] [--out benchmarks/results]
+        [--repeats 1] [--recordings 1] [--out benchmarks/results]
 
 fp16 is left out by default: on this CPU a 1024x1024 fp16 matmul takes about 200x the fp32 time;
 pass it in ``--precisions`` to include it.
@@ -140,24 +141,32 @@ def _run_plan(script: Path, args: list[str], run_dir: Path, timeout: float) -> d
 
 
 def measure_plans(
-    model: str, out: Path, precisions: list[str], timeout: float, limit: int, repeats: int
+    model: str, out: Path, precisions: list[str], timeout: float, limit: int, repeats: int, recordings: int
 ) -> dict[str, Any]:
-    """Record ``model``, then run every candidate plan ``repeats`` times and compare the median of
-    the runs' measured step times (and their largest peak) with the prediction; returns the rows."""
+    """Record ``model`` ``recordings`` times, then run every candidate plan (chosen on the first
+    recording) ``repeats`` times; compare the median of the runs' measured step times (and their
+    largest peak) with the median of the predictions made from each recording; returns the rows."""
     script = Path(__file__).resolve()
-    base_dir = out / "precision_runs" / f"{model}-record"
     common = ["--worker", model, "--precisions", ",".join(precisions)]
-    rc, _ = launch(
-        script, [*common, "--worker-dir", str(base_dir), "--worker-mode", "apply"], base_dir, timeout
-    )
-    if rc != 0 or not (base_dir / "report.json").exists():
-        raise RuntimeError(f"{model}: the recording run failed (exit {rc}):\n{stderr_tail(base_dir)}")
-    traces = load_trace_dir(base_dir / "trace")
-    predictor = Predictor(traces)
+    predictors = []
+    for k in range(recordings):
+        base_dir = out / "precision_runs" / f"{model}-record-r{k}"
+        rc, _ = launch(
+            script, [*common, "--worker-dir", str(base_dir), "--worker-mode", "apply"], base_dir, timeout
+        )
+        if rc != 0 or not (base_dir / "report.json").exists():
+            raise RuntimeError(f"{model}: recording run {k} failed (exit {rc}):\n{stderr_tail(base_dir)}")
+        predictors.append(Predictor(load_trace_dir(base_dir / "trace")))
+    predictor = predictors[0]
+    traces = predictor.traces
     rows = []
     for i, (name, precision) in enumerate(candidate_plans(predictor, precisions)):
         plan = Plan(fingerprint=traces[0].fingerprint, precision=precision)
-        predicted = predictor.predict(plan)
+        predictions = [
+            p.predict(Plan(fingerprint=p.traces[0].fingerprint, precision=precision)) for p in predictors
+        ]
+        predicted_ms = statistics.median(p.step_ms for p in predictions)
+        predicted_peak = statistics.median(p.peak_bytes for p in predictions)
         plan_file = out / "precision_runs" / f"{model}-plan{i}.json"
         plan.save(plan_file)
         print(f"[benchmark] {model}: {name} ...", file=sys.stderr, flush=True)
@@ -177,17 +186,18 @@ def measure_plans(
             {
                 "plan": name,
                 "precision": precision,
-                "predicted_step_ms": predicted.step_ms,
+                "predicted_step_ms": predicted_ms,
+                "predicted_runs_ms": [p.step_ms for p in predictions],
                 "measured_step_ms": measured_ms,
                 "measured_runs_ms": run_ms,
                 "measured_spread_pct": statistics.median(run["step_ms_spread_pct"] or 0.0 for run in runs),
-                "step_error_pct": _error(predicted.step_ms, measured_ms),
-                "predicted_peak_bytes": predicted.peak_bytes,
+                "step_error_pct": _error(predicted_ms, measured_ms),
+                "predicted_peak_bytes": predicted_peak,
                 "measured_peak_bytes": measured_peak,
-                "peak_error_pct": _error(predicted.peak_bytes, measured_peak),
+                "peak_error_pct": _error(predicted_peak, measured_peak),
             }
         )
-    recorded = json.loads((base_dir / "report.json").read_text())
+    recorded = json.loads((out / "precision_runs" / f"{model}-record-r0" / "report.json").read_text())
     return {
         "model": model,
         "recorded_step_ms": recorded["measured"]["step_ms"],
@@ -210,8 +220,8 @@ def _mix(precision: dict[str, str]) -> str:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | plan | layers | predicted ms | measured ms (runs; spread in a run) | step error | "
-        "predicted peak MiB | measured peak MiB | peak error |",
+        "| model | plan | layers | predicted ms (recordings) | measured ms (runs; spread in a run) | "
+        "step error | predicted peak MiB | measured peak MiB | peak error |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     step_errors, peak_errors = [], []
@@ -226,7 +236,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
             peak_errors.append(abs(row["peak_error_pct"]))
             lines.append(
                 f"| {result['model']} | {row['plan']} | {_mix(row['precision'])} | "
-                f"{row['predicted_step_ms']:.1f} | {row['measured_step_ms']:.1f} "
+                f"{row['predicted_step_ms']:.1f} "
+                f"({', '.join(f'{ms:.0f}' for ms in row['predicted_runs_ms'])}) | "
+                f"{row['measured_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['measured_runs_ms'])}; "
                 f"{_f(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
                 f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
@@ -264,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--repeats", type=int, default=1, help="runs per plan (median of their medians)")
     parser.add_argument(
+        "--recordings", type=int, default=1, help="recording runs (prediction: median over them)"
+    )
+    parser.add_argument(
         "--exact-limit", type=int, default=4096, help="most combinations the exact search prices"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -278,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     warn_without_tcmalloc()
     args.out.mkdir(parents=True, exist_ok=True)
     results = [
-        measure_plans(name, args.out, precisions, args.timeout, args.exact_limit, args.repeats)
+        measure_plans(
+            name, args.out, precisions, args.timeout, args.exact_limit, args.repeats, args.recordings
+        )
         for name in args.models.split(",")
     ]
     table = markdown(results)
