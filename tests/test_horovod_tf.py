@@ -19,6 +19,8 @@ from qsync_callback.cli import main as qsync_main
 from qsync_callback.integrations.horovod_tf import Recorder, patch_horovod, profile
 from qsync_callback.recorder.trace import load_trace_dir
 
+from keras_steps import mlp_and_step
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 3}
@@ -30,23 +32,7 @@ CALLS = 9  # 5 + measure_steps + 1: the report comes after the last measured cal
 def keras():
     """An initialized Horovod, a small Keras model and its traced train step."""
     hvd.init()
-    model = tf.keras.Sequential(
-        [tf.keras.layers.Dense(32, activation="relu", name="hidden"), tf.keras.layers.Dense(4, name="head")],
-        name="net",
-    )
-    model.build((None, 16))
-    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
+    model, optimizer, train_step = mlp_and_step(32, 16, distributed=True)
     batch = (tf.random.normal((8, 16)), tf.zeros((8,), tf.int32))
     return model, optimizer, train_step, batch
 

@@ -28,6 +28,8 @@ from qsync_callback.integrations.horovod_tf.mixed_precision import ENV_PREFIX
 from qsync_callback.plan import Plan
 from qsync_callback.verify import SLOWER_TOLERANCE
 
+from keras_steps import mlp_and_step
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 3}
@@ -38,27 +40,15 @@ def _mlp_step(inf_under_bf16: bool = False, py_function: bool = False):
     """A Keras MLP's train step (a ``tf.function``) and its model. ``py_function`` puts an op in it
     that XLA cannot compile; ``inf_under_bf16`` makes it return an infinite loss when traced
     with the bfloat16 rewrite on (the mixed-precision candidate)."""
-    model = tf.keras.Sequential(
-        [tf.keras.layers.Dense(64, activation="relu", name="hidden"), tf.keras.layers.Dense(4, name="head")],
-        name="net",
-    )
-    model.build((None, 32))
-    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    def finish(loss: tf.Tensor) -> tf.Tensor:
         if py_function:
             loss = tf.py_function(lambda v: v, [loss], tf.float32)
         if inf_under_bf16 and tf.config.optimizer.get_experimental_options().get(AMP_OPTION):
             loss = loss + math.inf
         return loss
 
-    return model, optimizer, train_step
+    return mlp_and_step(64, 32, finish=finish)
 
 
 def _apply(output_dir: Path, **step_options) -> dict:

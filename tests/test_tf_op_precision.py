@@ -37,6 +37,7 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import keras_layers
 
+from keras_steps import mlp_and_step
 from tracebuilder import op, trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,19 +133,7 @@ def test_an_op_type_plan_becomes_tf_env_lists_and_a_priorlist(tmp_path):
 
 
 def _relu_mlp_step():
-    model = tf.keras.Sequential([tf.keras.layers.Dense(32, activation="relu"), tf.keras.layers.Dense(4)])
-    model.build((None, 16))
-    optimizer = tf.keras.optimizers.SGD(0.01)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
+    model, _, step = mlp_and_step(32, 16, momentum=0.0)
     args = (tf.random.normal((8, 16)), tf.zeros((8,), tf.int32))
     step(*args)
     return model, step, args
