@@ -18,6 +18,7 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -87,33 +88,30 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def horovod_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every Horovod + TF benchmark takes (models, process counts, repeats, batch, out)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args(argv)
-    rows, failures = [], []
-    load_at_start = os.getloadavg()
+    return parser
+
+
+def each_run(args: argparse.Namespace, folder: str) -> Iterator[tuple[str, int, int, Path]]:
+    """(model, processes, repeat, run folder under ``<out>/<folder>``) for every run to make."""
     for model in args.models.split(","):
         for procs in (int(p) for p in args.procs.split(",")):
             for repeat in range(1, args.repeats + 1):
-                run_dir = args.out / "horovod_tf_runs" / f"{model}-p{procs}-r{repeat}"
-                rc, wall_s = run(model, procs, args.batch_size, run_dir)
-                try:
-                    rows.append(read_row(model, procs, repeat, run_dir))
-                except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
-                    failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
-                print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
-    text = markdown(rows, failures, args.batch_size)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "horovod_tf_accuracy.md").write_text(text + "\n")
-    environment = {
+                yield model, procs, repeat, args.out / folder / f"{model}-p{procs}-r{repeat}"
+
+
+def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ...], **extra: Any) -> dict:
+    """The machine and versions a Horovod + TF benchmark ran on, for its JSON."""
+    return {
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
@@ -121,8 +119,27 @@ def main(argv: list[str] | None = None) -> int:
         "horovod": _version("horovod"),
         "load_avg_at_start": load_at_start,
         "batch_size": args.batch_size,
+        "repeats": args.repeats,
+        **extra,
     }
-    raw = {"environment": environment, "rows": rows, "failures": failures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = horovod_arguments(__doc__).parse_args(argv)
+    rows, failures = [], []
+    load_at_start = os.getloadavg()
+    for model, procs, repeat, run_dir in each_run(args, "horovod_tf_runs"):
+        rc, wall_s = run(model, procs, args.batch_size, run_dir)
+        try:
+            rows.append(read_row(model, procs, repeat, run_dir))
+        except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
+            failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
+        print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
+    text = markdown(rows, failures, args.batch_size)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "horovod_tf_accuracy.md").write_text(text + "\n")
+    raw = {"environment": horovod_environment(args, load_at_start), "rows": rows, "failures": failures}
     (args.out / "horovod_tf_accuracy.json").write_text(json.dumps(raw, indent=2) + "\n")
     return 1 if failures else 0
 

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from horovod_tf_accuracy import EXAMPLE, ROOT, TIMEOUT_S, _version
+from horovod_tf_accuracy import EXAMPLE, TIMEOUT_S, each_run, horovod_arguments, horovod_environment
 from runs import launch_command, stderr_tail
 
 from qsync_callback.jsonio import read_json
@@ -260,49 +260,31 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", default="mlp,cnn")
-    parser.add_argument("--procs", default="1,2")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser = horovod_arguments(__doc__)
     parser.add_argument("--verify-steps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     records, failures = [], []
     load_at_start = os.getloadavg()
-    for model in args.models.split(","):
-        for procs in (int(p) for p in args.procs.split(",")):
-            for repeat in range(1, args.repeats + 1):
-                run_dir = args.out / "horovod_tf_plan_runs" / f"{model}-p{procs}-r{repeat}"
-                rc, wall_s = run(model, procs, args.batch_size, args.verify_steps, run_dir)
-                print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
-                try:
-                    records.extend(trial_runs(model, procs, repeat, run_dir))
-                    if procs > 1:
-                        launch = functools.partial(
-                            run, model, procs, args.batch_size, args.verify_steps, mode="report"
-                        )
-                        record, failed = fusion_run(model, procs, repeat, run_dir, launch)
-                        records.append(record)
-                        failures += failed
-                except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
-                    failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
+    for model, procs, repeat, run_dir in each_run(args, "horovod_tf_plan_runs"):
+        rc, wall_s = run(model, procs, args.batch_size, args.verify_steps, run_dir)
+        print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
+        try:
+            records.extend(trial_runs(model, procs, repeat, run_dir))
+            if procs > 1:
+                launch = functools.partial(
+                    run, model, procs, args.batch_size, args.verify_steps, mode="report"
+                )
+                record, failed = fusion_run(model, procs, repeat, run_dir, launch)
+                records.append(record)
+                failures += failed
+        except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
+            failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
     rows = table_rows(records)
     text = markdown(rows, failures, args)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "horovod_tf_plans.md").write_text(text + "\n")
-    environment = {
-        "cpu_count": os.cpu_count(),
-        "tensorflow": _version("tensorflow-cpu", "tensorflow"),
-        "horovod": _version("horovod"),
-        "load_avg_at_start": load_at_start,
-        "batch_size": args.batch_size,
-        "verify_steps": args.verify_steps,
-        "repeats": args.repeats,
-    }
+    environment = horovod_environment(args, load_at_start, verify_steps=args.verify_steps)
     raw = {"environment": environment, "rows": rows, "runs": records, "failures": failures}
     (args.out / "horovod_tf_plans.json").write_text(json.dumps(raw, indent=2) + "\n")
     return 1 if failures else 0
