@@ -4,12 +4,8 @@ input; faults, after which training goes on and no profiler session is left runn
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import horovod.tensorflow as hvd
 import pytest
@@ -20,9 +16,8 @@ from qsync_callback.integrations.horovod_tf import Recorder, patch_horovod, prof
 from qsync_callback.recorder.trace import load_trace_dir
 
 from keras_steps import mlp_and_step
+from tf_launch import EXAMPLE, run_horovod
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 3}
 RECORDED = [3, 5]  # warm-up session at call 1, settle at 2, recorded every other call from 3
 CALLS = 9  # 5 + measure_steps + 1: the report comes after the last measured call
@@ -260,7 +255,7 @@ def test_step_that_raises_in_the_window_stops_the_profiler_and_propagates(keras,
 
 def test_two_processes_under_horovodrun_record_and_report(tmp_path, capsys):
     out = tmp_path / "qsync"
-    example = [sys.executable, str(EXAMPLE), "--steps", str(CALLS + 2), "--batch-size", "16"]
+    example = [str(EXAMPLE), "--steps", str(CALLS + 2), "--batch-size", "16"]
     example += [
         "--warmup-steps",
         "2",
@@ -271,14 +266,8 @@ def test_two_processes_under_horovodrun_record_and_report(tmp_path, capsys):
         "--output-dir",
         str(out),
     ]
-    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", *example]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_horovod(example)
     assert "qsync report: tensorflow" in run.stdout and "world size 2" in run.stdout
-    assert "qsync Recorder steps aside" not in run.stdout + run.stderr
 
     traces = load_trace_dir(out / "trace")
     assert [t.rank for t in traces] == [0, 1] and {t.world_size for t in traces} == {2}

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -29,9 +28,8 @@ from qsync_callback.plan import Plan
 from qsync_callback.verify import SLOWER_TOLERANCE
 
 from keras_steps import mlp_and_step
+from tf_launch import EXAMPLE, run_horovod, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 3}
 LAYERS = ["hidden", "head"]
 
@@ -84,11 +82,7 @@ def _run_in_a_child(tmp_path: Path, **step_options) -> dict:
     """`_apply` in a child process: once XLA has compiled in a process, TF's later profiles there
     carry an extra "/host:metadata" plane that the XSpace conversion mistakes for the host plane, so
     the XLA candidate must not run in the process that runs the other tests."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    args = [sys.executable, __file__, str(tmp_path), json.dumps(step_options)]
-    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_python([__file__, str(tmp_path), json.dumps(step_options)])
     return json.loads((tmp_path / "child.json").read_text())
 
 
@@ -217,7 +211,6 @@ def test_bad_verify_steps_and_modes_are_refused():
 def test_two_processes_under_horovodrun_end_with_the_same_decision(tmp_path):
     out = tmp_path / "qsync"
     example = [
-        sys.executable,
         str(EXAMPLE),
         "--mode",
         "apply",
@@ -227,13 +220,7 @@ def test_two_processes_under_horovodrun_end_with_the_same_decision(tmp_path):
         str(out),
     ]
     example += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", *example]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "qsync Recorder steps aside" not in run.stdout + run.stderr
+    run = run_horovod(example)
     verification = json.loads((out / "verification.json").read_text())
     assert verification["world_size"] == 2
     applied = dict(re.findall(r"rank (\d): qsync applied (\w+)", run.stdout))

@@ -5,10 +5,6 @@ records Horovod's timeline, prices and tries a gradient-groups plan, writes the 
 for the next launch, and on that launch says they are in effect."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,10 +16,9 @@ from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
 
+from tf_launch import EXAMPLE, run_horovod
 from tracebuilder import op, trace
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 MIB = 2**20
 RECORDED = {"library": "horovod", "fusion_threshold_bytes": MIB, "cycle_time_ms": 0.1}
 
@@ -142,22 +137,12 @@ def test_fusion_plans_are_refused_on_traces_without_horovods_records():
 # ----------------------------------------------------------------------------- two processes
 
 
-def _horovodrun(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    """The example under ``horovodrun -np 2 --gloo`` with ``args``; asserts it succeeded."""
-    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    full_env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(EXAMPLE), *args]
-    run = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "qsync Recorder steps aside" not in run.stdout + run.stderr
-    return run
-
-
 def test_two_processes_record_the_timeline_and_try_a_groups_plan(tmp_path, capsys):
     out = tmp_path / "qsync"
     window = ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    run = _horovodrun(["--mode", "apply", "--batch-size", "16", "--output-dir", str(out), *window])
+    run = run_horovod(
+        [str(EXAMPLE), "--mode", "apply", "--batch-size", "16", "--output-dir", str(out), *window]
+    )
 
     traces = load_trace_dir(out / "trace")
     assert sorted(p.name for p in (out / "trace" / "rank0" / "horovod_timeline").iterdir()) == [
@@ -191,7 +176,9 @@ def test_two_processes_record_the_timeline_and_try_a_groups_plan(tmp_path, capsy
     plan.save(out / "plan.json")
     env = {"HOROVOD_FUSION_THRESHOLD": str(16 * MIB), "HOROVOD_CYCLE_TIME": "2"}
     window = ["--warmup-steps", "2", "--profile-steps", "1", "--measure-steps", "0"]
-    run = _horovodrun(["--mode", "record", "--batch-size", "16", "--output-dir", str(out), *window], env)
+    run = run_horovod(
+        [str(EXAMPLE), "--mode", "record", "--batch-size", "16", "--output-dir", str(out), *window], env
+    )
     assert "fusion threshold and cycle time are in effect" in run.stdout
     recorded = load_trace_dir(out / "trace")[0].communication
     assert recorded["plan_in_effect"] and recorded["cycle_time_ms"] == 2.0

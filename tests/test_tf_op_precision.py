@@ -6,10 +6,7 @@ next launch applying the kept plan (a plan for another run refused)."""
 import json
 import math
 import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import horovod.tensorflow as hvd
 import pytest
@@ -38,10 +35,8 @@ from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import keras_layers
 
 from keras_steps import mlp_and_step
+from tf_launch import EXAMPLE, run_python
 from tracebuilder import op, trace
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 
 
 def _op_trace(costs: dict, threads: tuple[str, str] = ("main", "main")):
@@ -238,16 +233,12 @@ def test_the_example_chooses_applies_and_verifies_an_op_type_plan(tmp_path):
     per op type, the predictor prices plans, the chosen one is applied through the env lists and
     measured; predicted and measured figures sit side by side in verification.json."""
     out = tmp_path / "qsync"
-    args = [sys.executable, str(EXAMPLE), "--mode", "apply", "--output-dir", str(out)]
+    args = [str(EXAMPLE), "--mode", "apply", "--output-dir", str(out)]
     args += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_python(args)
     verification = json.loads((out / "verification.json").read_text())
     # the next launch in the same output directory applies the kept plan at its first step
-    again = subprocess.run([*args, "--steps", "3"], env=env, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    again = run_python([*args, "--steps", "3"])
     assert f"applying the plan from {out / 'plan.json'}" in again.stdout
     assert f"rank 0: qsync applied {verification['chosen']}" in again.stdout
     by_name = {c["name"]: c for c in verification["candidates"]}

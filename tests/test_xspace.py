@@ -2,11 +2,7 @@
 and a 2-process Horovod (Gloo) run whose gradients are all-reduced."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
@@ -22,6 +18,8 @@ from qsync_callback.recorder.xspace import (
     keras_layers,
     load_xspace,
 )
+
+from tf_launch import run_horovod
 
 STEPS = (5, 6, 7)
 
@@ -170,23 +168,7 @@ tf.profiler.experimental.stop()
 def test_horovod_allreduces_become_comm_ops_on_horovods_thread(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_HOROVOD_SCRIPT))
-    horovodrun = Path(sys.executable).with_name("horovodrun")
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    cmd = [
-        str(horovodrun),
-        "-np",
-        "2",
-        "-H",
-        "localhost:2",
-        "--gloo",
-        sys.executable,
-        str(script),
-        str(tmp_path),
-    ]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_horovod([str(script), str(tmp_path)])
 
     layers = [{"name": n, "scope": f"net/{n}"} for n in ("dense_a", "head")]
     for rank in range(2):
