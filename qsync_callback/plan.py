@@ -347,6 +347,8 @@ def fingerprint_mismatches(expected: Mapping[str, Any], actual: Mapping[str, Any
     Keys missing on either side are ignored (also inside nested objects such as "versions").
     Tuples and lists compare equal, as they would after a JSON round trip.
     """
+    if expected == actual:  # the common case (a plan priced on the run it was made for): no copies
+        return []
     exp = _canonical(expected)
     act = _canonical(actual)
     out: list[str] = []

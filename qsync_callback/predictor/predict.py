@@ -64,11 +64,7 @@ class Prediction:
 
 def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> None:
     """Refuse a plan made for another run, or with decisions this version cannot price."""
-    layers = [layer["name"] for layer in traces[0].layers]
-    if plan.fingerprint != traces[0].fingerprint:  # equal ones match: no need to compare them closely
-        plan.check_for(traces[0].fingerprint, layers, source=source)
-    elif layers:
-        plan.validate_for(layers, source=source)
+    plan.check_for(traces[0].fingerprint, [layer["name"] for layer in traces[0].layers], source=source)
     unpriced = [
         name
         for name, decisions in (
