@@ -13,17 +13,14 @@ Exits non-zero if any run produced no report.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from runs import launch_command, stderr_tail
+from runs import environment, installed_version, launch_command, stderr_tail, write_results
 
 from qsync_callback.jsonio import read_json
 
@@ -42,16 +39,6 @@ def run(model: str, procs: int, batch_size: int, run_dir: Path) -> tuple[int, fl
         horovodrun = str(Path(sys.executable).with_name("horovodrun"))
         cmd = [horovodrun, "-np", str(procs), "-H", f"localhost:{procs}", "--gloo", *example]
     return launch_command(cmd, run_dir, TIMEOUT_S)
-
-
-def _version(*distributions: str) -> str | None:
-    """The installed version of the first of ``distributions`` that is installed."""
-    for name in distributions:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def read_row(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str, Any]:
@@ -111,17 +98,14 @@ def each_run(args: argparse.Namespace, folder: str) -> Iterator[tuple[str, int, 
 
 def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ...], **extra: Any) -> dict:
     """The machine and versions a Horovod + TF benchmark ran on, for its JSON."""
-    return {
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "tensorflow": _version("tensorflow-cpu", "tensorflow"),
-        "horovod": _version("horovod"),
-        "load_avg_at_start": load_at_start,
-        "batch_size": args.batch_size,
-        "repeats": args.repeats,
+    return environment(
+        tensorflow=installed_version("tensorflow-cpu", "tensorflow"),
+        horovod=installed_version("horovod"),
+        load_avg_at_start=load_at_start,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
         **extra,
-    }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,12 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
             failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
         print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
-    text = markdown(rows, failures, args.batch_size)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "horovod_tf_accuracy.md").write_text(text + "\n")
     raw = {"environment": horovod_environment(args, load_at_start), "rows": rows, "failures": failures}
-    (args.out / "horovod_tf_accuracy.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_results(args.out, "horovod_tf_accuracy", markdown(rows, failures, args.batch_size), raw)
     return 1 if failures else 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import statistics
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from horovod_tf_accuracy import EXAMPLE, TIMEOUT_S, each_run, horovod_arguments, horovod_environment
-from runs import launch_command, stderr_tail
+from runs import launch_command, stderr_tail, write_results
 
 from qsync_callback.jsonio import read_json
 
@@ -280,13 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
             failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
     rows = table_rows(records)
-    text = markdown(rows, failures, args)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "horovod_tf_plans.md").write_text(text + "\n")
     environment = horovod_environment(args, load_at_start, verify_steps=args.verify_steps)
     raw = {"environment": environment, "rows": rows, "runs": records, "failures": failures}
-    (args.out / "horovod_tf_plans.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_results(args.out, "horovod_tf_plans", markdown(rows, failures, args), raw)
     return 1 if failures else 0
 
 

@@ -15,7 +15,6 @@ peak and the least any plan reaches. Issue 3's target: planning, after the probe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from runs import environment
+from runs import environment, write_results
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -142,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         "width": args.width,
         **time_planning(record(args.layers, args.width, run_dir)),
     }
-    table = markdown(result)
-    (args.out / "planning_time.md").write_text(table)
-    raw = {"environment": environment(precisions=PRECISIONS), **result}
-    (args.out / "planning_time.json").write_text(json.dumps(raw, indent=2))
-    print(table)
+    write_results(
+        args.out,
+        "planning_time",
+        markdown(result),
+        {"environment": environment(precisions=PRECISIONS), **result},
+    )
     return 0
 
 

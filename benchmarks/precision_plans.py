@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import environment, launch, stderr_tail, warn_without_tcmalloc
+from runs import environment, launch, stderr_tail, warn_without_tcmalloc, write_results
 
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import (
@@ -298,11 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name in args.models.split(",")
     ]
-    table = markdown(results)
-    (args.out / "precision_plans.md").write_text(table)
     raw = {"environment": environment(precisions=precisions), "results": results}
-    (args.out / "precision_plans.json").write_text(json.dumps(raw, indent=2))
-    print(table)
+    write_results(args.out, "precision_plans", markdown(results), raw)
     failed = any(row.get("failed") for result in results for row in result["rows"])
     return 1 if failed else 0
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import environment, launch, stderr_tail, warn_without_tcmalloc
+from runs import environment, launch, stderr_tail, warn_without_tcmalloc, write_results
 
 from qsync_callback.recorder.torch_recorder import window_close_step
 
@@ -302,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
                     )
 
     noise = noise_floor(rows)
-    table = markdown(rows, noise, failures)
-    (out / "prediction_accuracy.md").write_text(table)
     raw = {
         "environment": env,
         "rows": rows,
@@ -311,9 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures,
         "summary": summary_line(rows),
     }
-    (out / "prediction_accuracy.json").write_text(json.dumps(raw, indent=2))
-    print(table)
-    print(f"written to {out / 'prediction_accuracy.md'} and {out / 'prediction_accuracy.json'}")
+    write_results(out, "prediction_accuracy", markdown(rows, noise, failures), raw)
     return 1 if failures else 0
 
 

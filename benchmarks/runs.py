@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,26 @@ def stderr_tail(run_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
     path = run_dir / "stderr.log"
     text = path.read_text(errors="replace") if path.exists() else "(no stderr.log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def installed_version(*distributions: str) -> str | None:
+    """The installed version of the first of ``distributions`` that is installed."""
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def write_results(out: Path, name: str, table: str, raw: dict[str, Any]) -> None:
+    """Print a benchmark's markdown ``table`` and write it to ``<out>/<name>.md``, its ``raw`` rows
+    and environment to ``<out>/<name>.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(table.rstrip("\n") + "\n")
+    (out / f"{name}.json").write_text(json.dumps(raw, indent=2) + "\n")
+    print(table)
+    print(f"written to {out / name}.md and .json")
 
 
 def environment(**extra: Any) -> dict[str, Any]:

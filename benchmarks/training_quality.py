@@ -25,7 +25,6 @@ the seeds) and no worse than the uniform lowest precision that meets the same bu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from models import Classifier
-from runs import environment
+from runs import environment, write_results
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -270,11 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = measure(args.seeds, args.epochs, args.out)
-    table = markdown(result)
-    (args.out / "training_quality.md").write_text(table)
     raw = {"environment": environment(precisions=list(PRECISIONS)), **result}
-    (args.out / "training_quality.json").write_text(json.dumps(raw, indent=2))
-    print(table)
+    write_results(args.out, "training_quality", markdown(result), raw)
     return 0
 
 
