@@ -142,6 +142,30 @@ def test_recorded_values_are_the_tensors_own():
     assert t["grad_weight"]["sumsq"] == pytest.approx(model[0].weight.grad.square().sum().item(), rel=1e-5)
 
 
+def test_every_steps_weight_gradient_is_read_once_also_at_a_reused_address():
+    """Each step's gradient is a new tensor that the allocator may place where the last one was (a
+    loop that sets gradients to None): made certain here by putting every step's gradient into
+    one buffer. Every step's gradient is read, once."""
+    torch.manual_seed(0)
+    model = _mlp()
+    weight = model[0].weight
+    buffer = torch.empty_like(weight)
+    stats = LayerStatistics(model, ["0"])
+    stats.start()
+    steps, sumsq = 5, 0.0
+    for _ in range(steps):
+        loss = model(torch.randn(16, 32)).square().sum()  # reads the previous step's gradient
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        buffer.copy_(weight.grad)
+        weight.grad = torch.empty(0).set_(buffer.untyped_storage(), 0, weight.shape, weight.stride())
+        sumsq += weight.grad.square().sum().item()
+    stats.stop()
+    t = stats.to_dict()["layers"]["0"]["tensors"]["grad_weight"]
+    assert t["numel"] == steps * weight.numel()
+    assert t["sumsq"] == pytest.approx(sumsq, rel=1e-5)
+
+
 def test_eval_and_no_grad_forwards_are_not_counted():
     model = _mlp()
     stats = LayerStatistics(model)

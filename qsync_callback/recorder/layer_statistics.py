@@ -32,6 +32,7 @@ Hooks on a stock layer make ``swap_to_lp`` refuse it: ``stop()`` before swapping
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -145,7 +146,7 @@ class LayerStatistics:
             name: _Layer(_kind(module), module.weight[0].numel()) for name, module in self._modules.items()
         }
         self._handles: list[RemovableHandle] = []
-        self._grads_read: dict[str, tuple[int, int]] = {}
+        self._grads_read: dict[str, tuple[weakref.ref, int]] = {}  # the last tensor read, its version
         self._active = False
 
     @property
@@ -193,13 +194,15 @@ class LayerStatistics:
         return hook
 
     def _read_weight_gradient(self, name: str, module: nn.Module) -> None:
-        """Count ``weight.grad`` once (the same tensor at the same version is not read again)."""
+        """Count ``weight.grad`` once: the same tensor object at the same version is not read again.
+        Identity, not the address: a loop that sets gradients to None makes a new tensor each step,
+        which the allocator often places where the last one was."""
         grad = module.weight.grad
         if grad is None or not self._layers[name].calls:
             return
-        seen = (grad.data_ptr(), grad._version)
-        if self._grads_read.get(name) != seen:
-            self._grads_read[name] = seen
+        last = self._grads_read.get(name)
+        if last is None or last[0]() is not grad or last[1] != grad._version:
+            self._grads_read[name] = (weakref.ref(grad), grad._version)
             self._layers[name].add("grad_weight", grad)
 
     def _grad_hook(self, layer: _Layer, role: str):
