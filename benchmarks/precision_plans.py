@@ -18,7 +18,7 @@ constraints.
     python benchmarks/precision_plans.py [--models mlp,cnn,transformer] [--precisions fp32,bf16,int8]
         [--repeats 1] [--recordings 1] [--out benchmarks/results]
 
-fp16 is left out by default: on this CPU a 1024x1024 fp16 matmul takes about 200x the fp32 time;
+fp16 is left out by default: on this CPU a 1024x1024 fp16 matmul takes about 185x the fp32 time;
 pass it in ``--precisions`` to include it.
 """
 
