@@ -1,6 +1,7 @@
-"""Trace conversion on a small hand-written Kineto trace: collectives and their launch and wait ops."""
+"""Trace conversion on small hand-written Kineto traces: collectives and their launch and wait ops, layer
+ranges, the overhead charged per event and the calibration loops' event counts."""
 
-from qsync_callback.recorder.kineto import convert_kineto
+from qsync_callback.recorder.kineto import calibration_event_counts, convert_kineto
 
 MAIN, GLOO = 1, 2
 
@@ -48,3 +49,50 @@ def test_collective_depends_on_the_op_that_launched_it_and_is_waited_for():
         "other",
         "update",
     ]
+
+
+def _i(ts, tid=MAIN, nbytes=64):
+    args = {"Bytes": nbytes, "Addr": 1, "Device Type": 0, "Total Allocated": 64}
+    return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "tid": tid, "ts": ts, "args": args}
+
+
+def test_layer_ranges_recorded_as_cpu_ops_are_context_and_charged_as_ranges():
+    raw = {
+        "traceEvents": [
+            _x("qsync::step#1", 0, 100, cat="user_annotation"),
+            _x("qsync::layer::fc", 5, 40),  # a _RecordFunctionFast range: Kineto writes it as a cpu_op
+            _x("aten::linear", 10, 30, **{"Sequence number": 4}),
+            _x("aten::addmm", 12, 20),
+            _i(13),
+            _x("Optimizer.step#SGD.step", 50, 30, cat="user_annotation"),
+            _x("aten::add_", 55, 20),
+        ]
+    }
+    costs = {"op": 1.0, "memory": 0.5, "range": 7.0}
+    ops = {op.name: op for op in convert_kineto(raw, overhead_us=costs)["ops"]}
+    assert list(ops) == ["aten::linear", "aten::add_"]
+    assert ops["aten::linear"].layer == "fc"
+    # the step's and the layer's ranges opened before the op and its own event: its gap; the nested
+    # addmm and allocation: its duration
+    assert ops["aten::linear"].gap_overhead_us == 1.0 + 7.0 + 1.0
+    assert ops["aten::linear"].overhead_us == 1.0 + 0.5
+    # a user annotation the run opens anyway costs what an op event costs
+    assert ops["aten::add_"].gap_overhead_us == 1.0 + 1.0
+
+
+def test_calibration_event_counts_are_per_loop_range_and_thread():
+    raw = {
+        "traceEvents": [
+            _x("qsync::calibration", 0, 100, cat="user_annotation"),
+            _x("qsync::calibration::op", 0, 30, cat="user_annotation"),
+            _x("aten::add_", 1, 5),
+            _x("aten::to", 2, 2),
+            _i(3),
+            _x("aten::add_", 10, 5, tid=GLOO),  # another thread's
+            _x("qsync::calibration::range", 40, 30, cat="user_annotation"),
+            _x("qsync::layer::calibration", 41, 5),
+            _x("qsync::layer::calibration", 51, 5),
+            _x("aten::add_", 80, 5),  # after the loops
+        ]
+    }
+    assert calibration_event_counts(raw) == {"op": {"op": 2, "memory": 1}, "range": {"range": 2}}

@@ -286,3 +286,94 @@ def test_sizes_and_shares_parse_as_people_write_them():
             parse_bytes(bad)
     with pytest.raises(ValueError):
         parse_share("-5%")
+
+
+def _linked_step():
+    """`_two_layer_step` with its layer table (fc1 -> act -> fc2 in one Sequential) and act's
+    probes: at bf16 it takes 1.5x as long and saves half."""
+    step = _two_layer_step()
+    step.layers = [
+        {"name": "fc1", "type": "Linear", "next": "act"},
+        {"name": "act", "type": "GELU", "next": "fc2"},
+        {"name": "fc2", "type": "Linear", "next": None},
+    ]
+    step.precision_costs["pass_through"] = {
+        "act": {
+            "input_shape": [10, 100],
+            "input_numel": 1000,
+            "costs": {
+                "fp32": {"forward_us": 20.0, "backward_us": 40.0, "saved_bytes": 4000.0},
+                "bf16": {"forward_us": 30.0, "backward_us": 60.0, "saved_bytes": 2000.0},
+            },
+        }
+    }
+    return step
+
+
+def test_linked_neighbours_drop_their_casts_and_halve_what_runs_between():
+    step = _linked_step()
+    plan = Plan(precision={"fc1": "bf16", "fc2": "bf16"})
+    linked = predict([step], plan)
+    # fc1: compute 56 - 4 (input, weight casts) - 2 (output cast) = 50, its input and weight casts
+    # (4), no output cast; backward 150 less the gradient cast it no longer needs (2)
+    assert linked.layer_ms["fc1"] * 1e3 == pytest.approx(50 + 4 + 148)
+    # act runs at bf16: its own probes' ratios
+    assert linked.layer_ms["act"] * 1e3 == pytest.approx(30 + 60)
+    # fc2: only its weight is cast in, its output back; backward keeps its input gradient at bf16
+    assert linked.layer_ms["fc2"] * 1e3 == pytest.approx(50 + 2 + 2 + 148)
+    # memory at the loss's temporary: fc1's bf16 copy of its input (+3000); act saves what its
+    # probe saves at bf16 (2000 less); fc2 saves act's output, now bf16, instead of a copy of its
+    # own: its probe's 3000 in place of the 4000 it freed
+    assert linked.peak_bytes == 24000 + 3000 - 2000 - 1000
+    # the same plan without the layer table's links pays every cast and keeps act at fp32
+    step.layers = [{"name": row["name"], "type": row["type"]} for row in step.layers]
+    unlinked = predict([step], plan)
+    assert unlinked.layer_ms["act"] * 1e3 == pytest.approx(20 + 40)
+    assert unlinked.layer_ms["fc1"] * 1e3 == pytest.approx(50 + 4 + 2 + 150)
+    assert unlinked.peak_bytes == 24000 + 3000 - 1000  # fc2's copy: 3000 in place of 4000
+    # priced in place and on a transformed graph alike
+    traces = [_linked_step()]
+    step_ms, _, layer_ms = _graph_path(traces, plan.precision)
+    assert Predictor(traces).predict(plan).layer_ms == pytest.approx(layer_ms, rel=1e-12)
+    assert Predictor(traces).predict(plan).step_ms == pytest.approx(step_ms, rel=1e-12)
+
+
+def test_a_linked_layer_saves_the_tensor_a_pass_through_layer_also_saves():
+    """act saves its own output (as ReLU does), which fc2 saves too: linked, fc2 keeps no copy of
+    its own, and that shared tensor shrinks through act's probe alone."""
+    step = _linked_step()
+    events = {(e[1], e[2] > 0): e for e in step.memory_events}
+    events[(0xA, False)][::3] = [101, 1]  # fc1's output: a temporary of act's forward
+    events[(0xB, False)][::3] = [450, 4]  # act's output: freed in act's backward
+    step.memory_events.sort()
+    base = predict([step]).peak_bytes
+    assert base == 10000 + 8000 + 2000
+    plan = Plan(precision={"fc1": "bf16", "fc2": "bf16"})
+    assert predict([step], plan).peak_bytes == base + 3000 - 2000
+    step.layers = [{"name": row["name"], "type": row["type"]} for row in step.layers]
+    assert predict([step], plan).peak_bytes == base + 3000 + 3000
+
+
+def test_least_memory_plan_finds_a_linked_plan_no_single_move_shows():
+    """fc1's input (the batch, copied in) is freed in its backward, so each layer alone saves most
+    at int8; but bf16 on both links them, and act, between, then saves nothing at bf16."""
+
+    def step(linked):
+        s = _linked_step()
+        s.ops.insert(0, op(8, "aten::copy_", "forward", "main", 0, 0))
+        s.memory_events += [[0, 0xE, 4000, 8], [690, 0xE, -4000, 5]]
+        s.memory_events.sort()
+        s.precision_costs["layers"]["fc2"]["costs"]["int8"]["backward_transient_bytes"] = 0
+        s.precision_costs["pass_through"]["act"]["costs"]["bf16"]["saved_bytes"] = 0
+        if not linked:
+            s.layers = [{"name": row["name"], "type": row["type"]} for row in s.layers]
+        return s
+
+    choice, prediction = least_memory_plan(Predictor([step(True)]), ["bf16", "int8"])
+    assert choice == {"fc1": "bf16", "fc2": "bf16"}
+    assert (
+        prediction.peak_bytes
+        < predict([step(True)], Plan(precision={"fc1": "int8", "fc2": "int8"})).peak_bytes
+    )
+    choice, _ = least_memory_plan(Predictor([step(False)]), ["bf16", "int8"])
+    assert choice == {"fc1": "int8", "fc2": "int8"}

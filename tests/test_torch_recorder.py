@@ -7,6 +7,8 @@ import torch
 
 from qsync_callback.predictor.memory import tensor_lifetimes
 from qsync_callback.predictor.predict import predict
+from qsync_callback.recorder import overhead
+from qsync_callback.recorder.kineto import calibration_event_counts
 from qsync_callback.recorder.torch_recorder import RAW_TRACE_FILE, TorchRecorder
 from qsync_callback.recorder.trace import Trace, load_trace_dir, rank_trace_path
 from qsync_callback.report import build_report
@@ -94,13 +96,42 @@ def test_memory_is_resident_plus_lifetimes(recorded):
 
 
 def test_overhead_is_calibrated_and_removed(recorded):
-    trace = Trace.load(rank_trace_path(recorded[0], 0))
+    out = recorded[0]
+    trace = Trace.load(rank_trace_path(out, 0))
     assert set(trace.profiler_overhead_us) == {"op", "memory", "range"}
     assert trace.profiler_overhead_us["op"] > 0
     assert sum(op.overhead_us + op.gap_overhead_us for op in trace.ops) > 0
+    # each loop's cost is divided among the events the profiler recorded for it: one op event per
+    # add, plus an allocation and a free out of place, one layer range per hooked call
+    counts = calibration_event_counts(json.loads((out / "rank0" / RAW_TRACE_FILE).read_text()))
+    iterations = counts["op"]["op"]
+    assert iterations > 0
+    assert counts == {
+        "op": {"op": iterations},
+        "memory": {"op": iterations, "memory": 2 * iterations},
+        "range": {"range": iterations},
+    }
+    # a per-event cost in the right unit never exceeds the duration of an op: (almost) none is cut to 0
+    main = [op for op in trace.ops if op.thread == "main"]
+    assert sum(0 < op.dur_us <= op.overhead_us for op in main) < 0.05 * len(main)
     prediction = predict(load_trace_dir(recorded[0]))
     recorded_ms = [s.dur_us / 1e3 for s in trace.steps]
     assert prediction.step_ms < max(recorded_ms)
+
+
+def test_overhead_per_event_divides_each_loop_among_its_events():
+    iterations = overhead._LOOPS * overhead._REPEATS
+    plain = {"op": 1e-6, "memory": 1e-6, "range": 1e-6}
+    # extra microseconds per iteration: 5 op events and 4 memory events (an add of a Python
+    # scalar), those plus 2 memory events, one layer range
+    profiled = {"op": 3.4e-6, "memory": 3.6e-6, "range": 3e-6}
+    counts = {
+        "op": {"op": 5 * iterations, "memory": 4 * iterations},
+        "memory": {"op": 5 * iterations, "memory": 6 * iterations},
+        "range": {"range": iterations},
+    }
+    costs = overhead.overhead_per_event(plain, profiled, counts)
+    assert costs == {"op": pytest.approx(0.4), "memory": pytest.approx(0.1), "range": pytest.approx(2.0)}
 
 
 def test_profiler_is_stopped_when_the_run_fails_inside_the_window(tmp_path):

@@ -13,12 +13,22 @@ What runs for real, per precision (``supported_precisions(device)`` measures it 
   convolution kernel.
 
 Swapping shares Parameter objects, so DDP, the optimizer and checkpoints are untouched.
+``apply_precision_plan`` also links neighbours at the same bf16/fp16 precision in an
+``nn.Sequential`` (``link_neighbours``, `qsync_callback.precision_links`): the low-precision tensor
+passes between them without the casts back and forth.
 """
 
-from qsync_callback.lp.costs import cast_costs, fit_cast_costs, fit_linear_cost, probe_layer_costs
+from qsync_callback.lp.costs import (
+    cast_costs,
+    fit_cast_costs,
+    fit_linear_cost,
+    probe_layer_costs,
+    probe_pass_through_costs,
+)
 from qsync_callback.lp.modules import LPConv1d, LPConv2d, LPLinear, LPModule, supported_precisions
 from qsync_callback.lp.swap import (
     apply_precision_plan,
+    link_neighbours,
     restore,
     runnable_precisions,
     set_precision,
@@ -28,6 +38,7 @@ from qsync_callback.lp.swap import (
 
 __all__ = [
     "apply_precision_plan",
+    "link_neighbours",
     "runnable_precisions",
     "LPConv1d",
     "LPConv2d",
@@ -42,4 +53,5 @@ __all__ = [
     "fit_cast_costs",
     "fit_linear_cost",
     "probe_layer_costs",
+    "probe_pass_through_costs",
 ]

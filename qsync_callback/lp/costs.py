@@ -35,6 +35,7 @@ from qsync_callback.cache import default_cache_dir
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_json, write_text_atomic
 from qsync_callback.lp.modules import (
+    CAST_DTYPES,
     LPLinear,
     LPModule,
     _normalize,
@@ -350,9 +351,12 @@ def _private_lp(module: nn.Module) -> LPModule:
     return lp_cls.from_module(twin)
 
 
-def _saved_bytes(lp: LPModule, x: torch.Tensor) -> int:
-    """Bytes autograd saves for backward in one forward of ``lp`` on ``x``: each saved tensor
-    counted once per storage, the LP module's own parameters left out (as the recorder counts)."""
+def _saved_bytes(
+    lp: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> int:
+    """Bytes autograd saves for backward in one forward of ``lp`` on ``x`` (``forward(x)``, default
+    ``lp(x)``): each saved tensor counted once per storage, the module's own parameters left out
+    (as the recorder counts)."""
     skip = {p.untyped_storage().data_ptr() for p in lp.parameters()}
     seen: dict[int, int] = {}
 
@@ -363,7 +367,7 @@ def _saved_bytes(lp: LPModule, x: torch.Tensor) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = lp(x)
+        out = (forward or lp)(x)
     del out
     return sum(seen.values())
 
@@ -513,3 +517,67 @@ def probe_layer_costs(
         if precision == "int8":
             results[precision]["fp32_fallback"] = 1.0 if fallbacks[precision] else 0.0
     return results
+
+
+def probe_pass_through_costs(
+    module: nn.Module,
+    input_shape: Sequence[int],
+    device: torch.device | str,
+    precisions: Iterable[str],
+    repeats: int = 5,
+) -> dict[str, dict[str, float]]:
+    """Forward and backward time and saved-for-backward bytes of a parameter-free layer (one of
+    `precision_links.PASS_THROUGH_TYPES`: ReLU, Dropout, MaxPool2d, ...) on ``device``, on an
+    input of ``input_shape`` in fp32 and in the dtype of each of ``precisions`` that is computed in
+    a float dtype (bf16, fp16; the others are left out): what the layer costs when a link passes it
+    a low-precision tensor.
+
+    Timed as ``probe_layer_costs`` times a layer (a warm-up, then ``repeats`` round-robin rounds,
+    medians of the synchronized forward and backward); the class's forward is called, not the
+    module, so no hook of a recorder fires, and the random number generators are forked, so a
+    dropout draws nothing from the run's. ``saved_bytes`` all grows with the batch (no parameters).
+
+    Returns ``{"fp32": {"forward_us": .., "backward_us": .., "saved_bytes": ..}, "bf16": {...}}``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, not {repeats}")
+    device = torch.device(device)
+    wanted = set(precisions)
+    dtypes = {
+        "fp32": torch.float32,
+        **{p: CAST_DTYPES[p] for p in PRECISIONS if p in wanted & set(CAST_DTYPES)},
+    }
+    forward_fn = type(module).forward
+    generator = torch.Generator(device=device).manual_seed(0)
+    base = torch.randn(tuple(input_shape), generator=generator, device=device)
+    inputs = {p: base.to(dtype).requires_grad_() for p, dtype in dtypes.items()}
+    forward: dict[str, list[float]] = {p: [] for p in dtypes}
+    backward: dict[str, list[float]] = {p: [] for p in dtypes}
+    saved: dict[str, int] = {}
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked), torch.enable_grad():
+        for p, x in inputs.items():
+            saved[p] = _saved_bytes(module, x, lambda t: forward_fn(module, t))
+        for step in range(repeats + 1):  # step 0 is the warm-up
+            for p, x in inputs.items():
+                x.grad = None
+                _sync(device)
+                start = time.perf_counter()
+                out = forward_fn(module, x)
+                _sync(device)
+                middle = time.perf_counter()
+                out.backward(torch.ones_like(out))
+                _sync(device)
+                end = time.perf_counter()
+                del out
+                if step:
+                    forward[p].append((middle - start) * 1e6)
+                    backward[p].append((end - middle) * 1e6)
+    return {
+        p: {
+            "forward_us": statistics.median(forward[p]),
+            "backward_us": statistics.median(backward[p]),
+            "saved_bytes": float(saved[p]),
+        }
+        for p in dtypes
+    }

@@ -14,6 +14,10 @@ changes with ``precision``:
   keeps the cast input and the fp32 weight itself (a Parameter, no new memory) and casts the weight
   again in the backward, so no low-precision weight copy is held from forward to backward (for a
   conv with a string padding or a non-zero padding mode, autograd of the stock op keeps it).
+  ``output_dtype``, when set, is the dtype the output is cast to instead of the input's: the
+  compute dtype itself for a layer that passes its low-precision output on to a neighbour at the
+  same precision, fp32 for one that takes such a tensor (`precision_links`, set by
+  `swap.apply_precision_plan`); an input already in the compute dtype is not cast again.
 - ``int8`` (Linear only): symmetric per-tensor int8 quantization of input and weight, an int8 x int8
   -> int32 ``torch._int_mm``, dequantized output plus the fp32 bias. Backward uses the saved int8
   tensors (a quarter of the fp32 bytes) dequantized, and returns fp32 gradients. Shapes that
@@ -44,7 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from qsync_callback.plan import PRECISIONS
 
-_CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions computed in a float dtype
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _INT8_MAX = 127
 _NOTHING = contextlib.nullcontext()
@@ -89,7 +93,7 @@ def supported_precisions(device: torch.device | str) -> tuple[str, ...]:
         found = {"fp32"}
         if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
             found.add("tf32")
-        found.update(name for name, dtype in _CAST_DTYPES.items() if _float_ops_run(device, dtype))
+        found.update(name for name, dtype in CAST_DTYPES.items() if _float_ops_run(device, dtype))
         q = torch.ones(17, 16, device=device, dtype=torch.int8)
         if _runs(lambda: torch._int_mm(q, q.t())):
             found.add("int8")
@@ -114,6 +118,14 @@ def _label(name: str) -> contextlib.AbstractContextManager:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _cast_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``, the cast labelled; as it is when it already has that dtype."""
+    if out.dtype == dtype:
+        return out
+    with _label(f"qsync::cast_{_dtype_name(out.dtype)}_{_dtype_name(dtype)}"):
+        return out.to(dtype)
 
 
 @contextlib.contextmanager
@@ -159,21 +171,21 @@ class _Tf32Op(torch.autograd.Function):
 
 
 class _CastOp(torch.autograd.Function):
-    """The module's stock op on input, weight and bias cast to ``dtype``, the output cast back.
-    Saves the cast input and the fp32 weight (see the module docstring); the gradients come from
-    the module's ``_low_backward`` in ``dtype``, cast to the input's and the Parameters' dtypes."""
+    """The module's stock op on input, weight and bias cast to ``dtype``, the output cast to the
+    module's ``output_dtype`` (default: the input's). Saves the cast input and the fp32 weight (see
+    the module docstring); the gradients come from the module's ``_low_backward`` in ``dtype``,
+    cast to the input's and the Parameters' dtypes."""
 
     @staticmethod
     def forward(ctx, lp: LPModule, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
-        src, dst = _dtype_name(x.dtype), _dtype_name(dtype)
+        src, dst = _dtype_name(weight.dtype), _dtype_name(dtype)
         with _label(f"qsync::cast_{src}_{dst}"):
             x_low, w_low = x.to(dtype), weight.to(dtype)
             b_low = None if bias is None else bias.to(dtype)
         out = lp._stock_op(x_low, w_low, b_low)
         ctx.save_for_backward(x_low, weight)
         ctx.lp, ctx.has_bias, ctx.x_dtype = lp, bias is not None, x.dtype
-        with _label(f"qsync::cast_{dst}_{src}"):
-            return out.to(x.dtype)
+        return _cast_output(out, lp.output_dtype or x.dtype)
 
     @staticmethod
     @once_differentiable
@@ -246,6 +258,7 @@ class LPModule(nn.Module):
     _stock_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     _int8_forward: Callable[[torch.Tensor], torch.Tensor]  # Linear only: the convs refuse int8
     _precision = "fp32"
+    output_dtype: torch.dtype | None = None  # bf16/fp16 only: see the module docstring
     int8_fallbacks = 0  # forwards at int8 whose shape _int_mm cannot take on the device, run in fp32
 
     @classmethod
@@ -284,7 +297,7 @@ class LPModule(nn.Module):
         return _rebuild(
             getattr(self, "_stock_cls", self._stock),
             self,
-            skip=("_precision", "int8_fallbacks", "_stock_cls"),
+            skip=("_precision", "output_dtype", "int8_fallbacks", "_stock_cls"),
         )
 
     @property
@@ -294,8 +307,10 @@ class LPModule(nn.Module):
 
     @precision.setter
     def precision(self, value: str) -> None:
+        """Set the precision; any link to a neighbour (``output_dtype``) is undone."""
         self.check_precision(value)
         self._precision = value
+        self.output_dtype = None
 
     @classmethod
     def allowed_precisions(cls, device: torch.device | str) -> tuple[str, ...]:
@@ -341,16 +356,14 @@ class LPModule(nn.Module):
             return self._cast_forward(input, precision)
 
     def _cast_forward(self, input: torch.Tensor, precision: str) -> torch.Tensor:
-        dtype, src = _CAST_DTYPES[precision], _dtype_name(input.dtype)
+        dtype, src = CAST_DTYPES[precision], _dtype_name(self.weight.dtype)
         with _label(f"qsync::{self._op}_{precision}"):
             if torch.is_grad_enabled() and self._has_low_backward(input):
                 return _CastOp.apply(self, input, self.weight, self.bias, dtype)
             with _label(f"qsync::cast_{src}_{precision}"):
                 x, weight = input.to(dtype), self.weight.to(dtype)
                 bias = None if self.bias is None else self.bias.to(dtype)
-            out = self._stock_op(x, weight, bias)
-            with _label(f"qsync::cast_{precision}_{src}"):
-                return out.to(input.dtype)
+            return _cast_output(self._stock_op(x, weight, bias), self.output_dtype or input.dtype)
 
 
 class LPLinear(LPModule, nn.Linear):

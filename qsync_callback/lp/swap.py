@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from qsync_callback.lp.modules import LP_CLASSES, LPModule, lp_class_for
+from qsync_callback.lp.modules import CAST_DTYPES, LP_CLASSES, LPModule, lp_class_for
+from qsync_callback.precision_links import Link, precision_links
 from qsync_callback.recorder.layer_ranges import layers_of
 
 
@@ -109,14 +110,45 @@ def restore(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> None:
         _replace(model, lp, lp.to_stock())
 
 
+def sequential_next(model: nn.Module) -> dict[str, str | None]:
+    """For each layer of ``model`` (`layers_of`): the name of the next child of the ``nn.Sequential``
+    it is a child of, or None (not a Sequential's child, or its last)."""
+    following: dict[str, str | None] = {}
+    for prefix, parent in model.named_modules():
+        if isinstance(parent, nn.Sequential):
+            names = [f"{prefix}.{name}" if prefix else name for name in parent._modules]
+            following.update(zip(names, [*names[1:], None], strict=True))
+    return {name: following.get(name) for name in layers_of(model)}
+
+
+def link_neighbours(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> list[Link]:
+    """Let the LP modules at the same bf16/fp16 precision that follow each other in an
+    ``nn.Sequential`` pass their low-precision tensor on (`precision_links`); every other LP module
+    casts its output back to its input's dtype. Returns the links."""
+    layers = layers_of(model)
+    following = sequential_next(model)
+    table = [{"name": n, "type": type(m).__name__, "next": following[n]} for n, m in layers.items()]
+    links = precision_links(table, {name: lp.precision for name, lp in lp_modules.items()})
+    for lp in lp_modules.values():
+        lp.output_dtype = None
+    for link in links:
+        source, target = lp_modules[link.source], lp_modules[link.target]
+        source.output_dtype = CAST_DTYPES[link.precision]
+        if target.output_dtype is None:
+            target.output_dtype = target.weight.dtype
+    return links
+
+
 def apply_precision_plan(model: nn.Module, precision: Mapping[str, str]) -> dict[str, LPModule]:
-    """Swap the layers ``precision`` names for LP modules at those precisions; all or nothing: on
-    any problem (a layer that is not swappable, a precision it cannot run here) the model is left
-    as it was and ValueError says why. Returns the LP modules (give them to ``restore`` to undo)."""
+    """Swap the layers ``precision`` names for LP modules at those precisions, neighbours at the same
+    bf16/fp16 precision linked (`link_neighbours`); all or nothing: on any problem (a layer that is
+    not swappable, a precision it cannot run here) the model is left as it was and ValueError says
+    why. Returns the LP modules (give them to ``restore`` to undo)."""
     lp_modules = swap_to_lp(model, precision)
     try:
         set_precision(lp_modules, precision)
     except ValueError:
         restore(model, lp_modules)
         raise
+    link_neighbours(model, lp_modules)
     return lp_modules

@@ -6,13 +6,16 @@ peak memory <= ``memory_budget``. Every plan is priced by the predictor (op dura
 changed on the recorded steps, then a replay and the memory curve: `predictor/precision.py`),
 never by a formula of its own.
 
-Each (layer, precision) move is first priced alone by the predictor's estimate
-(`Predictor.estimate`: the replay of one recorded step, the median one, and the full memory curve),
-and those single-move estimates rank the moves; every plan that a search below keeps or returns is
-priced by the full predictor (every recorded step replayed).
+Each (layer, precision) move is first priced by the predictor's estimate (`Predictor.estimate`:
+the replay of one recorded step, the median one, and the full memory curve), with the layer's link
+partners at their current precisions and every other layer as recorded (neighbours at the same
+bf16/fp16 precision pass tensors without casts, `precision_links`, so a move is worth more next to
+an equal neighbour), and those estimates rank the moves; every plan that a search below keeps or
+returns is priced by the full predictor (every recorded step replayed).
 
-- ``fastest_plan``: each layer at the precision that alone makes the step fastest, checked by the
-  predictor (the default time target is this plan's predicted time + 5%).
+- ``fastest_plan``: each layer at the precision that alone makes the step fastest, or a uniform
+  plan if one is faster, checked by the predictor (the default time target is this plan's
+  predicted time + 5%); ``least_memory_plan`` the same for the peak.
 - ``allocate_precision`` (greedy, as in QSync): start from the recorded precision (fp32, no
   damage). While a constraint is violated, lower the layer whose move buys the most violation per
   unit of indicator (its single-move estimate's change applied to the current plan), and price the
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION, PRECISIONS, Plan
+from qsync_callback.precision_links import link_partners
 from qsync_callback.predictor.indicator import sensitivity
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.recorder.trace import Trace
@@ -128,39 +132,60 @@ def _indicator_sum(choice: Mapping[str, str], indicator: Mapping[str, Mapping[st
     return sum(_damage(indicator, name, p) for name, p in choice.items())
 
 
-@dataclass
 class _Moves:
-    """Every (layer, precision) move away from the recording, each estimated alone, and the
-    recording estimated the same way (what a move's estimate is compared with)."""
+    """Estimates (`Predictor.estimate`) of (layer, precision) moves, each with the layer's link
+    partners (`precision_links.link_partners`) at their precisions in the plan it is made from and
+    every other layer as recorded: a bf16 layer next to a bf16 one saves the casts between them,
+    which the move alone would not show. Estimates are cached by plan."""
 
-    base: Prediction
-    alone: dict[tuple[str, str], Prediction]
+    def __init__(self, pricer: _Pricer, candidates: Mapping[str, list[str]]):
+        self._pricer = pricer
+        self._partners = link_partners(pricer.predictor.traces[0].layers, list(candidates))
+        self._estimates: dict[frozenset, Prediction] = {}
+        self.base = self._estimate({})
+        self.alone = {
+            (name, p): self.held(name, p) for name, options in candidates.items() for p in options[1:]
+        }
 
-    def held(self, name: str, precision: str) -> Prediction:
-        """The estimate of ``name`` alone at ``precision`` (the recording's at full precision)."""
-        return self.alone.get((name, precision), self.base)
+    def _estimate(self, choice: Mapping[str, str]) -> Prediction:
+        key = frozenset(choice.items())
+        if key not in self._estimates:
+            self._estimates[key] = self._pricer.estimate(choice)
+        return self._estimates[key]
 
-
-def _single_moves(pricer: _Pricer, candidates: Mapping[str, list[str]]) -> _Moves:
-    """Every (layer, precision) move away from the recording, each estimated alone."""
-    return _Moves(
-        pricer.estimate({}),
-        {(name, p): pricer.estimate({name: p}) for name, options in candidates.items() for p in options[1:]},
-    )
+    def held(self, name: str, precision: str, choice: Mapping[str, str] | None = None) -> Prediction:
+        """The estimate of ``name`` at ``precision``, its link partners as in ``choice`` (default:
+        as recorded) and the other layers as recorded."""
+        plan = {
+            n: choice[n]
+            for n in self._partners.get(name, ())
+            if choice is not None and choice.get(n, FULL_PRECISION) != FULL_PRECISION
+        }
+        if precision != FULL_PRECISION:
+            plan[name] = precision
+        return self._estimate(plan)
 
 
 def _best_alone(
     pricer: _Pricer, moves: _Moves, base: Prediction, figure: Callable[[Prediction], float]
 ) -> tuple[dict[str, str], Prediction]:
-    """Each layer at the precision whose move alone gives the lowest ``figure`` (step time, peak),
-    the combination priced by the predictor; the recorded configuration (``base``) if that is
-    lower still."""
-    choice: dict[str, str] = {}
+    """The plan with the lowest ``figure`` (step time, peak), each priced by the predictor, among:
+    each layer at the precision whose move alone gives the lowest figure; each uniform plan (every
+    layer at one precision, as far as it runs it: linked neighbours save what no single move
+    shows); and the recorded configuration (``base``)."""
+    per_layer: dict[str, str] = {}
     for (name, p), single in moves.alone.items():
-        if figure(single) < figure(moves.held(name, choice.get(name, FULL_PRECISION))):
-            choice[name] = p
-    combined = pricer(choice)
-    return (choice, combined) if figure(combined) <= figure(base) else ({}, base)
+        if figure(single) < figure(moves.held(name, per_layer.get(name, FULL_PRECISION))):
+            per_layer[name] = p
+    uniform: dict[str, dict[str, str]] = {}
+    for name, p in moves.alone:
+        uniform.setdefault(p, {})[name] = p
+    best: tuple[dict[str, str], Prediction] = ({}, base)
+    for choice in [per_layer, *uniform.values()]:
+        priced = pricer(choice)
+        if figure(priced) < figure(best[1]) or (figure(priced) == figure(best[1]) and not best[0]):
+            best = (choice, priced)
+    return best
 
 
 def _step_ms(prediction: Prediction) -> float:
@@ -172,11 +197,10 @@ def _peak_bytes(prediction: Prediction) -> float:
 
 
 def fastest_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
-    """Each layer at the precision that alone gives the fastest predicted step, checked by the
-    predictor; returns the choice and its prediction (the recorded configuration if that is
-    faster)."""
+    """The fastest plan of `_best_alone` (per-layer fastest, uniform plans, the recording);
+    returns the choice and its prediction."""
     pricer = _Pricer(predictor)
-    moves = _single_moves(pricer, candidate_precisions(predictor, precisions))
+    moves = _Moves(pricer, candidate_precisions(predictor, precisions))
     return _best_alone(pricer, moves, predictor.predict(), _step_ms)
 
 
@@ -189,8 +213,9 @@ def _fastest_fit(
     left = dict(moves.alone)
     while current.peak_bytes > budget and left:
         best, best_score = None, 0.0
-        for (name, p), single in left.items():
-            held = moves.held(name, choice.get(name, FULL_PRECISION))
+        for name, p in left:
+            held = moves.held(name, choice.get(name, FULL_PRECISION), choice)
+            single = moves.held(name, p, choice)
             gain = held.peak_bytes - single.peak_bytes
             if p == choice.get(name, FULL_PRECISION) or gain <= 0:
                 continue
@@ -211,7 +236,7 @@ def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[
     """The plan with the lowest predicted peak the precisions allow (the smallest budget a plan can
     meet), and its prediction."""
     pricer = _Pricer(predictor)
-    moves = _single_moves(pricer, candidate_precisions(predictor, precisions))
+    moves = _Moves(pricer, candidate_precisions(predictor, precisions))
     return _best_alone(pricer, moves, predictor.predict(), _peak_bytes)
 
 
@@ -253,7 +278,7 @@ def allocate_precision(
     pricer = _Pricer(predictor)
     candidates = candidate_precisions(predictor, precisions)
     base = pricer({})
-    moves = _single_moves(pricer, candidates)
+    moves = _Moves(pricer, candidates)
     unreachable = _unreachable_budget(pricer, moves, base, memory_budget)
     if unreachable is not None:
         closest, prediction = unreachable
@@ -275,10 +300,10 @@ def allocate_precision(
     alone = dict(moves.alone)
     while (violation := _violation(current, max_step_ms, memory_budget)) > 0:
         best, best_score = None, 0.0
-        for (name, p), single in alone.items():
+        for name, p in alone:
             if choice[name] == p:
                 continue
-            was = moves.held(name, choice[name])
+            was, single = moves.held(name, choice[name], choice), moves.held(name, p, choice)
             gain_t = was.step_ms - single.step_ms
             gain_m = was.peak_bytes - single.peak_bytes
             estimate = Prediction(

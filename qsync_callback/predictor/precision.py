@@ -11,11 +11,12 @@ run):
   ``p`` less the casts it contains, and the casts become nodes of their own: before the layer, its
   input and weight cast to ``p`` (for int8: quantized); after it, its output cast back (for int8:
   dequantized). Each is priced by the fitted ``alpha * numel + beta`` of that cast on this device.
-  Our LP modules return their input's dtype, so every low-precision layer pays both casts whatever
-  its neighbours run (QSync's fused cast between equal neighbours is not modelled: no LP module
-  passes a low-precision tensor on);
+  Neighbours at the same bf16/fp16 precision in an ``nn.Sequential`` are linked, as the live run
+  links them (`precision_links`): the first keeps its output at the precision and the second takes
+  it as it is, so neither cast between them is paid, and the pass-through layers between them
+  (ReLU, dropout, pooling) run at the precision, their durations scaled by their own probes;
 - backward ops: ``dur * backward_p / backward_fp32`` (the probe's backward includes the casts of
-  the gradients).
+  the gradients; those a link saves are taken off).
 
 Memory. At ``p`` the layer saves for backward what the probe measured at ``p`` (its input and,
 for bf16/fp16/int8, its weight at that precision), and the fp32 tensors that only this layer kept
@@ -25,7 +26,11 @@ synthetic tensor alive from the end of the layer's forward until its backward re
 saved (when the fp32 tensors died in the recording, else the end of the backward). The
 temporaries of the layer's forward and backward change too (a dequantized int8 input in the
 backward, say): the probe measured their peak at each precision (`probe_layer_costs`), and the
-difference is a synthetic tensor alive while the layer's forward (or backward) ops run.
+difference is a synthetic tensor alive while the layer's forward (or backward) ops run. A layer
+that receives a linked input saves that tensor, not a copy of its own: it saves nothing more, and
+the input itself shrinks (where it died in this layer's backward, as the freed fp32 tensors above;
+where a pass-through layer also saved it, through that layer's probe). A pass-through layer in a
+link saves what its probe saved at the precision instead of at fp32.
 
 Pricing. `PrecisionDurations` gives a plan's op durations on the recorded graphs compiled once
 (`replay.CompiledGraph`), each cast folded into the op it sits next to, and `PrecisionLives` its
@@ -38,12 +43,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.precision_links import precision_links
 from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
 from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.recorder.trace import Op, Trace
@@ -105,36 +112,80 @@ def input_scale(entry: Mapping, op: Op | None) -> float:
     return math.prod(shape) / probed if probed > 0 else 1.0
 
 
-def layer_casts_us(costs: Mapping, layer: str, precision: str, scale: float = 1.0) -> tuple[float, float]:
-    """(before, after) cast time of ``layer`` at ``precision``: input and weight to it, output back;
-    the activations' element counts times ``scale`` (`input_scale`)."""
-    if precision in (FULL_PRECISION, "tf32"):
+class LayerMove(NamedTuple):
+    """One layer a plan changes: an LP layer at ``precision``, its output kept at it for a linked
+    neighbour (``passes``) or its input arriving at it from one (``receives``); or a pass-through
+    layer a link runs at ``precision`` (``passed``; `precision_links`)."""
+
+    layer: str
+    precision: str
+    passes: bool = False
+    receives: bool = False
+    passed: bool = False
+
+
+def plan_moves(trace: Trace, precision: Mapping[str, str]) -> list[LayerMove]:
+    """The layers ``precision`` changes in ``trace``'s run, with its links (`precision_links`) as
+    the live run forms them from the trace's layer table."""
+    changed = changed_layers(trace, precision)
+    links = precision_links(trace.layers, changed)
+    sources, targets = {link.source for link in links}, {link.target for link in links}
+    moves = [LayerMove(name, p, name in sources, name in targets) for name, p in changed.items()]
+    passed = {name: link.precision for link in links for name in link.between}
+    return moves + [LayerMove(name, p, passed=True) for name, p in passed.items()]
+
+
+def layer_casts_us(
+    costs: Mapping, move: LayerMove, scale: float = 1.0, links: bool = True
+) -> tuple[float, float]:
+    """(before, after) cast time of an LP layer's ``move``: its weight and (unless it receives a
+    linked input) its input to the move's precision, and (unless it passes its output on) its output
+    back; the activations' element counts times ``scale`` (`input_scale`). ``links=False``: the
+    casts of the layer alone, as its probe ran it."""
+    if move.precision in (FULL_PRECISION, "tf32") or move.passed:
         return 0.0, 0.0
-    entry = costs["layers"][layer]
-    to, back = f"{FULL_PRECISION}->{precision}", f"{precision}->{FULL_PRECISION}"
-    before = cast_us(costs, to, round(entry["input_numel"] * scale)) + cast_us(
-        costs, to, entry["weight_numel"]
-    )
-    return before, cast_us(costs, back, round(entry["output_numel"] * scale))
+    entry = costs["layers"][move.layer]
+    to, back = f"{FULL_PRECISION}->{move.precision}", f"{move.precision}->{FULL_PRECISION}"
+    before = cast_us(costs, to, entry["weight_numel"])
+    if not (links and move.receives):
+        before += cast_us(costs, to, round(entry["input_numel"] * scale))
+    after = 0.0 if links and move.passes else cast_us(costs, back, round(entry["output_numel"] * scale))
+    return before, after
 
 
-def layer_time_scales(costs: Mapping, layer: str, precision: str) -> tuple[float, float]:
-    """(forward, backward) factors on the layer's recorded op durations at ``precision``."""
-    probes = costs["layers"][layer]["costs"]
-    base, low = probes[FULL_PRECISION], probes[precision]
-    before, after = layer_casts_us(costs, layer, precision)
+def layer_time_scales(costs: Mapping, move: LayerMove) -> tuple[float, float]:
+    """(forward, backward) factors on the layer's recorded op durations under ``move``: the
+    probes' ratios, less the casts a link saves in the backward (the gradient of a passed output
+    arrives at the low precision, that of a received input stays at it); the forward's casts are
+    nodes of their own (`layer_casts_us`)."""
+    if move.passed:
+        probes = costs.get("pass_through", {}).get(move.layer, {}).get("costs", {})
+        if move.precision not in probes:  # never ran in the recorded steps: nothing to scale
+            return 1.0, 1.0
+        base, low = probes[FULL_PRECISION], probes[move.precision]
+        return low["forward_us"] / max(base["forward_us"], 1e-9), low["backward_us"] / max(
+            base["backward_us"], 1e-9
+        )
+    entry = costs["layers"][move.layer]
+    base, low = entry["costs"][FULL_PRECISION], entry["costs"][move.precision]
+    before, after = layer_casts_us(costs, move, links=False)
     compute = max(low["forward_us"] - before - after, _CAST_FLOOR * low["forward_us"])
-    return compute / max(base["forward_us"], 1e-9), low["backward_us"] / max(base["backward_us"], 1e-9)
+    to, back = f"{FULL_PRECISION}->{move.precision}", f"{move.precision}->{FULL_PRECISION}"
+    saved_casts = (cast_us(costs, to, entry["output_numel"]) if move.passes else 0.0) + (
+        cast_us(costs, back, entry["input_numel"]) if move.receives else 0.0
+    )
+    backward = max(low["backward_us"] - saved_casts, _CAST_FLOOR * low["backward_us"])
+    return compute / max(base["forward_us"], 1e-9), backward / max(base["backward_us"], 1e-9)
 
 
-def _layer_move(
-    trace: Trace, layer: str, precision: str, first: Op | None
-) -> tuple[float, float, float, float]:
-    """What moving ``layer`` to ``precision`` does in one step whose first forward op of the layer is
-    ``first``: (forward scale, backward scale, cast time before it, cast time after it)."""
+def _layer_move(trace: Trace, move: LayerMove, first: Op | None) -> tuple[float, float, float, float]:
+    """What ``move`` does in one step whose first forward op of the layer is ``first``: (forward
+    scale, backward scale, cast time before it, cast time after it)."""
     costs = trace.precision_costs
-    forward_scale, backward_scale = layer_time_scales(costs, layer, precision)
-    before_us, after_us = layer_casts_us(costs, layer, precision, input_scale(costs["layers"][layer], first))
+    forward_scale, backward_scale = layer_time_scales(costs, move)
+    if move.passed:
+        return forward_scale, backward_scale, 0.0, 0.0
+    before_us, after_us = layer_casts_us(costs, move, input_scale(costs["layers"][move.layer], first))
     return forward_scale, backward_scale, before_us, after_us
 
 
@@ -179,11 +230,12 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
     for trace in {t.rank: t for t in traces}.values():
         rank = trace.rank
         ops = {op.id: op for op in trace.ops}
-        for layer, p in changed_layers(trace, precision).items():
+        for move in plan_moves(trace, precision):
+            layer, p = move.layer, move.precision
             forward, backward = groups.get((rank, layer), ([], []))
             first = graph.nodes[forward[0]] if forward else None
             forward_scale, backward_scale, before_us, after_us = _layer_move(
-                trace, layer, p, ops.get(first["op_id"]) if first else None
+                trace, move, ops.get(first["op_id"]) if first else None
             )
             for node in forward:
                 out.nodes[node]["dur"] *= forward_scale
@@ -263,23 +315,21 @@ class PrecisionDurations:
             self._first.append(first)
             self._last.append(last)
             self._first_op.append(first_op)
-        self._moves: dict[tuple[int, str], tuple[float, float, np.ndarray, np.ndarray]] = {}
+        self._moves: dict[tuple[int, LayerMove], tuple[float, float, np.ndarray, np.ndarray]] = {}
 
-    def _move(
-        self, trace: Trace, k: int, layer: str, precision: str
-    ) -> tuple[float, float, np.ndarray, np.ndarray]:
-        """`_layer_move` of key ``k`` at ``precision``, with the casts per graph (0 where the layer
-        has no forward op)."""
-        if (k, precision) not in self._moves:
-            moves = [_layer_move(trace, layer, precision, first_op[k]) for first_op in self._first_op]
+    def _move(self, trace: Trace, k: int, move: LayerMove) -> tuple[float, float, np.ndarray, np.ndarray]:
+        """`_layer_move` of key ``k``, with the casts per graph (0 where the layer has no forward
+        op)."""
+        if (k, move) not in self._moves:
+            moves = [_layer_move(trace, move, first_op[k]) for first_op in self._first_op]
             before = np.array(
                 [m[2] if first[k] >= 0 else 0.0 for m, first in zip(moves, self._first, strict=True)]
             )
             after = np.array(
                 [m[3] if first[k] >= 0 else 0.0 for m, first in zip(moves, self._first, strict=True)]
             )
-            self._moves[(k, precision)] = (moves[0][0], moves[0][1], before, after)
-        return self._moves[(k, precision)]
+            self._moves[(k, move)] = (moves[0][0], moves[0][1], before, after)
+        return self._moves[(k, move)]
 
     def __call__(
         self, precision: Mapping[str, str], graphs: Sequence[int] | None = None
@@ -289,16 +339,16 @@ class PrecisionDurations:
         positions = range(len(self._compiled)) if graphs is None else graphs
         keys, forward, backward, before, after = [], [], [], [], []
         for trace in self._traces:
-            for layer, p in changed_layers(trace, precision).items():
-                k = self._keys.get((trace.rank, layer))
+            for move in plan_moves(trace, precision):
+                k = self._keys.get((trace.rank, move.layer))
                 if k is None:
                     continue
-                move = self._move(trace, k, layer, p)
+                forward_scale, backward_scale, before_us, after_us = self._move(trace, k, move)
                 keys.append(k)
-                forward.append(move[0])
-                backward.append(move[1])
-                before.append(move[2])
-                after.append(move[3])
+                forward.append(forward_scale)
+                backward.append(backward_scale)
+                before.append(before_us)
+                after.append(after_us)
         if not keys:
             return [(self._compiled[g].dur, frozenset()) for g in positions]
         forward_scale = np.ones(len(self._keys) + 1)
@@ -355,24 +405,27 @@ class PrecisionLives:
         self._spans: dict[str, list[tuple[int, str, float, float]]] = {}
         for (step, layer, kind), (start, end) in sorted(spans.items()):
             self._spans.setdefault(layer, []).append((step, kind, start, end))
-        self._events: dict[tuple[str, str], dict[int, Events]] = {}
+        self._events: dict[LayerMove, dict[int, Events]] = {}
         self._backward_end = {
             (step, layer): end for (step, layer, kind), (_, end) in spans.items() if kind == "backward"
         }
 
     def __call__(self, precision: Mapping[str, str]) -> list[dict[int, Events]]:
-        """The synthetic tensors of ``precision``, per changed layer (`memory.lifetime_events`)."""
+        """The synthetic tensors of ``precision``, per layer it changes (`memory.lifetime_events`)."""
         out = []
-        for layer, p in changed_layers(self.trace, precision).items():
-            if (layer, p) not in self._events:
-                self._events[(layer, p)] = lifetime_events(self._lives(layer, p))
-            out.append(self._events[(layer, p)])
+        for move in plan_moves(self.trace, precision):
+            if move not in self._events:
+                self._events[move] = lifetime_events(self._lives(move))
+            out.append(self._events[move])
         return out
 
-    def _lives(self, layer: str, precision: str) -> list[TensorLife]:
-        """The synthetic tensors of ``layer`` moved to ``precision`` (see the class docstring)."""
+    def _lives(self, move: LayerMove) -> list[TensorLife]:
+        """The synthetic tensors of ``move`` (see the class docstring)."""
+        layer = move.layer
+        if move.passed:
+            return self._pass_through_lives(move)
         entry = self.trace.precision_costs["layers"][layer]
-        low, base = entry["costs"][precision], entry["costs"][FULL_PRECISION]
+        low, base = entry["costs"][move.precision], entry["costs"][FULL_PRECISION]
         extra = []
         for step, kind, start, end in self._spans.get(layer, []):
             scale = input_scale(entry, self._first_forward.get((step, layer)))
@@ -382,15 +435,43 @@ class PrecisionLives:
             )
             backward_end = self._backward_end.get((step, layer))
             if kind == "forward" and backward_end is not None:
-                saved = _saved_bytes(low, scale) - self._freed.get((step, layer), 0)
+                activations, weight = _saved_bytes(low, scale)
+                saved = activations - self._freed.get((step, layer), 0)
+                if move.receives:  # it saves the low-precision tensor it is given, no copy of its own
+                    saved = min(saved, 0)
+                saved += weight
                 release = self._released.get((step, layer), backward_end)
                 extra.append(TensorLife(-1, saved, step, end, release, None, None, "activations", layer))
         return extra
 
+    def _pass_through_lives(self, move: LayerMove) -> list[TensorLife]:
+        """A pass-through layer run at a link's precision saves what its probe saved at it instead
+        of at fp32, from the end of its forward to the end of its backward."""
+        entry = self.trace.precision_costs.get("pass_through", {}).get(move.layer)
+        if entry is None or move.precision not in entry["costs"]:
+            return []
+        change = entry["costs"][move.precision]["saved_bytes"] - entry["costs"][FULL_PRECISION]["saved_bytes"]
+        return [
+            TensorLife(
+                -1,
+                int(change * input_scale(entry, self._first_forward.get((step, move.layer)))),
+                step,
+                end,
+                self._backward_end[(step, move.layer)],
+                None,
+                None,
+                "activations",
+                move.layer,
+            )
+            for step, kind, _, end in self._spans.get(move.layer, [])
+            if kind == "forward" and (step, move.layer) in self._backward_end
+        ]
 
-def _saved_bytes(probe: Mapping, scale: float) -> int:
+
+def _saved_bytes(probe: Mapping, scale: float) -> tuple[int, int]:
     """What a layer saves for backward in a step whose activations are ``scale`` times the probe's:
-    the activations scaled, the low-precision weight copy not."""
+    (activations, scaled; its low-precision weight copy, not scaled). A probe without the split
+    counts all it saved as activations."""
     if "saved_activation_bytes" not in probe:
-        return int(probe["saved_bytes"] * scale)
-    return int(probe["saved_activation_bytes"] * scale + probe.get("saved_weight_bytes", 0))
+        return int(probe["saved_bytes"] * scale), 0
+    return int(probe["saved_activation_bytes"] * scale), int(probe.get("saved_weight_bytes", 0))

@@ -2,18 +2,22 @@
 
 What the torch recorder puts into the profiled window, and this module reads back:
 - ``qsync::step#<k>`` ranges on the training thread bound each step;
-- ``qsync::layer::<name>`` ranges (opened by module hooks) attribute forward ops to layers;
+- ``qsync::layer::<name>`` ranges (opened by module hooks, `layer_ranges.py`; recorded as
+  ``cpu_op`` events) attribute forward ops to layers;
+- ``qsync::calibration::<loop>`` ranges hold the profiled half of the overhead calibration loops
+  (`overhead.py`), whose events `calibration_event_counts` counts;
 - ``qsync::clock_sync`` marks the moment all ranks left a barrier (the common clock's zero).
 
-Graph nodes are the outermost ``cpu_op`` events of each thread (user annotations are context, not
-nodes) and the collectives on communication threads (``gloo:*``; NCCL kernels on GPU streams).
+Graph nodes are the outermost ``cpu_op`` events of each thread (user annotations and layer ranges
+are context, not nodes) and the collectives on communication threads (``gloo:*``; NCCL kernels on
+GPU streams).
 Backward ops are linked to their forward op, and so to a layer, by autograd's sequence number.
 Each DDP bucket's all-reduce depends on the op that launched it, and the ops that copy the reduced
 bucket back into the gradients depend on it (matched by element count, in bucket order).
 
-Profiler overhead: each recorded event costs a calibrated time (see ``overhead.py``); the cost of
-events nested in a node goes to its ``overhead_us``, the cost of the node's own event and of
-events between nodes goes to the next node's ``gap_overhead_us``.
+Profiler overhead: each recorded event costs a calibrated time by its kind (`event_kind`; figures
+from ``overhead.py``); the cost of events nested in a node goes to its ``overhead_us``, the cost of
+the node's own event and of events between nodes goes to the next node's ``gap_overhead_us``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from qsync_callback.recorder.trace import Op, Step
 
 STEP_PREFIX = "qsync::step#"
 LAYER_PREFIX = "qsync::layer::"
+CALIBRATION_RANGE = "qsync::calibration"
+CALIBRATION_LOOP_PREFIX = CALIBRATION_RANGE + "::"
+MEMORY_EVENT = "[memory]"
 CLOCK_SYNC = "qsync::clock_sync"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
@@ -86,7 +93,7 @@ def convert_kineto(
     """
     overhead_us = dict(overhead_us or {})
     events = [_Event(e) for e in raw.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
-    memory = [e for e in raw.get("traceEvents", []) if e.get("name") == "[memory]" and e.get("ph") == "i"]
+    memory = _memory_records(raw)
 
     step_events = sorted((e for e in events if e.name.startswith(STEP_PREFIX)), key=lambda e: e.ts)
     if not step_events:
@@ -139,13 +146,56 @@ def convert_kineto(
     }
 
 
+def _memory_records(raw: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [e for e in raw.get("traceEvents", []) if e.get("name") == MEMORY_EVENT and e.get("ph") == "i"]
+
+
+def event_kind(cat: str, name: str) -> str | None:
+    """What the profiler's cost of recording an event is calibrated as: ``"range"`` (a layer range,
+    which the recorder adds, hooks and all), ``"memory"`` (an allocation or free), ``"op"`` (any
+    other host-side event: an op, a CUDA runtime call, a user annotation the run opens anyway), or
+    None (device activity, which costs the host nothing)."""
+    if name.startswith(LAYER_PREFIX):
+        return "range"
+    if name == MEMORY_EVENT:
+        return "memory"
+    if cat in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
+        return "op"
+    return None
+
+
+def calibration_event_counts(raw: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Events of each kind (`event_kind`) recorded inside each ``qsync::calibration::<loop>`` range
+    on its thread, the calibration's own ranges not counted; by loop name, summed over its ranges."""
+    loops = [
+        _Event(e)
+        for e in raw.get("traceEvents", [])
+        if e.get("ph") == "X" and "ts" in e and e.get("name", "").startswith(CALIBRATION_LOOP_PREFIX)
+    ]
+    counts: dict[str, dict[str, int]] = {loop.name[len(CALIBRATION_LOOP_PREFIX) :]: {} for loop in loops}
+    for e in raw.get("traceEvents", []):
+        name = e.get("name", "")
+        kind = event_kind(e.get("cat", ""), name) if e.get("ph") in ("X", "i") and "ts" in e else None
+        if kind is None or name.startswith(CALIBRATION_RANGE):
+            continue
+        ts = float(e["ts"])
+        for loop in loops:
+            if e.get("tid") == loop.tid and loop.ts <= ts < loop.end:
+                found = counts[loop.name[len(CALIBRATION_LOOP_PREFIX) :]]
+                found[kind] = found.get(kind, 0) + 1
+    return counts
+
+
 def _thread_nodes(evs: list[_Event], main: bool) -> list[_Event]:
-    """Outermost cpu ops of a thread; on other threads also collectives (which are annotations)."""
+    """Outermost cpu ops of a thread (not layer ranges); on other threads also collectives (which
+    are annotations)."""
     nodes: list[_Event] = []
     open_end = -math.inf
     for e in evs:
         is_comm = bool(_COMM_NAME.match(e.name))
         if e.cat not in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset") and not is_comm:
+            continue
+        if e.name.startswith(LAYER_PREFIX):
             continue
         if main and is_comm:
             continue
@@ -320,16 +370,6 @@ def _link_collectives(
                 comm.dur_us = min(comm.dur_us, starts[waiter] - comm.start_us)
 
 
-def _event_cost(cat: str, costs: Mapping[str, float]) -> float:
-    if cat in ("cpu_op", "cuda_runtime", "cuda_driver"):
-        return costs.get("op", 0.0)
-    if cat == "user_annotation":
-        return costs.get("range", 0.0)
-    if cat == "cpu_instant_event":
-        return costs.get("memory", 0.0)
-    return 0.0
-
-
 def _attribute_overhead(
     by_tid: dict[Any, list[_Event]],
     node_events: dict[Any, list[_Event]],
@@ -340,19 +380,19 @@ def _attribute_overhead(
 ) -> None:
     if not any(costs.values()):
         return
-    stamps: dict[Any, list[tuple[float, str, _Event | None]]] = defaultdict(list)
+    stamps: dict[Any, list[tuple[float, str | None, _Event | None]]] = defaultdict(list)
     for tid, evs in by_tid.items():
-        stamps[tid].extend((e.ts, e.cat, e) for e in evs)
+        stamps[tid].extend((e.ts, event_kind(e.cat, e.name), e) for e in evs)
     for m in memory:
-        stamps[m.get("tid")].append((float(m["ts"]), "cpu_instant_event", None))
+        stamps[m.get("tid")].append((float(m["ts"]), "memory", None))
     for tid, nodes in node_events.items():
         if not nodes:
             continue
         starts = [n.ts for n in nodes]
-        for ts, cat, event in stamps.get(tid, []):
-            if step_of(ts) is None:
+        for ts, kind, event in stamps.get(tid, []):
+            if step_of(ts) is None or kind is None:
                 continue
-            cost = _event_cost(cat, costs)
+            cost = costs.get(kind, 0.0)
             i = bisect.bisect_right(starts, ts) - 1
             if i >= 0 and nodes[i] is event:
                 ops[event.node_id].gap_overhead_us += cost

@@ -15,7 +15,14 @@ The result is plain JSON (``Trace.precision_costs``)::
      "casts": {"fp32->bf16": {"alpha_us_per_element": .., "beta_us": .., "r2": ..}, ...},
      "layers": {"net.0": {"input_shape": [128, 1024], "input_numel": .., "output_numel": ..,
                           "weight_numel": .., "costs": {"fp32": {"forward_us": .., "backward_us": ..,
-                          "saved_bytes": .., ...}, "bf16": {...}}}}}
+                          "saved_bytes": .., ...}, "bf16": {...}}}},
+     "pass_through": {"net.1": {"input_shape": [128, 256], "input_numel": ..,
+                                "costs": {"fp32": {"forward_us": .., "backward_us": ..,
+                                                   "saved_bytes": ..}, "bf16": {...}}}}}
+
+The pass-through layers (ReLU, Dropout, pooling, ...) between two probed layers of an
+``nn.Sequential`` are probed too, at fp32 and bf16/fp16: a plan that links the layers on either
+side (`precision_links`) runs them on the low-precision tensor.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from typing import Any
 
 import torch
 
-from qsync_callback.lp.costs import cast_costs, probe_layer_costs
+from qsync_callback.lp.costs import cast_costs, probe_layer_costs, probe_pass_through_costs
 from qsync_callback.lp.swap import runnable_precisions, swappable_layers
 from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.precision_links import LINKED_PRECISIONS, pass_through_candidates
 from qsync_callback.recorder.trace import Trace
 
 PROBE_REPEATS = 5
@@ -99,5 +107,27 @@ def probe_precision_costs(model: torch.nn.Module, trace: Trace, precisions: Iter
         "device": device.type,
         "casts": casts,
         "layers": probed,
+        "pass_through": _probe_pass_through(model, trace, probed, wanted, device),
         "probe_s": time.perf_counter() - start,
+    }
+
+
+def _probe_pass_through(
+    model: torch.nn.Module, trace: Trace, probed: Iterable[str], precisions: list[str], device: torch.device
+) -> dict[str, Any]:
+    """`probe_pass_through_costs` of every pass-through layer a link between ``probed`` layers could
+    cross (`precision_links.pass_through_candidates`), at its recorded input shape."""
+    if not set(precisions) & set(LINKED_PRECISIONS):
+        return {}
+    modules = dict(model.named_modules())
+    shapes = layer_input_shapes(trace, pass_through_candidates(trace.layers, list(probed)))
+    return {
+        name: {
+            "input_shape": shape,
+            "input_numel": math.prod(shape),
+            "costs": probe_pass_through_costs(
+                modules[name], shape, device, precisions, repeats=PROBE_REPEATS
+            ),
+        }
+        for name, shape in shapes.items()
     }

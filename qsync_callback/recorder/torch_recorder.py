@@ -23,7 +23,8 @@ every swappable layer at each precision asked for (`precision_probes.py`); both 
 
 Before the window opens the recorder times the overhead calibration loops (`overhead.py`) and
 counts the bytes resident in parameters, buffers, gradients and optimizer state; the first
-session opens with a ``qsync::clock_sync`` mark and the calibration loops' profiled half.
+session opens with a ``qsync::clock_sync`` mark and the calibration loops' profiled half, whose
+events the merged trace counts when the window closes (for the costs per event).
 
 With several ranks the caller synchronizes them (the recorder makes no collective call of its
 own, so a failure on one rank can never leave another waiting in one): right before the boundary
@@ -53,12 +54,18 @@ import orjson
 import torch
 
 from qsync_callback.lp.modules import LPModule
+from qsync_callback.lp.swap import sequential_next
 from qsync_callback.predictor.memory import predict_memory
-from qsync_callback.recorder.kineto import CLOCK_SYNC, STEP_PREFIX, convert_kineto
+from qsync_callback.recorder.kineto import (
+    CALIBRATION_RANGE,
+    CLOCK_SYNC,
+    STEP_PREFIX,
+    calibration_event_counts,
+    convert_kineto,
+)
 from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.overhead import (
-    CALIBRATION_RANGE,
     calibration_loop_times,
     overhead_per_event,
     profiler_kwargs,
@@ -114,12 +121,15 @@ def resident_bytes(
 
 
 def layer_table(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Name, type and own parameter bytes of each layer a plan can address."""
+    """Name, type, own parameter bytes and the next child of its ``nn.Sequential`` (`precision_links`)
+    of each layer a plan can address."""
+    following = sequential_next(model)
     return [
         {
             "name": name,
             "type": type(module).__name__,
             "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)),
+            "next": following[name],
         }
         for name, module in layers_of(model).items()
     ]
@@ -229,6 +239,7 @@ class TorchRecorder:
         self._saved: SavedActivations | None = None
         self._saved_bytes: dict[str, int] = {}
         self._plain_loops: dict[str, float] = {}
+        self._profiled_loops: dict[str, float] = {}
         self._overhead: dict[str, float] = {}
 
     @property
@@ -316,8 +327,7 @@ class TorchRecorder:
         with torch.profiler.record_function(CLOCK_SYNC):
             pass
         with torch.profiler.record_function(CALIBRATION_RANGE):
-            profiled_loops = calibration_loop_times(with_layer_hooks=True)
-        self._overhead = overhead_per_event(self._plain_loops, profiled_loops)
+            self._profiled_loops = calibration_loop_times(with_layer_hooks=True)
         self._saved = SavedActivations(self._ranges, self.model.parameters())
         self._saved.start()
 
@@ -347,6 +357,8 @@ class TorchRecorder:
         try:
             raw = _merge_parts(self._parts, self._raw_path())
             self._parts.clear()
+            counts = calibration_event_counts(raw)
+            self._overhead = overhead_per_event(self._plain_loops, self._profiled_loops, counts)
             self.trace = self._convert(raw)
             del raw
         finally:

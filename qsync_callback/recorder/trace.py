@@ -22,7 +22,8 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                         # for a graph rewrite chosen by op type (TF), under
                                         # "op_types" (below)
       "layer_statistics": {...},        # per-layer value statistics for the precision indicator
-      "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024}, ...],
+      "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024, "next": "net.1"}, ...],
+                                        # "next": the next child of its nn.Sequential, or null
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "..."},
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
       "communication": {...},           # the collective library's settings in effect, and where its
