@@ -16,7 +16,7 @@ import argparse
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,12 @@ EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 TIMEOUT_S = 300.0
 
 
-def run(model: str, procs: int, batch_size: int, run_dir: Path) -> tuple[int, float]:
-    """One run of the example; returns (exit code, wall seconds). Logs go into ``run_dir``."""
-    example = [sys.executable, str(EXAMPLE), "--model", model, "--batch-size", str(batch_size)]
+def run(
+    model: str, procs: int, batch_size: int, run_dir: Path, extra: Sequence[str] = ()
+) -> tuple[int, float]:
+    """One run of the example (with the ``extra`` arguments); returns (exit code, wall seconds).
+    Logs go into ``run_dir``."""
+    example = [sys.executable, str(EXAMPLE), "--model", model, "--batch-size", str(batch_size), *extra]
     threads = max(1, (os.cpu_count() or 1) // procs)  # one process per core share: no oversubscription
     example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync")]
     cmd = example

@@ -9,9 +9,12 @@ timed calls, slowest rank), the predicted one where the predictor prices it, the
 step time in the same run, and whether it was kept, or the run rolled back. A candidate that failed
 (XLA where Horovod's all-reduce has no XLA kernel) shows its reason.
 
-Fusion threshold and cycle time (2+ processes) apply at the next launch only: the predicted step
-time is the apply run's ``plan.json`` ``prediction.communication``; where the plan holds settings,
-the same job is launched twice more in mode "report", once with the plan's
+With 2+ processes the apply runs record Horovod's timeline (``--horovod-timeline``), from which the
+fusion and gradient-groups plans are priced; it keeps a core busy on rank 0 for the whole run
+(`integrations/horovod_tf/fusion.py`), so those runs' figures, baseline included, are slower than a
+run without it. Fusion threshold and cycle time (2+ processes) apply at the next launch only: the
+predicted step time is the apply run's ``plan.json`` ``prediction.communication``; where the plan
+holds settings, the same job is launched twice more in mode "report", once with the plan's
 ``HOROVOD_FUSION_THRESHOLD`` / ``HOROVOD_CYCLE_TIME`` and once without them (which goes first
 alternates between repeats), and each launch's report.json gives the measured step time (median of
 the slowest rank's unprofiled steps). A launch whose trace does not show the settings in effect
@@ -72,6 +75,8 @@ def run(
     threads = max(1, (os.cpu_count() or 1) // procs)
     example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync"), "--mode", mode]
     example += ["--verify-steps", str(verify_steps)]
+    if mode == "apply" and procs > 1:  # the fusion and groups plans are priced from Horovod's timeline
+        example += ["--horovod-timeline"]
     cmd = example
     if procs > 1:
         horovodrun = str(Path(sys.executable).with_name("horovodrun"))

@@ -5,6 +5,8 @@
     python examples/train_horovod_tf.py --mode apply      # then try XLA and bf16, keep the best or roll back
     python examples/train_horovod_tf.py --mode apply      # again: applies the kept plan at the first step
     python examples/train_horovod_tf.py --plan other/plan.json   # a given plan, then record and report
+    horovodrun -np 2 -H localhost:2 --gloo python examples/train_horovod_tf.py --mode apply --horovod-timeline
+                                                   # also price and try tensor fusion (gradient groups)
 
 The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the recorded
 window rank 0 prints measured against predicted step time and writes ``<output_dir>/report.json``;
@@ -25,7 +27,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from qsync_callback.integrations.horovod_tf import Recorder, profile  # noqa: E402
+from qsync_callback.integrations.horovod_tf import Recorder, profile, record_horovod_timeline  # noqa: E402
 
 MODELS = ("mlp", "cnn")
 CLASSES = 10
@@ -93,8 +95,15 @@ def main() -> None:
         help="a plan.json to apply at the first step (default in mode apply: the one kept in --output-dir;"
         " 'none': no plan)",
     )
+    parser.add_argument(
+        "--horovod-timeline",
+        action="store_true",
+        help="record Horovod's timeline in the recorded steps (prices fusion plans; costs a core on rank 0)",
+    )
     args = parser.parse_args()
 
+    if args.horovod_timeline:
+        record_horovod_timeline()
     hvd.init()
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)

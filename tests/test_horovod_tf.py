@@ -272,6 +272,11 @@ def test_two_processes_under_horovodrun_record_and_report(tmp_path, capsys):
     traces = load_trace_dir(out / "trace")
     assert [t.rank for t in traces] == [0, 1] and {t.world_size for t in traces} == {2}
     assert traces[0].host == traces[1].host
+    # Horovod's timeline is opt-in (a core on rank 0 for the whole run): not asked for, not recorded,
+    # and the trace says why, with no warning
+    assert traces[0].communication["timeline"] is None
+    assert "record_horovod_timeline()" in traces[0].communication["timeline_note"]
+    assert "timeline is not recorded" not in run.stderr
     for trace in traces:
         assert [s.index for s in trace.steps] == RECORDED
         assert [layer["name"] for layer in trace.layers] == ["fc1", "fc2", "head"]

@@ -18,12 +18,13 @@ import tensorflow as tf
 from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.integrations.horovod_tf.apply import (
     AMP_OPTION,
+    CANDIDATE_WARMUP,
     MEASURED,
     NO_REWRITE,
     PREDICTED,
     trial_calls,
 )
-from qsync_callback.integrations.horovod_tf.mixed_precision import ENV_PREFIX
+from qsync_callback.integrations.horovod_tf.mixed_precision import ENV_PREFIX, PROBE_CALLS
 from qsync_callback.plan import Plan
 from qsync_callback.verify import SLOWER_TOLERANCE
 
@@ -94,7 +95,8 @@ def _check_results(results: list) -> None:
 def _trial_calls(total: int, name: str) -> range:
     """Indices (among all calls) of the calls of trial ``name``."""
     v = WINDOW["verify_steps"]
-    turns = [("baseline", v), ("xla", 2 + v), ("amp_bf16", 4 + v), ("amp_op_types", 2 + v)]
+    warm = CANDIDATE_WARMUP
+    turns = [("baseline", v), ("xla", warm + v), ("amp_bf16", PROBE_CALLS + v), ("amp_op_types", warm + v)]
     start = total - trial_calls(v)
     for trial, calls in turns:
         if trial == name:

@@ -140,9 +140,8 @@ def test_fusion_plans_are_refused_on_traces_without_horovods_records():
 def test_two_processes_record_the_timeline_and_try_a_groups_plan(tmp_path, capsys):
     out = tmp_path / "qsync"
     window = ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    run = run_horovod(
-        [str(EXAMPLE), "--mode", "apply", "--batch-size", "16", "--output-dir", str(out), *window]
-    )
+    example = [str(EXAMPLE), "--mode", "apply", "--horovod-timeline", "--batch-size", "16"]
+    run = run_horovod([*example, "--output-dir", str(out), *window])
 
     traces = load_trace_dir(out / "trace")
     assert sorted(p.name for p in (out / "trace" / "rank0" / "horovod_timeline").iterdir()) == [

@@ -30,6 +30,7 @@ from qsync_callback.integrations.horovod_tf.mixed_precision import (
 from qsync_callback.integrations.horovod_tf.recorder import batch_shapes_of, tf_fingerprint
 from qsync_callback.plan import Plan
 from qsync_callback.planner.op_precision import choose_op_precision
+from qsync_callback.predictor.op_precision import op_precisions
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import keras_layers
@@ -272,3 +273,33 @@ def test_the_example_chooses_applies_and_verifies_an_op_type_plan(tmp_path):
         assert kept.prediction["step_ms"] == ops["prediction"]["step_ms"]
         assert kept.prediction["measured_step_ms"] == ops["all_ranks_step_ms"]
     assert f"amp_op_types {ops['all_ranks_step_ms']:.2f} ms/step (measured)" in " ".join(run.stdout.split())
+
+
+def test_ops_the_plan_does_not_name_follow_the_ops_upstream_of_them():
+    """As TF paints infer and clear ops after low-precision ones: a follower (an op the uniform
+    rewrite ran at bf16, of a type the plan does not name; recorded or not) runs at bf16 when a
+    tensor reaches it from a planned bf16 op through followers only."""
+    table = {
+        "ops": {"conv": "Conv2D", "relu": "Relu", "pool": "MaxPool", "grad": "ReluGrad"},
+        "low_ops": ["conv", "relu", "pool", "grad", "fused"],
+        "edges": [
+            ["x", "conv", 64],
+            ["conv", "relu", 64],
+            ["relu", "pool", 64],
+            ["pool", "fused", 16],
+            ["fused", "loss", 16],
+            ["loss", "grad", 16],
+        ],
+    }
+    assert op_precisions(table, {"Conv2D": "bf16"}) == {
+        "conv": "bf16",
+        "relu": "bf16",
+        "pool": "bf16",
+        "fused": "bf16",  # not recorded (fused, renamed), still a follower
+    }  # grad: behind the fp32 loss, so fp32
+    # a type the plan names never follows, at fp32 included: the rewrite denies it
+    assert op_precisions(table, {"Conv2D": "bf16", "MaxPool": "fp32"}) == {"conv": "bf16", "relu": "bf16"}
+    # nothing upstream of a planned op follows it
+    assert op_precisions(table, {"MaxPool": "bf16"}) == {"pool": "bf16", "fused": "bf16"}
+    # a table from before low_ops was kept: the plan's types only
+    assert op_precisions({**table, "low_ops": []}, {"Conv2D": "bf16"}) == {"conv": "bf16"}

@@ -23,10 +23,11 @@ of `apply` and a MatMul whose fp32 and bf16 results differ visibly):
 - On the bf16 lists of 2.15, ``Sum`` and ``Tanh`` are on none (a missing comma in TF's source joins
   them into one name); ``_REMOVE`` makes this harmless.
 - Denying an op type keeps it fp32 (so does only removing it from its list: the same op counts in
-  our checks). Its infer-list neighbours can follow it: TF paints an infer op bf16 only after or
-  between bf16 ops, so in the example's CNN a ReluGrad kept at fp32 keeps the BiasAddGrad after it
-  at fp32 too, which the op-type prediction does not see (it leaves types it does not decide as
-  they were recorded). The measurement of the candidate catches it.
+  our checks). Its infer-list neighbours can follow it: TF paints an infer or clear op bf16 only
+  after or between bf16 ops, so in the example's CNN a ReluGrad kept at fp32 keeps the BiasAddGrad
+  after it at fp32 too. The table lists the ops the uniform rewrite ran at bf16 (``low_ops``); the
+  op-type prediction lets those whose type a plan does not decide follow the ops upstream of them
+  (`predictor/op_precision.py`).
 
 The plan's unit is TF's: an op type as the lists name it. The profile names ops after fusion (a
 ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as its
@@ -34,10 +35,11 @@ root type (MatMul); the fused types follow the root through TF's infer and clear
 
 Measured costs (`Bf16Probe`, on rank 0, during the uniform bf16 candidate's warm-up calls): the
 candidate's first call runs with TF's graph collection on, which yields the graph TF really runs
-(names, fused types, dtypes, data inputs, the rewrite's Cast ops); the next ``PROFILED_STEPS``
-calls run under one ``tf.profiler`` session, converted by `recorder/xspace.py`. `op_type_table`
-joins them with the recorded fp32 trace into ``precision_costs["op_types"]`` (schema in
-`recorder/trace.py`): tensor sizes come from the traced step function's static shapes.
+(names, fused types, dtypes, data inputs, the rewrite's Cast ops); after ``SETTLE_CALLS`` more,
+the next ``PROFILED_STEPS`` calls run under one ``tf.profiler`` session, converted by
+`recorder/xspace.py`. `op_type_table` joins them with the recorded fp32 trace into
+``precision_costs["op_types"]`` (schema in `recorder/trace.py`): tensor sizes come from the traced
+step function's static shapes.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ TF_BF16_DENYLIST = frozenset(
 )
 # never planned into bf16 unless asked: the deny list, softmax and the reductions TF leaves unlisted
 UNSAFE_OP_TYPES = TF_BF16_DENYLIST | {"Softmax", "LogSoftmax", "Sum", "Prod"}
-PROFILED_STEPS = 2
-PROBE_CALLS = 1 + PROFILED_STEPS + 1  # graph collection, profiled calls, one call to settle
+SETTLE_CALLS = 3  # after graph collection: oneDNN creates and caches the bf16 primitives, TF warms up
+PROFILED_STEPS = 3
+PROBE_CALLS = 1 + SETTLE_CALLS + PROFILED_STEPS + 1  # collection, settling, profiled calls, one after
 _FUSED_ROOT = {
     "_FusedMatMul": "MatMul",
     "_FusedConv2D": "Conv2D",
@@ -166,8 +169,10 @@ class EnvSetting:
 
 class Bf16Probe:
     """The uniform bf16 candidate's first `PROBE_CALLS` calls on rank 0: graph collection on the
-    first, a profiler session over the next `PROFILED_STEPS` (each marked as a step), then one call
-    to settle. ``error`` says why it measured nothing; the calls themselves always run, once."""
+    first, `SETTLE_CALLS` unprofiled (the first calls of a rewritten step are slower: TF and oneDNN
+    build and cache its kernels, which would make bf16 look slow against the recorded fp32 steps), a
+    profiler session over the next `PROFILED_STEPS` (each marked as a step), then one call to
+    settle. ``error`` says why it measured nothing; the calls themselves always run, once."""
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
@@ -188,8 +193,9 @@ class Bf16Probe:
                 self._guard(self._collected, context)
             self._guard(self._read_shapes, fn, args, kwargs)
             return result
-        if self.error is None and 2 <= k <= 1 + PROFILED_STEPS:
-            if k == 2:
+        first = 2 + SETTLE_CALLS
+        if self.error is None and first <= k < first + PROFILED_STEPS:
+            if k == first:
                 self._guard(self._start)
             try:
                 if self._profiling:
@@ -200,7 +206,7 @@ class Bf16Probe:
             except BaseException:
                 self.stop()
                 raise
-            if k == 1 + PROFILED_STEPS:
+            if k == first + PROFILED_STEPS - 1:
                 self.stop()
             return result
         return fn(*args, **kwargs)
@@ -284,18 +290,23 @@ def op_type_table(trace: Trace, probe: Bf16Probe) -> dict[str, Any]:
         return resolved
 
     ops = {name: op_type(nodes[name]) for name in fp32_us if name in nodes and name not in casts}
+    bf16 = tf.bfloat16.as_datatype_enum
+    low_ops = {
+        name
+        for name, node in nodes.items()
+        if name not in casts and "T" in node.attr and node.attr["T"].type == bf16
+    }
     edges = []
     for name, node in nodes.items():
         if name in casts:
             continue
         for raw in node.input:
             found = source(raw)
-            if found is None or (found[0] not in ops and name not in ops):
+            if found is None or not ({found[0], name} & (ops.keys() | low_ops)):
                 continue
             numel, is_float = probe.shapes.get(found[1], (0, 0))
             if is_float and numel:
                 edges.append([found[0], name, 4 * numel])
-    bf16 = tf.bfloat16.as_datatype_enum
     costs: dict[str, dict[str, Any]] = {}
     for name, kind in ops.items():
         entry = costs.setdefault(kind, {"ops": 0, "measured_ops": 0, "fp32_us": 0.0, "bf16_us": 0.0})
@@ -320,6 +331,7 @@ def op_type_table(trace: Trace, probe: Bf16Probe) -> dict[str, Any]:
         entry["us_per_byte"] = entry["us"] / entry["bytes"]
     return {
         "ops": ops,
+        "low_ops": sorted(low_ops),
         "edges": edges,
         "costs": costs,
         "casts": cast_costs,

@@ -111,8 +111,6 @@ PEAK_SOURCE = "not measured: TensorFlow reports allocator peaks for GPUs only"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-fusion.enable_dynamic_timeline()  # before the user's hvd.init(), which reads it
-
 
 class Recorder:
     """Record a window of a Horovod + TensorFlow training run and report on it (see the module

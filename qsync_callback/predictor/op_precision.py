@@ -12,6 +12,11 @@ measured cost per byte of the casts that rewrite inserted.
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).
+- Followers: an op whose type the plan does not name but which the uniform rewrite ran at the
+  low precision (``low_ops``: TF's infer and clear lists, ops fused into an allowed root) follows
+  the ops upstream of it, as TF paints such ops after low-precision ones: it runs at the low
+  precision when a tensor reaches it from an op of a changed type through followers only (its
+  duration then scaled by its type's ratio where measured, else kept), and otherwise at fp32.
 - Casts: where a tensor flows between ops that now run at different precisions, one cast node per
   tensor and direction, priced ``bytes * us_per_byte`` of that direction. A cast to the low
   precision goes on the consuming op's queue right before its first consumer (the framework casts
@@ -73,6 +78,27 @@ def check_op_precision_plan(traces: Sequence[Trace], op_precision: Mapping[str, 
                     raise QSyncInputError(f"{source}: no measured {pair} casts to price op type {op_type!r}")
 
 
+def op_precisions(table: Mapping, op_precision: Mapping[str, str]) -> dict[str, str]:
+    """The precision each op runs at under ``op_precision``: ops of the types it moves at theirs,
+    and the followers (module docstring; ops of a type the plan names, at fp32 or not, never
+    follow) reached from them at theirs; ops not listed run at fp32."""
+    types = table.get("ops", {})
+    changed = changed_op_types(op_precision)
+    precisions = {name: changed[t] for name, t in types.items() if t in changed}
+    followers = {name for name in table.get("low_ops", []) if types.get(name) not in op_precision}
+    consumers: dict[str, list[str]] = {}
+    for producer, consumer, _ in table.get("edges", []):
+        consumers.setdefault(producer, []).append(consumer)
+    frontier = list(precisions)
+    while frontier:
+        name = frontier.pop()
+        for consumer in consumers.get(name, []):
+            if consumer in followers and consumer not in precisions:
+                precisions[consumer] = precisions[name]
+                frontier.append(consumer)
+    return precisions
+
+
 def type_ratio(table: Mapping, op_type: str, precision: str) -> float:
     """Measured time at ``precision`` over fp32 of ``op_type``'s ops."""
     cost = table["costs"][op_type]
@@ -124,12 +150,14 @@ def apply_op_precision(
         types = table.get("ops", {})
         _add_data_edges(graph, out, nodes, trace.rank, table.get("edges", []))
 
-        def precision_of(name: str, types: Mapping = types) -> str:
-            return changed.get(types.get(name, ""), FULL_PRECISION)
+        precisions = op_precisions(table, op_precision)
 
-        for name, op_type in types.items():
-            if op_type in changed:
-                ratio = type_ratio(table, op_type, changed[op_type])
+        def precision_of(name: str, precisions: Mapping = precisions) -> str:
+            return precisions.get(name, FULL_PRECISION)
+
+        for name, p in precisions.items():
+            if types.get(name) in table["costs"]:
+                ratio = type_ratio(table, types[name], p)
                 for node in nodes.get((trace.rank, name), []):
                     out.nodes[node]["dur"] *= ratio
         casts: dict[tuple[str, str], tuple[str, int]] = {}  # (tensor, to) -> (anchor node, bytes)

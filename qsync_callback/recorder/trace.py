@@ -43,8 +43,11 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
 
     {"ops": {"mlp/fc1/Relu": "MatMul", ...},   # op type of recorded ops, by op name (a fused op:
                                                # its root type, as the rewrite's lists name it)
+     "low_ops": ["mlp/fc1/Relu", ...],         # the ops the uniform bf16 rewrite ran at bf16
+                                               # (recorded or not: fused, renamed)
      "edges": [["x", "mlp/fc1/Relu", 65536], ...],   # float tensors between ops: producer,
-                                               # consumer, bytes at fp32 (one entry per use)
+                                               # consumer, bytes at fp32 (one entry per use; an
+                                               # end recorded or in low_ops)
      "costs": {"MatMul": {"ops": 5, "measured_ops": 5, "fp32_us": 8012.4, "bf16_us": 1950.2}, ...},
                                                # per step: the type's ops (measured_ops of them
                                                # ran at bf16 under the rewrite) summed, at fp32
