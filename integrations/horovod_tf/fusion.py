@@ -15,10 +15,11 @@ Recording:
   is opt-in because it is not free: from ``hvd.init()`` to shutdown, Horovod 0.28's timeline writer
   thread on the coordinator (rank 0) polls its queue without sleeping (``TimelineWriter::WriterLoop``
   yields and loops), so it keeps one core busy for the whole run, recorded or not. Measured on the
-  project's 2-core VM: a one-process CNN step took 7.4 ms without it and 9.5-13.5 ms with it
-  (`benchmarks/README.md`). Without it the trace says so and the tensor-fusion plans are not priced
-  (they need the timeline's fused responses). A timeline that cannot be started or read warns once;
-  recording goes on without Horovod's phases.
+  project's 2-core VM (`benchmarks/horovod_timeline_cost.py`): the example's CNN step took 1.42
+  times as long with it on one process and 1.53 times on two (medians of 3 pairs of runs). Without
+  it the trace says so and the tensor-fusion plans are not priced (they need the timeline's fused
+  responses). A timeline that cannot be started or read warns once; recording goes on without
+  Horovod's phases.
 
 Applying (mode "apply"): fusion threshold and cycle time are read by ``hvd.init()`` and cannot
 change in a running job: the chosen values go into ``plan.json`` with the ``horovodrun`` flags and
