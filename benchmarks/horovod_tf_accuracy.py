@@ -99,7 +99,7 @@ def each_run(args: argparse.Namespace, folder: str) -> Iterator[tuple[str, int, 
                 yield model, procs, repeat, args.out / folder / f"{model}-p{procs}-r{repeat}"
 
 
-def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ...], **extra: Any) -> dict:
+def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ...]) -> dict:
     """The machine and versions a Horovod + TF benchmark ran on, for its JSON."""
     return environment(
         tensorflow=installed_version("tensorflow-cpu", "tensorflow"),
@@ -107,8 +107,29 @@ def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ..
         load_avg_at_start=load_at_start,
         batch_size=args.batch_size,
         repeats=args.repeats,
-        **extra,
+        **({"verify_steps": args.verify_steps} if hasattr(args, "verify_steps") else {}),
     )
+
+
+def finish(
+    args: argparse.Namespace,
+    name: str,
+    table: str,
+    rows: list[dict[str, Any]],
+    failures: list[str],
+    load_at_start: tuple[float, ...],
+    **extra: Any,
+) -> int:
+    """Write a Horovod + TF benchmark's ``table`` and JSON (rows, failures, environment and
+    ``extra``); the exit code: 1 if any run failed."""
+    raw = {
+        "environment": horovod_environment(args, load_at_start),
+        "rows": rows,
+        "failures": failures,
+        **extra,
+    }
+    write_results(args.out, name, table, raw)
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
             failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
         print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
-    raw = {"environment": horovod_environment(args, load_at_start), "rows": rows, "failures": failures}
-    write_results(args.out, "horovod_tf_accuracy", markdown(rows, failures, args.batch_size), raw)
-    return 1 if failures else 0
+    return finish(
+        args, "horovod_tf_accuracy", markdown(rows, failures, args.batch_size), rows, failures, load_at_start
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from horovod_tf_accuracy import EXAMPLE, TIMEOUT_S, each_run, horovod_arguments, horovod_environment
-from runs import launch_command, stderr_tail, write_results
+from horovod_tf_accuracy import EXAMPLE, TIMEOUT_S, each_run, finish, horovod_arguments
+from runs import launch_command, stderr_tail
 
 from qsync_callback.jsonio import read_json
 
@@ -284,10 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero
             failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
     rows = table_rows(records)
-    environment = horovod_environment(args, load_at_start, verify_steps=args.verify_steps)
-    raw = {"environment": environment, "rows": rows, "runs": records, "failures": failures}
-    write_results(args.out, "horovod_tf_plans", markdown(rows, failures, args), raw)
-    return 1 if failures else 0
+    table = markdown(rows, failures, args)
+    return finish(args, "horovod_tf_plans", table, rows, failures, load_at_start, runs=records)
 
 
 if __name__ == "__main__":

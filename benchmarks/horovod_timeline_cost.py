@@ -21,8 +21,8 @@ import statistics
 import sys
 from typing import Any
 
-from horovod_tf_accuracy import each_run, horovod_arguments, horovod_environment, read_row, run
-from runs import stderr_tail, write_results
+from horovod_tf_accuracy import each_run, finish, horovod_arguments, read_row, run
+from runs import stderr_tail
 
 TIMELINE_FLAG = "--horovod-timeline"
 
@@ -73,9 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         print(f"{run_dir.name}: {measured}", file=sys.stderr, flush=True)
-    raw = {"environment": horovod_environment(args, load_at_start), "rows": rows, "failures": failures}
-    write_results(args.out, "horovod_timeline_cost", markdown(rows, failures, args.batch_size), raw)
-    return 1 if failures else 0
+    table = markdown(rows, failures, args.batch_size)
+    return finish(args, "horovod_timeline_cost", table, rows, failures, load_at_start)
 
 
 if __name__ == "__main__":
