@@ -79,7 +79,7 @@ def _plan(args: argparse.Namespace, traces: list) -> None:
     choice, indicator = plan_precision(
         traces, precisions, max_step_ms=args.max_step_ms, memory_budget=budget, best_effort=args.best_effort
     )
-    print(format_precision_plan(choice, indicator, predict(traces).to_dict()))
+    print(format_precision_plan(choice, indicator, predict(traces).to_dict(), traces[0].layers))
     if not (choice.feasible or args.best_effort):
         raise QSyncInputError("no plan meets the constraints; --best-effort writes the closest one")
     if args.out:

@@ -18,6 +18,7 @@ from typing import Any
 from qsync_callback.jsonio import write_text_atomic
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import PrecisionChoice
+from qsync_callback.precision_links import precision_links
 from qsync_callback.predictor.predict import predict
 from qsync_callback.predictor.statistics import layer_statistics, op_statistics
 from qsync_callback.recorder.trace import Trace
@@ -127,10 +128,15 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
 
 
 def format_precision_plan(
-    choice: PrecisionChoice, indicator: Mapping[str, Mapping[str, float]], baseline: Mapping[str, Any]
+    choice: PrecisionChoice,
+    indicator: Mapping[str, Mapping[str, float]],
+    baseline: Mapping[str, Any],
+    layers: Sequence[Mapping] = (),
 ) -> str:
-    """The chosen per-layer plan as a table: layer, precision, predicted time share, indicator;
-    ``baseline`` is the recorded configuration's ``predicted`` figures (report["predicted"])."""
+    """The chosen per-layer plan as a table: layer, precision, predicted time share, indicator, and
+    the layer it passes its low-precision output to (`precision_links`, from the trace's layer
+    table ``layers``); ``baseline`` is the recorded configuration's ``predicted`` figures
+    (report["predicted"])."""
     prediction = choice.prediction
     target = "n/a" if choice.target_step_ms is None else _ms(choice.target_step_ms)
     budget = "none" if choice.memory_budget is None else format_bytes(choice.memory_budget)
@@ -142,14 +148,16 @@ def format_precision_plan(
         f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
         f"{format_bytes(baseline['peak_bytes'])}, budget {budget})",
         f"  summed indicator {choice.indicator:.3g}",
-        f"  {'layer':<40} {'precision':<9} {'time share':>10} {'indicator':>10}",
+        f"  {'layer':<40} {'precision':<9} {'time share':>10} {'indicator':>10}  passes its output uncast to",
     ]
     precision = choice.plan.precision
+    passes_to = {link.source: link.target for link in precision_links(layers, precision)}
     for layer in indicator:
         p = precision.get(layer, FULL_PRECISION)
         share = prediction.layer_ms.get(layer, 0.0) / prediction.step_ms if prediction.step_ms else 0.0
         damage = 0.0 if p == FULL_PRECISION else indicator[layer].get(p, 0.0)
-        lines.append(f"  {layer[:40]:<40} {p:<9} {100 * share:9.1f}% {damage:10.3g}")
+        row = f"  {layer[:40]:<40} {p:<9} {100 * share:9.1f}% {damage:10.3g}  {passes_to.get(layer, '')}"
+        lines.append(row.rstrip())
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
 from qsync_callback.planner.precision import (
+    PrecisionChoice,
     allocate_precision,
     exact_precision,
     fastest_plan,
@@ -17,6 +18,7 @@ from qsync_callback.predictor.precision import apply_precision
 from qsync_callback.predictor.predict import Predictor, predict
 from qsync_callback.predictor.replay import replay
 from qsync_callback.recorder.precision_probes import layer_input_shapes
+from qsync_callback.report import format_precision_plan
 from qsync_callback.units import parse_bytes, parse_share
 
 from tracebuilder import op, trace
@@ -377,3 +379,16 @@ def test_least_memory_plan_finds_a_linked_plan_no_single_move_shows():
     )
     choice, _ = least_memory_plan(Predictor([step(False)]), ["bf16", "int8"])
     assert choice == {"fc1": "int8", "fc2": "int8"}
+
+
+def test_the_printed_plan_says_which_layer_passes_its_output_uncast():
+    step = _linked_step()
+    plan = Plan(precision={"fc1": "bf16", "fc2": "bf16"})
+    choice = PrecisionChoice(plan, predict([step], plan), 0.0, None, None, True, 1)
+    indicator = {"fc1": {"bf16": 0.0}, "fc2": {"bf16": 0.0}}
+    rows = format_precision_plan(choice, indicator, predict([step]).to_dict(), step.layers).splitlines()
+    assert "passes its output uncast to" in rows[4]
+    assert rows[5].split()[0] == "fc1" and rows[5].split()[-1] == "fc2"
+    assert rows[6].split()[0] == "fc2" and rows[6].split()[-1] != "fc2"  # the last one casts back
+    # without a layer table nothing is linked
+    assert "fc2" not in format_precision_plan(choice, indicator, predict([step]).to_dict()).splitlines()[5]

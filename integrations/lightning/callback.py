@@ -359,7 +359,7 @@ class QSyncCallback(pl.Callback):
         except QSyncInputError as error:
             rank_zero_info(f"qsync: no plan applied: {error}")
             return ""
-        rank_zero_info(format_precision_plan(choice, indicator, self.report["predicted"]))
+        rank_zero_info(format_precision_plan(choice, indicator, self.report["predicted"], traces[0].layers))
         if not (choice.feasible or self.best_effort):
             rank_zero_info(
                 "qsync: no plan meets the constraints; keeping the recorded configuration "
