@@ -70,6 +70,25 @@ def test_sequential_next_follows_sequential_children_only():
     }
 
 
+def test_sequential_next_leaves_out_what_may_not_feed_the_next_child():
+    class Residual(nn.Sequential):  # its own forward: the children's outputs go elsewhere too
+        def forward(self, x):
+            return x + super().forward(x)
+
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(
+        Residual(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), shared, nn.ReLU(), nn.Linear(8, 8)
+    )
+    model.again = shared  # registered twice: its output may go to a stock layer
+    following = sequential_next(model)
+    assert following["0.0"] is None and following["0.1"] is None
+    assert following["1"] is None  # the shared Linear
+    assert following["2"] == "3"
+    lp = apply_precision_plan(model, {"0.0": "bf16", "0.2": "bf16", "1": "bf16", "3": "bf16"})
+    assert all(m.output_dtype is None for m in lp.values())  # nothing linked
+    model(torch.randn(2, 8)).sum().backward()
+
+
 def _run(model, x):
     model.zero_grad()
     out = model(x)

@@ -112,13 +112,19 @@ def restore(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> None:
 
 def sequential_next(model: nn.Module) -> dict[str, str | None]:
     """For each layer of ``model`` (`layers_of`): the name of the next child of the ``nn.Sequential``
-    it is a child of, or None (not a Sequential's child, or its last)."""
+    it is a child of, or None: not a Sequential's child, its last, a child of a Sequential subclass
+    with a forward of its own (which may not feed each child to the next), or a module registered
+    in more than one place (its output may go elsewhere too)."""
     following: dict[str, str | None] = {}
     for prefix, parent in model.named_modules():
-        if isinstance(parent, nn.Sequential):
+        if isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward:
             names = [f"{prefix}.{name}" if prefix else name for name in parent._modules]
             following.update(zip(names, [*names[1:], None], strict=True))
-    return {name: following.get(name) for name in layers_of(model)}
+    layers = layers_of(model)
+    return {
+        name: following.get(name) if len(_registrations(model, module)) == 1 else None
+        for name, module in layers.items()
+    }
 
 
 def link_neighbours(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> list[Link]:
