@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 LINKED_PRECISIONS = ("bf16", "fp16")
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # of a float tensor at each precision a link passes
 # parameter-free layers that compute in whatever float dtype they are given, element by element or
 # over windows, so a low-precision tensor passes through them unchanged in dtype
 PASS_THROUGH_TYPES = frozenset(

@@ -356,21 +356,24 @@ def test_a_linked_layer_saves_the_tensor_a_pass_through_layer_also_saves():
     assert predict([step], plan).peak_bytes == base + 3000 + 3000
 
 
+def _copied_input_step(linked=True):
+    """`_linked_step` whose fc1 input is a copy of the batch, freed in fc1's backward; act saves
+    nothing at bf16; fc2's int8 backward has no temporaries. ``linked=False``: no layer table links."""
+    s = _linked_step()
+    s.ops.insert(0, op(8, "aten::copy_", "forward", "main", 0, 0))
+    s.memory_events += [[0, 0xE, 4000, 8], [690, 0xE, -4000, 5]]
+    s.memory_events.sort()
+    s.precision_costs["layers"]["fc2"]["costs"]["int8"]["backward_transient_bytes"] = 0
+    s.precision_costs["pass_through"]["act"]["costs"]["bf16"]["saved_bytes"] = 0
+    if not linked:
+        s.layers = [{"name": row["name"], "type": row["type"]} for row in s.layers]
+    return s
+
+
 def test_least_memory_plan_finds_a_linked_plan_no_single_move_shows():
     """fc1's input (the batch, copied in) is freed in its backward, so each layer alone saves most
     at int8; but bf16 on both links them, and act, between, then saves nothing at bf16."""
-
-    def step(linked):
-        s = _linked_step()
-        s.ops.insert(0, op(8, "aten::copy_", "forward", "main", 0, 0))
-        s.memory_events += [[0, 0xE, 4000, 8], [690, 0xE, -4000, 5]]
-        s.memory_events.sort()
-        s.precision_costs["layers"]["fc2"]["costs"]["int8"]["backward_transient_bytes"] = 0
-        s.precision_costs["pass_through"]["act"]["costs"]["bf16"]["saved_bytes"] = 0
-        if not linked:
-            s.layers = [{"name": row["name"], "type": row["type"]} for row in s.layers]
-        return s
-
+    step = _copied_input_step
     choice, prediction = least_memory_plan(Predictor([step(True)]), ["bf16", "int8"])
     assert choice == {"fc1": "bf16", "fc2": "bf16"}
     assert (
@@ -392,3 +395,39 @@ def test_the_printed_plan_says_which_layer_passes_its_output_uncast():
     assert rows[6].split()[0] == "fc2" and rows[6].split()[-1] != "fc2"  # the last one casts back
     # without a layer table nothing is linked
     assert "fc2" not in format_precision_plan(choice, indicator, predict([step]).to_dict()).splitlines()[5]
+
+
+def test_greedy_reaches_a_budget_only_linked_moves_meet():
+    """Alone, fc1 at bf16 raises the peak and fc2 at bf16 leaves it as it is, so the greedy has no
+    move to make; together they are linked and meet the budget: the allocator starts from the
+    least-memory plan and keeps what the recovery cannot raise back."""
+    step = _copied_input_step()
+    step.precision_costs["layers"]["fc1"]["costs"]["bf16"]["saved_bytes"] = 6000
+    step.precision_costs["layers"]["fc2"]["costs"]["bf16"]["saved_bytes"] = 4000
+    peak = {
+        name: predict([step], Plan(precision=plan)).peak_bytes
+        for name, plan in [("base", {}), ("fc1", {"fc1": "bf16"}), ("fc2", {"fc2": "bf16"})]
+    }
+    linked = predict([step], Plan(precision={"fc1": "bf16", "fc2": "bf16"})).peak_bytes
+    assert peak["fc1"] > peak["base"] and peak["fc2"] == peak["base"] and linked < peak["base"]
+    indicator = {"fc1": {"bf16": 1.0}, "fc2": {"bf16": 1.0}}
+    budget = (linked + peak["base"]) // 2
+    chosen = allocate_precision(
+        Predictor([step]), indicator, ["fp32", "bf16"], max_step_ms=1e9, memory_budget=budget
+    )
+    assert chosen.feasible and chosen.plan.precision == {"fc1": "bf16", "fc2": "bf16"}
+    assert chosen.prediction.peak_bytes == linked <= budget
+
+
+def test_gradients_flow_back_through_a_link_at_its_precision():
+    """A gradient act's backward hands to fc1's (20000 bytes, the backward's peak) is bf16 when fc1
+    and fc2 are linked: half of it is gone from the peak; unlinked it stays fp32."""
+    plan = Plan(precision={"fc1": "bf16", "fc2": "bf16"})
+    step = _linked_step()
+    step.memory_events += [[460, 0xF, 20000, 4], [690, 0xF, -20000, 5]]
+    step.memory_events.sort()
+    assert predict([step]).peak_bytes == 10000 + 20000
+    # in the backward: parameters, half the gradient, fc1's bf16 input copy; the loss's peak is higher
+    assert predict([step], plan).peak_bytes == 24000 > 10000 + 10000 + 3000
+    step.layers = [{"name": row["name"], "type": row["type"]} for row in step.layers]
+    assert predict([step], plan).peak_bytes == 10000 + 20000 + 3000

@@ -20,7 +20,9 @@ returns is priced by the full predictor (every recorded step replayed).
   damage). While a constraint is violated, lower the layer whose move buys the most violation per
   unit of indicator (its single-move estimate's change applied to the current plan), and price the
   new plan by the predictor; a move whose priced plan does not reduce the violation is dropped.
-  Then recover: raise layers back, most sensitive first, wherever the plan stays feasible.
+  If that ends short of a memory budget that the least-memory plan meets (moves that pay only
+  together, as linked neighbours do), start from the least-memory plan instead. Then recover:
+  raise layers back, most sensitive first, wherever the plan stays feasible.
 - ``exact_precision``: every combination priced by the predictor; for small instances, so that
   the greedy's gap is measured rather than assumed.
 """
@@ -240,17 +242,16 @@ def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[
     return _best_alone(pricer, moves, predictor.predict(), _peak_bytes)
 
 
-def _unreachable_budget(
+def _least_memory(
     pricer: _Pricer, moves: _Moves, base: Prediction, budget: int | None
 ) -> tuple[dict[str, str], Prediction] | None:
-    """The least-memory plan and its prediction when even it exceeds ``budget``; None when a plan
-    can meet the budget (or there is none)."""
+    """With a memory ``budget``, the least-memory plan (`_best_alone`) and its prediction; None
+    without one."""
     if budget is None:
         return None
     if budget <= 0:
         raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
-    closest, prediction = _best_alone(pricer, moves, base, _peak_bytes)
-    return (closest, prediction) if prediction.peak_bytes > budget else None
+    return _best_alone(pricer, moves, base, _peak_bytes)
 
 
 def _describe_choice(choice: Mapping[str, str]) -> str:
@@ -279,9 +280,9 @@ def allocate_precision(
     candidates = candidate_precisions(predictor, precisions)
     base = pricer({})
     moves = _Moves(pricer, candidates)
-    unreachable = _unreachable_budget(pricer, moves, base, memory_budget)
-    if unreachable is not None:
-        closest, prediction = unreachable
+    least = _least_memory(pricer, moves, base, memory_budget)
+    if least is not None and least[1].peak_bytes > memory_budget:
+        closest, prediction = least
         if not best_effort:
             raise QSyncInputError(
                 f"memory budget {format_bytes(memory_budget)} is below the smallest predicted peak "
@@ -328,6 +329,11 @@ def allocate_precision(
             continue
         choice, current = trial, priced
     feasible = _violation(current, max_step_ms, memory_budget) == 0
+    if not feasible and least is not None and _violation(least[1], max_step_ms, memory_budget) == 0:
+        # moves that pay only together (linked neighbours) can leave the greedy short of a budget
+        # the least-memory plan meets: start from that plan and recover from there
+        choice = {name: least[0].get(name, FULL_PRECISION) for name in candidates}
+        current, feasible = least[1], True
     if feasible:
         choice, current = _recover(pricer, choice, current, candidates, indicator, max_step_ms, memory_budget)
     return pricer.choice(choice, current, indicator, max_step_ms, memory_budget, feasible)

@@ -30,7 +30,10 @@ difference is a synthetic tensor alive while the layer's forward (or backward) o
 that receives a linked input saves that tensor, not a copy of its own: it saves nothing more, and
 the input itself shrinks (where it died in this layer's backward, as the freed fp32 tensors above;
 where a pass-through layer also saved it, through that layer's probe). A pass-through layer in a
-link saves what its probe saved at the precision instead of at fp32.
+link saves what its probe saved at the precision instead of at fp32. And inside a link the
+gradients flow back at the precision too: the gradient a pass-through or receiving layer's backward
+hands to the layer before it (a recorded temporary born in its backward, freed in another layer's)
+shrinks to the precision's element size.
 
 Pricing. `PrecisionDurations` gives a plan's op durations on the recorded graphs compiled once
 (`replay.CompiledGraph`), each cast folded into the op it sits next to, and `PrecisionLives` its
@@ -50,7 +53,7 @@ import numpy as np
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION
-from qsync_callback.precision_links import precision_links
+from qsync_callback.precision_links import ELEMENT_BYTES, precision_links
 from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
 from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.recorder.trace import Op, Trace
@@ -381,7 +384,18 @@ class PrecisionLives:
         self.trace = trace
         self._freed: dict[tuple[int, str], int] = {}
         self._released: dict[tuple[int, str], float] = {}  # when the layer's backward let them go
+        self._passed_back: dict[tuple[int, str], list[TensorLife]] = {}  # gradients it hands on
         for life in lives:
+            birth = life.birth_op
+            if (
+                life.category == "temporaries"
+                and birth is not None
+                and birth.kind == "backward"
+                and birth.layer is not None
+                and life.death_op is not None
+                and life.death_op.layer != birth.layer
+            ):
+                self._passed_back.setdefault((life.step, birth.layer), []).append(life)
             death = life.death_op
             if (
                 life.category == "activations"
@@ -442,7 +456,29 @@ class PrecisionLives:
                 saved += weight
                 release = self._released.get((step, layer), backward_end)
                 extra.append(TensorLife(-1, saved, step, end, release, None, None, "activations", layer))
-        return extra
+        return extra + (self._gradients_handed_on(move) if move.receives else [])
+
+    def _gradients_handed_on(self, move: LayerMove) -> list[TensorLife]:
+        """Inside a link the gradients flow back at its precision too: what the backward of a
+        pass-through or receiving layer hands to the layer before it shrinks to that precision's
+        element size (recorded lives, negative synthetic tensors of the difference)."""
+        shrink = 1 - ELEMENT_BYTES[move.precision] / ELEMENT_BYTES[FULL_PRECISION]
+        return [
+            TensorLife(
+                -1,
+                -int(life.bytes * shrink),
+                life.step,
+                life.birth_us,
+                life.death_us,
+                None,
+                None,
+                "temporaries",
+                move.layer,
+            )
+            for (step, layer), handed in self._passed_back.items()
+            if layer == move.layer
+            for life in handed
+        ]
 
     def _pass_through_lives(self, move: LayerMove) -> list[TensorLife]:
         """A pass-through layer run at a link's precision saves what its probe saved at it instead
@@ -451,7 +487,7 @@ class PrecisionLives:
         if entry is None or move.precision not in entry["costs"]:
             return []
         change = entry["costs"][move.precision]["saved_bytes"] - entry["costs"][FULL_PRECISION]["saved_bytes"]
-        return [
+        return self._gradients_handed_on(move) + [
             TensorLife(
                 -1,
                 int(change * input_scale(entry, self._first_forward.get((step, move.layer)))),
