@@ -43,8 +43,8 @@ from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX
 from qsync_callback.recorder.layer_ranges import LayerRanges
 
 EVENT_KINDS = ("op", "memory", "range")
-_LOOPS = 200
-_REPEATS = 5
+_LOOPS = 100
+_REPEATS = 10
 
 
 def _best_time(name: str, fn: Callable[[], None]) -> float:
@@ -109,13 +109,22 @@ def overhead_per_event(
     ``plain`` and ``profiled``: `calibration_loop_times` before and inside the profiler;
     ``event_counts``: the events of each kind recorded in each loop's range, over all its repeats
     (`kineto.calibration_event_counts`). The costs solve, by least squares, extra time per iteration
-    = events per iteration @ cost per event over the loops; a cost no loop's events determine
-    comes out 0, a negative one (noise) is taken as 0."""
+    = events per iteration @ cost per event over the loops, none negative: a kind whose cost comes
+    out negative (noise: a memory event costs far less than an op, and the loops are timed at two
+    moments of a drifting machine) is set to 0 and the others are solved again without it, so
+    that its loop's time still informs them; a cost no loop's events determine comes out 0."""
     loops = sorted(plain.keys() & profiled.keys())
     counts = np.zeros((len(loops), len(EVENT_KINDS)))
     for i, loop in enumerate(loops):
         for j, kind in enumerate(EVENT_KINDS):
             counts[i, j] = event_counts.get(loop, {}).get(kind, 0) / (_LOOPS * _REPEATS)
     extra_us = np.array([(profiled[loop] - plain[loop]) * 1e6 for loop in loops])
-    costs = np.linalg.lstsq(counts, extra_us, rcond=None)[0]
-    return {kind: round(max(0.0, float(c)), 3) for kind, c in zip(EVENT_KINDS, costs, strict=True)}
+    costs = np.zeros(len(EVENT_KINDS))
+    kept = list(range(len(EVENT_KINDS)))
+    while kept:
+        solved = np.linalg.lstsq(counts[:, kept], extra_us, rcond=None)[0]
+        if solved.min() >= 0:
+            costs[kept] = solved
+            break
+        kept.pop(int(solved.argmin()))
+    return {kind: round(float(c), 3) for kind, c in zip(EVENT_KINDS, costs, strict=True)}
