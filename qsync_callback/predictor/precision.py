@@ -384,7 +384,7 @@ class PrecisionLives:
         self.trace = trace
         self._freed: dict[tuple[int, str], int] = {}
         self._released: dict[tuple[int, str], float] = {}  # when the layer's backward let them go
-        self._passed_back: dict[tuple[int, str], list[TensorLife]] = {}  # gradients it hands on
+        self._passed_back: dict[str, list[TensorLife]] = {}  # per layer: the gradients it hands on
         for life in lives:
             birth = life.birth_op
             if (
@@ -395,7 +395,7 @@ class PrecisionLives:
                 and life.death_op is not None
                 and life.death_op.layer != birth.layer
             ):
-                self._passed_back.setdefault((life.step, birth.layer), []).append(life)
+                self._passed_back.setdefault(birth.layer, []).append(life)
             death = life.death_op
             if (
                 life.category == "activations"
@@ -475,9 +475,7 @@ class PrecisionLives:
                 "temporaries",
                 move.layer,
             )
-            for (step, layer), handed in self._passed_back.items()
-            if layer == move.layer
-            for life in handed
+            for life in self._passed_back.get(move.layer, [])
         ]
 
     def _pass_through_lives(self, move: LayerMove) -> list[TensorLife]:
