@@ -9,8 +9,9 @@ at the low precision, the second takes it as it comes, and the parameter-free la
 "Straight to" is decided from the model's structure, never guessed from a trace: only children of
 an ``nn.Sequential`` are linked, since a Sequential feeds each child's output to the next child and
 to nothing else. The layer table of a trace records, for each layer, the next child of its
-Sequential (``"next"``); the live model gives the same (`lp.swap.sequential_next`), so the run and
-the prediction link the same layers. This module is pure: it reads names, types and the plan.
+Sequential (``"next"``); the live model gives the same (`recorder.layer_ranges.layer_table`), so
+the run and the prediction link the same layers. This module is pure: it reads names, types and
+the plan.
 """
 
 from __future__ import annotations

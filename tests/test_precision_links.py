@@ -8,8 +8,9 @@ from torch import nn
 
 from qsync_callback.lp import restore
 from qsync_callback.lp.costs import probe_pass_through_costs
-from qsync_callback.lp.swap import apply_precision_plan, link_neighbours, sequential_next
+from qsync_callback.lp.swap import apply_precision_plan, link_neighbours
 from qsync_callback.precision_links import Link, pass_through_candidates, precision_links
+from qsync_callback.recorder.layer_ranges import sequential_next
 
 
 def _table(*rows):

@@ -296,13 +296,14 @@ def op_type_table(trace: Trace, probe: Bf16Probe) -> dict[str, Any]:
         for name, node in nodes.items()
         if name not in casts and "T" in node.attr and node.attr["T"].type == bf16
     }
+    ends = ops.keys() | low_ops  # an edge is kept when one of its ends is one of these
     edges = []
     for name, node in nodes.items():
         if name in casts:
             continue
         for raw in node.input:
             found = source(raw)
-            if found is None or not ({found[0], name} & (ops.keys() | low_ops)):
+            if found is None or not {found[0], name} & ends:
                 continue
             numel, is_float = probe.shapes.get(found[1], (0, 0))
             if is_float and numel:

@@ -159,6 +159,35 @@ def _best_time_us(
     return best * 1e6
 
 
+def _round_robin_us(
+    keys: Sequence[str],
+    run: Callable[[str], tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]],
+    device: torch.device,
+    repeats: int,
+) -> dict[str, tuple[float, float]]:
+    """Median microseconds of a forward and of its backward, per key: ``run(key)`` prepares and
+    runs one forward, returning its output and the gradient to give it (a function of the output).
+    One untimed round, then ``repeats`` timed rounds, each running every key once in turn (so that
+    a machine whose speed drifts slows them alike); the device is synchronized around each part."""
+    forward: dict[str, list[float]] = {key: [] for key in keys}
+    backward: dict[str, list[float]] = {key: [] for key in keys}
+    for step in range(repeats + 1):  # step 0 is the warm-up
+        for key in keys:
+            _sync(device)
+            start = time.perf_counter()
+            out, gradient = run(key)
+            _sync(device)
+            middle = time.perf_counter()
+            out.backward(gradient(out))
+            _sync(device)
+            end = time.perf_counter()
+            del out
+            if step:
+                forward[key].append((middle - start) * 1e6)
+                backward[key].append((end - middle) * 1e6)
+    return {key: (statistics.median(forward[key]), statistics.median(backward[key])) for key in keys}
+
+
 # --- cast costs ----------------------------------------------------------------------------------
 
 
@@ -352,12 +381,12 @@ def _private_lp(module: nn.Module) -> LPModule:
 
 
 def _saved_bytes(
-    lp: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+    module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> int:
-    """Bytes autograd saves for backward in one forward of ``lp`` on ``x`` (``forward(x)``, default
-    ``lp(x)``): each saved tensor counted once per storage, the module's own parameters left out
+    """Bytes autograd saves for backward in one forward of ``module`` on ``x`` (``forward(x)``,
+    default ``module(x)``): each saved tensor counted once per storage, the module's own parameters left out
     (as the recorder counts)."""
-    skip = {p.untyped_storage().data_ptr() for p in lp.parameters()}
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -367,7 +396,7 @@ def _saved_bytes(
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = (forward or lp)(x)
+        out = (forward or module)(x)
     del out
     return sum(seen.values())
 
@@ -463,12 +492,26 @@ def probe_layer_costs(
         chosen = [p for p in PRECISIONS if p in wanted]
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tuple(input_shape), generator=generator, device=device).requires_grad_()
-    grad: torch.Tensor | None = None
+    grads: list[torch.Tensor] = []  # one output gradient for every precision, made at the first
     params = list(lp.parameters())
     results: dict[str, dict[str, float]] = {}
-    forward: dict[str, list[float]] = {p: [] for p in chosen}
-    backward: dict[str, list[float]] = {p: [] for p in chosen}
     fallbacks: dict[str, int] = {}
+
+    def gradient(out: torch.Tensor) -> torch.Tensor:
+        if not grads:
+            grads.append(torch.randn(out.shape, generator=generator, device=device, dtype=out.dtype))
+        return grads[0]
+
+    def run(precision: str) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        lp.precision = precision
+        lp.int8_fallbacks = 0
+        x.grad = None
+        for p in params:
+            p.grad = None
+        out = lp(x)
+        fallbacks[precision] = lp.int8_fallbacks
+        return out, gradient
+
     with torch.enable_grad():
         for precision in chosen:
             lp.precision = precision
@@ -480,38 +523,16 @@ def probe_layer_costs(
                 "saved_activation_bytes": float(activation),
                 "saved_weight_bytes": float(saved - activation),
             }
-        # round robin over the precisions, so that a machine whose speed drifts slows them alike
-        for step in range(repeats + 1):  # step 0 is the warm-up
-            for precision in chosen:
-                lp.precision = precision
-                lp.int8_fallbacks = 0
-                x.grad = None
-                for p in params:
-                    p.grad = None
-                _sync(device)
-                start = time.perf_counter()
-                out = lp(x)
-                _sync(device)
-                middle = time.perf_counter()
-                if grad is None:
-                    grad = torch.randn(out.shape, generator=generator, device=device, dtype=out.dtype)
-                out.backward(grad)
-                _sync(device)
-                end = time.perf_counter()
-                del out
-                fallbacks[precision] = lp.int8_fallbacks
-                if step:
-                    forward[precision].append((middle - start) * 1e6)
-                    backward[precision].append((end - middle) * 1e6)
+        times = _round_robin_us(chosen, run, device, repeats)
     for precision in chosen:
         lp.precision = precision
         with torch.enable_grad():
-            forward_transient, backward_transient = _transient_bytes(lp, x, grad)
+            forward_transient, backward_transient = _transient_bytes(lp, x, grads[0])
         results[precision] = {
-            "forward_us": statistics.median(forward[precision]),
+            "forward_us": times[precision][0],
             "forward_transient_bytes": float(forward_transient),
             "backward_transient_bytes": float(backward_transient),
-            "backward_us": statistics.median(backward[precision]),
+            "backward_us": times[precision][1],
             **results[precision],
         }
         if precision == "int8":
@@ -551,33 +572,18 @@ def probe_pass_through_costs(
     generator = torch.Generator(device=device).manual_seed(0)
     base = torch.randn(tuple(input_shape), generator=generator, device=device)
     inputs = {p: base.to(dtype).requires_grad_() for p, dtype in dtypes.items()}
-    forward: dict[str, list[float]] = {p: [] for p in dtypes}
-    backward: dict[str, list[float]] = {p: [] for p in dtypes}
     saved: dict[str, int] = {}
+
+    def run(p: str) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        inputs[p].grad = None
+        return forward_fn(module, inputs[p]), torch.ones_like
+
     forked = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked), torch.enable_grad():
         for p, x in inputs.items():
             saved[p] = _saved_bytes(module, x, lambda t: forward_fn(module, t))
-        for step in range(repeats + 1):  # step 0 is the warm-up
-            for p, x in inputs.items():
-                x.grad = None
-                _sync(device)
-                start = time.perf_counter()
-                out = forward_fn(module, x)
-                _sync(device)
-                middle = time.perf_counter()
-                out.backward(torch.ones_like(out))
-                _sync(device)
-                end = time.perf_counter()
-                del out
-                if step:
-                    forward[p].append((middle - start) * 1e6)
-                    backward[p].append((end - middle) * 1e6)
+        times = _round_robin_us(list(inputs), run, device, repeats)
     return {
-        p: {
-            "forward_us": statistics.median(forward[p]),
-            "backward_us": statistics.median(backward[p]),
-            "saved_bytes": float(saved[p]),
-        }
+        p: {"forward_us": times[p][0], "backward_us": times[p][1], "saved_bytes": float(saved[p])}
         for p in dtypes
     }

@@ -16,25 +16,15 @@ from torch import nn
 
 from qsync_callback.lp.modules import CAST_DTYPES, LP_CLASSES, LPModule, lp_class_for
 from qsync_callback.precision_links import Link, precision_links
-from qsync_callback.recorder.layer_ranges import layers_of
-
-
-def _registrations(model: nn.Module, target: nn.Module) -> list[tuple[nn.Module, str]]:
-    """Every (parent, child name) under which ``target`` is registered in ``model``."""
-    return [
-        (parent, name)
-        for parent in model.modules()
-        for name, child in parent._modules.items()
-        if child is target
-    ]
+from qsync_callback.recorder.layer_ranges import layer_table, layers_of, registrations
 
 
 def _under_mha(model: nn.Module, module: nn.Module) -> bool:
-    return any(isinstance(parent, nn.MultiheadAttention) for parent, _ in _registrations(model, module))
+    return any(isinstance(parent, nn.MultiheadAttention) for parent, _ in registrations(model, module))
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    for parent, name in _registrations(model, old):
+    for parent, name in registrations(model, old):
         setattr(parent, name, new)
 
 
@@ -103,38 +93,18 @@ def set_precision(lp_modules: Mapping[str, LPModule], precisions: Mapping[str, s
 
 def restore(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> None:
     """Put the stock modules back in place of the LP ones (same Parameters); all or nothing."""
-    missing = [name for name, lp in lp_modules.items() if not _registrations(model, lp)]
+    missing = [name for name, lp in lp_modules.items() if not registrations(model, lp)]
     if missing:
         raise ValueError(f"LP module(s) {', '.join(map(repr, missing))} are not in the model")
     for lp in lp_modules.values():
         _replace(model, lp, lp.to_stock())
 
 
-def sequential_next(model: nn.Module) -> dict[str, str | None]:
-    """For each layer of ``model`` (`layers_of`): the name of the next child of the ``nn.Sequential``
-    it is a child of, or None: not a Sequential's child, its last, a child of a Sequential subclass
-    with a forward of its own (which may not feed each child to the next), or a module registered
-    in more than one place (its output may go elsewhere too)."""
-    following: dict[str, str | None] = {}
-    for prefix, parent in model.named_modules():
-        if isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward:
-            names = [f"{prefix}.{name}" if prefix else name for name in parent._modules]
-            following.update(zip(names, [*names[1:], None], strict=True))
-    layers = layers_of(model)
-    return {
-        name: following.get(name) if len(_registrations(model, module)) == 1 else None
-        for name, module in layers.items()
-    }
-
-
 def link_neighbours(model: nn.Module, lp_modules: Mapping[str, LPModule]) -> list[Link]:
     """Let the LP modules at the same bf16/fp16 precision that follow each other in an
     ``nn.Sequential`` pass their low-precision tensor on (`precision_links`); every other LP module
     casts its output back to its input's dtype. Returns the links."""
-    layers = layers_of(model)
-    following = sequential_next(model)
-    table = [{"name": n, "type": type(m).__name__, "next": following[n]} for n, m in layers.items()]
-    links = precision_links(table, {name: lp.precision for name, lp in lp_modules.items()})
+    links = precision_links(layer_table(model), {name: lp.precision for name, lp in lp_modules.items()})
     for lp in lp_modules.values():
         lp.output_dtype = None
     for link in links:

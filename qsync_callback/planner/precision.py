@@ -168,7 +168,7 @@ class _Moves:
         return self._estimate(plan)
 
 
-def _best_alone(
+def _best_simple_plan(
     pricer: _Pricer, moves: _Moves, base: Prediction, figure: Callable[[Prediction], float]
 ) -> tuple[dict[str, str], Prediction]:
     """The plan with the lowest ``figure`` (step time, peak), each priced by the predictor, among:
@@ -199,11 +199,11 @@ def _peak_bytes(prediction: Prediction) -> float:
 
 
 def fastest_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[dict[str, str], Prediction]:
-    """The fastest plan of `_best_alone` (per-layer fastest, uniform plans, the recording);
+    """The fastest plan of `_best_simple_plan` (per-layer fastest, uniform plans, the recording);
     returns the choice and its prediction."""
     pricer = _Pricer(predictor)
     moves = _Moves(pricer, candidate_precisions(predictor, precisions))
-    return _best_alone(pricer, moves, predictor.predict(), _step_ms)
+    return _best_simple_plan(pricer, moves, predictor.predict(), _step_ms)
 
 
 def _fastest_fit(
@@ -239,19 +239,19 @@ def least_memory_plan(predictor: Predictor, precisions: Iterable[str]) -> tuple[
     meet), and its prediction."""
     pricer = _Pricer(predictor)
     moves = _Moves(pricer, candidate_precisions(predictor, precisions))
-    return _best_alone(pricer, moves, predictor.predict(), _peak_bytes)
+    return _best_simple_plan(pricer, moves, predictor.predict(), _peak_bytes)
 
 
 def _least_memory(
     pricer: _Pricer, moves: _Moves, base: Prediction, budget: int | None
 ) -> tuple[dict[str, str], Prediction] | None:
-    """With a memory ``budget``, the least-memory plan (`_best_alone`) and its prediction; None
+    """With a memory ``budget``, the least-memory plan (`_best_simple_plan`) and its prediction; None
     without one."""
     if budget is None:
         return None
     if budget <= 0:
         raise QSyncInputError(f"memory budget must be positive, not {budget} bytes")
-    return _best_alone(pricer, moves, base, _peak_bytes)
+    return _best_simple_plan(pricer, moves, base, _peak_bytes)
 
 
 def _describe_choice(choice: Mapping[str, str]) -> str:
@@ -292,7 +292,7 @@ def allocate_precision(
             )
         return pricer.choice(closest, prediction, indicator, max_step_ms, memory_budget, feasible=False)
     if max_step_ms is None:
-        fastest_choice, fastest = _best_alone(pricer, moves, base, _step_ms)
+        fastest_choice, fastest = _best_simple_plan(pricer, moves, base, _step_ms)
         if memory_budget is not None and fastest.peak_bytes > memory_budget:
             fastest = _fastest_fit(pricer, moves, fastest_choice, fastest, memory_budget)
         max_step_ms = fastest.step_ms * (1 + DEFAULT_SLACK)

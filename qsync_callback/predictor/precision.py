@@ -386,25 +386,19 @@ class PrecisionLives:
         self._released: dict[tuple[int, str], float] = {}  # when the layer's backward let them go
         self._passed_back: dict[str, list[TensorLife]] = {}  # per layer: the gradients it hands on
         for life in lives:
-            birth = life.birth_op
+            birth, death = life.birth_op, life.death_op
+            born, died = (None if op is None else op.layer for op in (birth, death))
+            if born == died:  # not handed from one layer to another
+                continue
             if (
                 life.category == "temporaries"
-                and birth is not None
+                and born is not None
                 and birth.kind == "backward"
-                and birth.layer is not None
-                and life.death_op is not None
-                and life.death_op.layer != birth.layer
-            ):
-                self._passed_back.setdefault(birth.layer, []).append(life)
-            death = life.death_op
-            if (
-                life.category == "activations"
                 and death is not None
-                and death.kind == "backward"
-                and death.layer is not None
-                and (life.birth_op is None or life.birth_op.layer != death.layer)  # an input, not its own
             ):
-                key = (life.step, death.layer)
+                self._passed_back.setdefault(born, []).append(life)
+            if life.category == "activations" and died is not None and death.kind == "backward":
+                key = (life.step, died)  # an input saved for this layer's backward, freed there
                 self._freed[key] = self._freed.get(key, 0) + life.bytes
                 self._released[key] = max(self._released.get(key, life.death_us), life.death_us)
         spans: dict[tuple[int, str, str], list[float]] = {}
@@ -480,10 +474,11 @@ class PrecisionLives:
 
     def _pass_through_lives(self, move: LayerMove) -> list[TensorLife]:
         """A pass-through layer run at a link's precision saves what its probe saved at it instead
-        of at fp32, from the end of its forward to the end of its backward."""
+        of at fp32, from the end of its forward to the end of its backward, and hands its gradient
+        on at the precision."""
         entry = self.trace.precision_costs.get("pass_through", {}).get(move.layer)
-        if entry is None or move.precision not in entry["costs"]:
-            return []
+        if entry is None or move.precision not in entry["costs"]:  # it never ran in the recorded steps
+            return self._gradients_handed_on(move)
         change = entry["costs"][move.precision]["saved_bytes"] - entry["costs"][FULL_PRECISION]["saved_bytes"]
         return self._gradients_handed_on(move) + [
             TensorLife(

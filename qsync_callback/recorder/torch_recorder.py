@@ -54,7 +54,6 @@ import orjson
 import torch
 
 from qsync_callback.lp.modules import LPModule
-from qsync_callback.lp.swap import sequential_next
 from qsync_callback.predictor.memory import predict_memory
 from qsync_callback.recorder.kineto import (
     CALIBRATION_RANGE,
@@ -63,7 +62,7 @@ from qsync_callback.recorder.kineto import (
     calibration_event_counts,
     convert_kineto,
 )
-from qsync_callback.recorder.layer_ranges import LayerRanges, layers_of
+from qsync_callback.recorder.layer_ranges import LayerRanges, layer_table, layers_of
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.overhead import (
     calibration_loop_times,
@@ -118,21 +117,6 @@ def resident_bytes(
         "optimizer_state": total(state),
         "gradient_buckets": ddp_bucket_bytes(ddp_module),
     }
-
-
-def layer_table(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Name, type, own parameter bytes and the next child of its ``nn.Sequential`` (`precision_links`)
-    of each layer a plan can address."""
-    following = sequential_next(model)
-    return [
-        {
-            "name": name,
-            "type": type(module).__name__,
-            "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)),
-            "next": following[name],
-        }
-        for name, module in layers_of(model).items()
-    ]
 
 
 def torch_fingerprint(
