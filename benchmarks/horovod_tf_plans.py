@@ -1,32 +1,34 @@
-"""Applied TF plans, predicted against measured step time, Horovod + TensorFlow: one table, a row per
-(model, processes, plan kind).
+"""Applied TF plans, predicted against measured step time, Horovod + TensorFlow: one row per (model,
+processes, plan kind).
 
 For each Keras model of ``examples/train_horovod_tf.py`` and each process count, runs the example in
-mode "apply" ``--repeats`` times, each in fresh processes (the launcher of `runs.py`), and reads each
-run's verification.json: per plan kind tried on the live run (uniform bf16 mixed precision, per-op-type
-mixed precision, XLA, and with 2+ processes gradient groups) the measured step time (median of its
-timed calls, slowest rank), the predicted one where the predictor prices it, the baseline's measured
-step time in the same run, and whether it was kept, or the run rolled back. A candidate that failed
-(XLA where Horovod's all-reduce has no XLA kernel) shows its reason.
+mode "apply" ``--repeats`` times, each in fresh processes (the launcher of `runs.py`) and with no
+kept plan (``--plan none``). Each run records a window, the planner prices the TF candidates (bf16
+uniform and per op type, with 2+ processes gradient groups; `planner/tf_plans.py`) and the best
+predicted plan is applied and verified. From each run: the chosen plan's kind, its predicted step
+time (plan.json / verification.json) and the step time measured under it (verification.json: the
+median of the slowest rank's unprofiled calls), the baseline measured in the same run (report.json),
+and whether the plan was kept or rolled back; a run whose planner kept the recorded configuration
+says so.
 
 With 2+ processes the apply runs record Horovod's timeline (``--horovod-timeline``), from which the
 fusion and gradient-groups plans are priced; it keeps a core busy on rank 0 for the whole run
 (`integrations/horovod_tf/fusion.py`), so those runs' figures, baseline included, are slower than a
-run without it. Fusion threshold and cycle time (2+ processes) apply at the next launch only: the
-predicted step time is the apply run's ``plan.json`` ``prediction.communication``; where the plan
-holds settings, the same job is launched twice more in mode "report", once with the plan's
-``HOROVOD_FUSION_THRESHOLD`` / ``HOROVOD_CYCLE_TIME`` and once without them (which goes first
-alternates between repeats), and each launch's report.json gives the measured step time (median of
-the slowest rank's unprofiled steps). A launch whose trace does not show the settings in effect
-counts as failed.
+run without it. Fusion threshold and cycle time apply at the next launch only: the fastest predicted
+settings are priced here on the apply run's traces (`planner/tensor_fusion.choose_settings`, as the
+planner's table shows them); where they are predicted faster than the recorded ones, the same job is
+launched twice more in mode "report", once with their ``HOROVOD_FUSION_THRESHOLD`` /
+``HOROVOD_CYCLE_TIME`` and once without them (which goes first alternates between repeats), and each
+launch's report.json gives the measured step time. A launch whose trace does not show the settings
+in effect counts as failed.
 
 Each table cell is the median over the repeats (error: the median of each run's own predicted /
 measured - 1). Writes ``<out>/horovod_tf_plans.md`` and ``.json`` (the table's rows and every run's
-figures); the runs go under ``<out>/horovod_tf_plan_runs/``. Exits non-zero if any launch wrote
-no verification.json or report.json.
+figures); the runs go under ``<out>/horovod_tf_plan_runs/``. Exits non-zero if any launch wrote no
+report.json or plan.json.
 
     python benchmarks/horovod_tf_plans.py [--models mlp,cnn] [--procs 1,2] [--repeats 3]
-        [--batch-size 64] [--verify-steps 10] [--out benchmarks/results]
+        [--batch-size 64] [--verify-steps 3] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -46,16 +48,15 @@ from horovod_tf_accuracy import EXAMPLE, TIMEOUT_S, each_run, finish, horovod_ar
 from runs import launch_command, stderr_tail
 
 from qsync_callback.jsonio import read_json
+from qsync_callback.plan import Plan
+from qsync_callback.planner.tensor_fusion import choose_settings
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.predictor.tensor_fusion import can_price_fusion
+from qsync_callback.recorder.trace import load_trace_dir
 
-FUSION = "fusion"
+FUSION = "fusion threshold + cycle time"
 FUSION_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME")  # Horovod's names
-KINDS = {  # the row order, and how the table names each kind
-    "amp_bf16": "bf16 AMP, uniform",
-    "amp_op_types": "bf16 AMP, op-type lists",
-    "xla": "XLA",
-    "groups": "gradient groups",
-    FUSION: "fusion threshold + cycle time",
-}
+NONE = "none (recorded configuration kept)"
 NOTE_CHARS = 160  # of a failure's reason, in the table (the JSON has it whole)
 NAME_CHARS = 24  # longer words of a reason (generated graph and node names) are left out of the table
 
@@ -75,6 +76,8 @@ def run(
     threads = max(1, (os.cpu_count() or 1) // procs)
     example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync"), "--mode", mode]
     example += ["--verify-steps", str(verify_steps)]
+    if mode == "apply":
+        example += ["--plan", "none"]  # plan afresh: no kept plan read or written
     if mode == "apply" and procs > 1:  # the fusion and groups plans are priced from Horovod's timeline
         example += ["--horovod-timeline"]
     cmd = example
@@ -91,42 +94,42 @@ def _error_pct(predicted: float | None, measured: float | None) -> float | None:
     return 100.0 * (predicted / measured - 1) if predicted and measured else None
 
 
-def _outcome(trial: dict[str, Any], chosen: str) -> str:
-    if trial["error"] is not None:
-        return "failed"
-    if trial["excluded"]:
-        return "out (not finite)" if not trial["finite"] else "out"
-    if trial["name"] == chosen:
-        return "kept"
-    return "rolled back" if chosen == "baseline" else f"{chosen} kept"
+def plan_kind(plan: Plan) -> str:
+    """What a plan changes, as the table names it."""
+    low = sorted(t for t, p in plan.op_precision.items() if p == "bf16")
+    parts = [f"bf16 op types ({', '.join(low)})" if low else "", "gradient groups" if plan.buckets else ""]
+    return " + ".join(p for p in parts if p) or NONE
 
 
-def trial_runs(model: str, procs: int, repeat: int, run_dir: Path) -> list[dict[str, Any]]:
-    """One record per candidate tried live in the run: predicted, measured and baseline step time,
-    and what became of it."""
-    verification = read_json(run_dir / "qsync" / "verification.json", what="verification")
-    baseline_ms = verification["baseline"]["all_ranks_step_ms"]
-    out = []
-    for trial in verification["candidates"]:
-        predicted = (trial.get("prediction") or {}).get("step_ms")
-        measured = trial["all_ranks_step_ms"] if trial["error"] is None else None
-        low = [t for t, p in (trial["plan"].get("op_precision") or {}).items() if p == "bf16"]
-        out.append(
-            {
-                "model": model,
-                "procs": procs,
-                "repeat": repeat,
-                "plan": trial["name"],
-                "predicted_ms": predicted,
-                "measured_ms": measured,
-                "error_pct": _error_pct(predicted, measured),
-                "baseline_ms": baseline_ms,
-                "outcome": _outcome(trial, verification["chosen"]),
-                "error": trial["error"],
-                "detail": "bf16: " + ", ".join(low) if low else None,
-            }
-        )
-    return out
+def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str, Any]:
+    """The run's record: the chosen plan's kind, predicted and measured step time, the baseline, and
+    whether it was kept."""
+    qsync = run_dir / "qsync"
+    baseline_ms = read_json(qsync / "report.json", what="report")["measured"]["step_ms"]
+    kept = Plan.load(qsync / "plan.json")
+    record = {
+        "model": model,
+        "procs": procs,
+        "repeat": repeat,
+        "plan": NONE,
+        "predicted_ms": (kept.prediction or {}).get("step_ms"),
+        "measured_ms": None,
+        "error_pct": None,
+        "baseline_ms": baseline_ms,
+        "outcome": "not planned",
+        "error": None,
+        "detail": None,
+    }
+    if (qsync / "verification.json").exists():
+        verification = read_json(qsync / "verification.json", what="verification")
+        applied = Plan.from_dict(verification["plan"])
+        record["plan"] = plan_kind(applied)
+        record["predicted_ms"] = verification["predicted"]["step_ms"]
+        record["measured_ms"] = verification["measured"]["step_ms"]
+        record["outcome"] = "kept" if verification["decision"] == "keep" else "rolled back"
+        record["detail"] = verification["reason"]
+    record["error_pct"] = _error_pct(record["predicted_ms"], record["measured_ms"])
+    return record
 
 
 def _settings_in_effect(run_dir: Path, settings: dict[str, Any]) -> bool:
@@ -141,19 +144,22 @@ def _settings_in_effect(run_dir: Path, settings: dict[str, Any]) -> bool:
 def fusion_run(
     model: str, procs: int, repeat: int, apply_dir: Path, launch: Callable[..., tuple[int, float]]
 ) -> tuple[dict[str, Any], list[str]]:
-    """The fusion record of a repeat: plan.json's predicted step time at its settings, and (where it
-    holds settings) the step time measured by two launches in mode "report", with and without the
-    settings' env; ``launch(run_dir, env=...)`` runs one. Returns the record and the failed launches."""
-    plan = read_json(apply_dir / "qsync" / "plan.json", what="plan")
-    settings = plan.get("communication") or {}
-    prediction = (plan.get("prediction") or {}).get("communication") or {}
+    """The fusion record of a repeat: the fastest predicted settings on the apply run's traces, and
+    (where they are predicted faster than the recorded ones) the step time measured by two launches
+    in mode "report", with and without the settings' env; ``launch(run_dir, env=...)`` runs one.
+    Returns the record and the failed launches."""
+    traces = load_trace_dir(apply_dir / "qsync" / "trace")
+    why_not = can_price_fusion(traces)
+    choice = choose_settings(Predictor(traces)) if why_not is None else None
+    faster = choice is not None and choice.prediction.step_ms < choice.baseline.step_ms
+    settings = choice.plan.communication if faster else {}
     record = {
         "model": model,
         "procs": procs,
         "repeat": repeat,
         "plan": FUSION,
-        "predicted_ms": prediction.get("step_ms"),
-        "predicted_recorded_settings_ms": prediction.get("recorded_step_ms"),
+        "predicted_ms": choice.prediction.step_ms if faster else None,
+        "predicted_recorded_settings_ms": choice.baseline.step_ms if choice is not None else None,
         "settings": settings or None,
         "measured_ms": None,
         "error_pct": None,
@@ -163,10 +169,7 @@ def fusion_run(
         "detail": None,
     }
     if not settings:
-        verification = read_json(apply_dir / "qsync" / "verification.json", what="verification")
-        groups = next((c for c in verification["candidates"] if c["name"] == "groups"), None)
-        priced = groups is not None and groups["prediction"] is not None
-        record["detail"] = "recorded settings predicted best" if priced else "not priced"
+        record["detail"] = why_not or "recorded settings predicted best"
         return record, []
     threshold, cycle = settings["fusion_threshold_bytes"], settings["cycle_time_ms"]
     record["detail"] = f"{threshold / 2**20:g} MiB, {cycle:g} ms"
@@ -203,12 +206,8 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["model"], r["procs"], r["plan"]), []).append(r)
-    pairs = list(dict.fromkeys(key[:2] for key in groups))  # in the order they ran
-    kinds = list(KINDS)
     rows = []
-    for (model, procs, plan), runs in sorted(
-        groups.items(), key=lambda kv: (pairs.index(kv[0][:2]), kinds.index(kv[0][2]))
-    ):
+    for (model, procs, plan), runs in groups.items():  # in the order they ran
         outcomes = Counter(r["outcome"] for r in runs)
         notes = [n for n in dict.fromkeys(r["error"] or r["detail"] for r in runs) if n]
         rows.append(
@@ -249,15 +248,15 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
         measured = "failed" if r["measured_ms"] is None and r["failed_runs"] else _ms(r["measured_ms"])
         error = f"{r['error_pct']:+.1f}" if r["error_pct"] is not None else "-"
         lines.append(
-            f"| {r['model']} | {r['procs']} | {KINDS[r['plan']]} | {_ms(r['predicted_ms'])} | {measured} "
+            f"| {r['model']} | {r['procs']} | {r['plan']} | {_ms(r['predicted_ms'])} | {measured} "
             f"| {error} | {_ms(r['baseline_ms'])} | {r['outcome']} | {'; '.join(map(_note, r['notes']))} |"
         )
     lines += [
         "",
-        f"batch size {args.batch_size} per process, {args.verify_steps} timed calls per candidate; medians"
-        f" over {args.repeats} run(s); error = predicted / measured - 1 (each run's own pair, median). Fusion"
-        " threshold + cycle time: predicted in plan.json, measured by a launch with its env in mode"
-        ' "report", baseline by one without it.',
+        f"batch size {args.batch_size} per process, {args.verify_steps} recorded calls under the plan;"
+        f" medians over {args.repeats} run(s); error = predicted / measured - 1 (each run's own pair,"
+        " median). Fusion threshold + cycle time: predicted on the apply run's traces, measured by a"
+        ' launch with its env in mode "report", baseline by one without it.',
     ]
     lines += [f"FAILED: {f}" for f in failures]
     return "\n".join(lines)
@@ -265,7 +264,7 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
 
 def main(argv: list[str] | None = None) -> int:
     parser = horovod_arguments(__doc__)
-    parser.add_argument("--verify-steps", type=int, default=10)
+    parser.add_argument("--verify-steps", type=int, default=3)
     args = parser.parse_args(argv)
     records, failures = [], []
     load_at_start = os.getloadavg()
@@ -273,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         rc, wall_s = run(model, procs, args.batch_size, args.verify_steps, run_dir)
         print(f"{run_dir.name}: exit {rc} in {wall_s:.1f} s", file=sys.stderr, flush=True)
         try:
-            records.extend(trial_runs(model, procs, repeat, run_dir))
+            records.append(applied_run(model, procs, repeat, run_dir))
             if procs > 1:
                 launch = functools.partial(
                     run, model, procs, args.batch_size, args.verify_steps, mode="report"

@@ -116,11 +116,13 @@ def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) 
     """One table row from a finished run's report.json and rank traces (slowest rank for costs)."""
     report = json.loads((run_dir / "report.json").read_text())
     measured, predicted, error = report["measured"], report["predicted"], report["error_pct"]
-    per_rank = []
+    per_rank, other = [], []
     for path in sorted((run_dir / "trace").glob("rank*/trace.json")):
         timer_path = run_dir / STEP_TIMES_DIR / f"{path.parent.name}.json"
         step_ms = json.loads(timer_path.read_text()) if timer_path.exists() else None
-        per_rank.append(rank_costs(json.loads(path.read_text()), step_ms))
+        trace = json.loads(path.read_text())
+        per_rank.append(rank_costs(trace, step_ms))
+        other.append(trace.get("resident_bytes", {}).get("other"))
     keys = ("recorder_overhead_s", "profiled_extra_s", "warmup_extra_s", "total_cost_s", "pre_window_step_ms")
     costs = {key: _max([c[key] for c in per_rank]) for key in keys}
     return {
@@ -135,6 +137,8 @@ def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) 
         "measured_peak_bytes": measured.get("peak_bytes"),
         "predicted_peak_bytes": predicted.get("peak_bytes"),
         "peak_error_pct": error.get("peak_bytes"),
+        "peak_source": measured.get("peak_source"),
+        "other_resident_bytes": _max(other),
         **costs,
         "ranks_traced": len(per_rank),
         "wall_s": wall_s,
@@ -199,8 +203,9 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
     """The results as markdown: the accuracy table, the noise floor and the summary line."""
     lines = [
         "| model | procs | repeat | measured ms | spread % | predicted ms | step err % | "
-        "measured MiB | predicted MiB | mem err % | recorder overhead s | profiled extra s | total cost s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "measured MiB | predicted MiB | mem err % | other MiB | recorder overhead s | profiled extra s | "
+        "total cost s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -208,8 +213,8 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
             f"{_f(r['step_ms_spread_pct'], '.1f')} | {_f(r['predicted_step_ms'], '.2f')} | "
             f"{_f(r['step_error_pct'], '.1f')} | {_mib(r['measured_peak_bytes'])} | "
             f"{_mib(r['predicted_peak_bytes'])} | {_f(r['peak_error_pct'], '.1f')} | "
-            f"{_f(r['recorder_overhead_s'], '.2f')} | {_f(r['profiled_extra_s'], '.3f')} | "
-            f"{_f(r['total_cost_s'], '.2f')} |"
+            f"{_mib(r['other_resident_bytes'])} | {_f(r['recorder_overhead_s'], '.2f')} | "
+            f"{_f(r['profiled_extra_s'], '.3f')} | {_f(r['total_cost_s'], '.2f')} |"
         )
     lines += ["", "Per model and process count, over the repeats:", ""]
     lines += [
@@ -232,7 +237,11 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
         "",
         "Columns: measured = median of the run's unprofiled steps (before the window, between the "
         f"recorded steps and {MEASURE_STEPS} after; slowest rank); spread = "
-        "(p90 - p10) / median within the run; err = |predicted - measured| / measured; recorder overhead = "
+        "(p90 - p10) / median within the run; err = |predicted - measured| / measured; measured MiB = "
+        "the trace's measured peak (largest rank; on CPU the live tensors at each recorded step's start "
+        "plus the rise of the allocator's 'Total Allocated' counter within it, see the report's "
+        "peak_source); other = resident tensors that are neither parameters, buffers, gradients, "
+        "optimizer state nor DDP buckets (the data set, the batches; largest rank); recorder overhead = "
         "time the recorder spent outside the profiled steps (slowest rank); profiled extra = sum over the "
         f"{PROFILE_STEPS} profiled steps of (step - unprofiled median) (slowest rank); total cost = "
         "sum of (step - unprofiled median) over every step that carried the callback's work (calibration, "

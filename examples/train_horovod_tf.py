@@ -2,18 +2,19 @@
 
     python examples/train_horovod_tf.py                                            # 1 process
     horovodrun -np 2 -H localhost:2 --gloo python examples/train_horovod_tf.py     # 2 processes
-    python examples/train_horovod_tf.py --mode apply      # then try XLA and bf16, keep the best or roll back
+    python examples/train_horovod_tf.py --mode apply      # then plan, apply, verify: keep or roll back
     python examples/train_horovod_tf.py --mode apply      # again: applies the kept plan at the first step
     python examples/train_horovod_tf.py --plan other/plan.json   # a given plan, then record and report
     horovodrun -np 2 -H localhost:2 --gloo python examples/train_horovod_tf.py --mode apply --horovod-timeline
-                                                   # also price and try tensor fusion (gradient groups)
+                                                   # also price gradient groups and fusion settings
 
 The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the recorded
 window rank 0 prints measured against predicted step time and writes ``<output_dir>/report.json``;
 every rank writes its trace under ``<output_dir>/trace/rank<k>/``. With ``--mode apply`` rank 0 also
-writes ``plan.json`` and ``verification.json`` there, and every rank prints which step it ends with.
-A later ``--mode apply`` with the same ``--output-dir`` applies that kept plan at the first step
-instead of trying again (``--plan none``: try again).
+prints the plans it priced and writes ``plan.json`` (and ``verification.json`` when a plan was
+applied) there, and every rank prints the plan in force at the end. The kept plan goes into the plan
+cache too: a later ``--mode apply`` of the same job applies it at the first step instead of planning
+again (``--plan none``: plan again).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from qsync_callback.integrations.horovod_tf import Recorder, profile, record_horovod_timeline  # noqa: E402
+from qsync_callback.plan import Plan  # noqa: E402
 
 MODELS = ("mlp", "cnn")
 CLASSES = 10
@@ -76,6 +78,21 @@ def cluster_batches(kind: str, batch_size: int, count: int = 8, seed: int = 0) -
     return batches
 
 
+def describe(plan: Plan | None) -> str:
+    """What a plan changes, in a few words."""
+    if plan is None or plan.is_empty:
+        return "none (the step as written)"
+    low = sorted(t for t, p in plan.op_precision.items() if p == "bf16")
+    parts = [
+        f"bf16 op types {','.join(low)}" if low else "",
+        "bf16 on every layer" if plan.precision else "",
+        "XLA" if plan.fused_regions else "",
+        f"{len(plan.buckets)} gradient groups" if plan.buckets else "",
+        "fusion settings" if plan.communication else "",
+    ]
+    return "; ".join(p for p in parts if p)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,13 +104,13 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--measure-steps", type=int, default=10)
-    parser.add_argument("--verify-steps", type=int, default=10, help="mode apply: timed calls per trial")
+    parser.add_argument("--verify-steps", type=int, default=3, help="mode apply: calls recorded under it")
     parser.add_argument("--mode", choices=("record", "report", "apply"), default="report")
     parser.add_argument("--threads", type=int, help="TF's intra- and inter-op threads per process")
     parser.add_argument(
         "--plan",
-        help="a plan.json to apply at the first step (default in mode apply: the one kept in --output-dir;"
-        " 'none': no plan)",
+        help="a plan.json to apply at the first step (default in mode apply: the one kept in the plan cache"
+        " for this job; 'none': no plan, none kept)",
     )
     parser.add_argument(
         "--horovod-timeline",
@@ -141,14 +158,15 @@ def main() -> None:
             hvd.broadcast_variables(optimizer.variables, root_rank=0)
         return loss
 
-    steps = args.steps if args.steps is not None else recorder.total_calls + 2
-    for step in range(steps):
+    step = 0
+    while (step < args.steps) if args.steps is not None else not recorder.finished:
         x, y = batches[step % len(batches)]
         loss = train_step(x, y, step == 0)
-    if args.mode == "apply" or recorder.plan_path is not None:
-        print(f"rank {hvd.rank()}: qsync applied {recorder.active}", flush=True)
+        step += 1
+    if args.mode == "apply" or args.plan not in (None, "none"):
+        print(f"rank {hvd.rank()}: qsync plan in force: {describe(recorder.plan)}", flush=True)
     if hvd.rank() == 0:
-        print(f"step {steps}: loss {float(loss):.4f}", flush=True)
+        print(f"step {step}: loss {float(loss):.4f}", flush=True)
 
 
 if __name__ == "__main__":

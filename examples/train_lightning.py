@@ -63,6 +63,10 @@ def main() -> None:
     parser.add_argument("--max-step-time", type=float, default=None, help="mode apply: seconds per step")
     parser.add_argument("--precisions", default="fp32,bf16,fp16,int8", help="mode apply: allowed precisions")
     parser.add_argument(
+        "--levers", default="precision,activation,regions,buckets", help="mode apply: what a plan may change"
+    )
+    parser.add_argument("--accumulate-grad-batches", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
         "--best-effort", action="store_true", help="mode apply: take the closest plan if none fits"
     )
     parser.add_argument("--plan", default=None, help="a plan file to apply from step 0")
@@ -81,6 +85,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         log_every_n_steps=10,
+        accumulate_grad_batches=args.accumulate_grad_batches,
         callbacks=[
             QSyncCallback(
                 mode=args.mode,
@@ -88,6 +93,7 @@ def main() -> None:
                 memory_budget=args.memory_budget,
                 max_step_time=args.max_step_time,
                 precisions=args.precisions.split(","),
+                levers=args.levers.split(","),
                 best_effort=args.best_effort,
                 plan=args.plan,
                 plan_cache=not args.no_plan_cache,

@@ -1,9 +1,13 @@
-"""The per-user cache: where measured cast costs and kept plans live between launches.
+"""The per-user plan cache: where kept plans live between launches.
 
-Plans are kept one per job, in ``<cache dir>/plans/<model>.json``, where ``<model>`` is the
-fingerprint's digest of the model's structure: the next launch of the same model finds its plan
-there, applies it if the rest of the fingerprint (batch shapes, device, world size, versions)
-matches, and otherwise says which of them changed and plans afresh.
+A kept plan is filed under its job and the constraints it was chosen under:
+``<cache dir>/plans/<job>-<constraints key>.json``. The job is what the integration calls the
+training script's model (the LightningModule's or Keras model's class); the constraints key is a
+digest of `Plan.constraints`. So the next launch of the same job under the same constraints finds
+its plan there, and applies it if the rest of the fingerprint (model structure, batch shapes,
+device, world size, versions) matches; otherwise it says which of them changed and plans afresh. A
+launch under other constraints (another memory budget, other precisions) never takes a plan chosen
+under these.
 """
 
 from __future__ import annotations
@@ -29,29 +33,35 @@ def default_cache_dir() -> str:
     return os.path.join(base, "qsync_callback")
 
 
-def plan_cache_path(fingerprint: Mapping[str, Any], cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache file for the job ``fingerprint`` describes (keyed by its model digest)."""
-    model = str(fingerprint.get("model") or fingerprint_key(fingerprint))
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
-    return Path(default_cache_dir() if cache_dir is None else cache_dir) / PLANS_DIR / f"{safe}.json"
+def plan_cache_path(
+    job: str, constraints: Mapping[str, Any], cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """The cache file for ``job`` planned under ``constraints``."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:80] or "job"
+    name = f"{safe}-{fingerprint_key(constraints)}.json"
+    return Path(default_cache_dir() if cache_dir is None else cache_dir) / PLANS_DIR / name
 
 
-def store_plan(plan: Plan, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Keep ``plan`` for the next launch of its job; returns the file written."""
-    path = plan_cache_path(plan.fingerprint, cache_dir)
+def store_plan(plan: Plan, job: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Keep ``plan`` for the next launch of ``job`` under the same constraints; returns the file."""
+    path = plan_cache_path(job, plan.constraints, cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan.save(path)
     return path
 
 
 def cached_plan(
-    fingerprint: Mapping[str, Any], cache_dir: str | os.PathLike | None = None
+    job: str,
+    fingerprint: Mapping[str, Any],
+    constraints: Mapping[str, Any],
+    cache_dir: str | os.PathLike | None = None,
 ) -> tuple[Plan | None, str | None]:
     """The kept plan for this run, or None and why not (None and None: there is none).
 
-    A kept plan that cannot be read, or was made for a run that differs from ``fingerprint``, is
-    not returned; the reason says which file and what differs."""
-    path = plan_cache_path(fingerprint, cache_dir)
+    A kept plan that cannot be read, was made for a run that differs from ``fingerprint``, or under
+    other constraints than ``constraints``, is not returned; the reason says which file and what
+    differs."""
+    path = plan_cache_path(job, constraints, cache_dir)
     if not path.exists():
         return None, None
     try:
@@ -62,4 +72,13 @@ def cached_plan(
         plan.check_for(fingerprint, source=f"the kept plan {path}")
     except QSyncInputError as error:
         return None, str(error)
+    if fingerprint_key(plan.constraints) != fingerprint_key(constraints):
+        return None, f"the kept plan {path} was chosen under other constraints"
     return plan, None
+
+
+def drop_cached_plan(
+    job: str, constraints: Mapping[str, Any], cache_dir: str | os.PathLike | None = None
+) -> None:
+    """Forget the kept plan of ``job`` under ``constraints`` (one that cannot be applied here)."""
+    plan_cache_path(job, constraints, cache_dir).unlink(missing_ok=True)

@@ -8,30 +8,40 @@
 ``qsync plan`` needs a trace recorded with ``QSyncCallback(mode="apply")`` (it carries the
 per-precision probes and the indicator's statistics).
 
-Bad input (a missing, truncated or foreign trace; a bad plan) prints one line,
-``qsync: error: <file>: <what is wrong>``, and exits with code 2.
+Bad input (a missing, truncated or foreign trace, a field of the wrong type or shape, rank traces
+of different runs; a bad plan) prints one line, ``qsync: error: <file>: <what is wrong>``, and exits
+with code 2; so does a bad argument (``qsync: error: --max-step-ms: ...``), before any trace is read.
+Output piped into a reader that stops early (``qsync report DIR | head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import PRECISIONS, Plan
-from qsync_callback.planner.precision import plan_precision
+from qsync_callback.plan import LEVERS, PRECISIONS, Constraints, Plan
+from qsync_callback.planner.choose import choose_plan
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import build_report, format_precision_plan, format_summary
-from qsync_callback.units import format_bytes, parse_bytes, parse_share
+from qsync_callback.report import build_report, format_summary
+from qsync_callback.units import format_bytes
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the tool's one-line errors (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"qsync: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="qsync", description="Predict and plan from recorded training traces."
-    )
+    parser = _Parser(prog="qsync", description="Predict and plan from recorded training traces.")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="measured vs predicted step time and peak memory, top ops")
     report.add_argument("trace_dir", help="a trace directory (rank<k>/trace.json inside)")
@@ -55,54 +65,88 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="when no plan meets the constraints, take the closest one (default: write none)",
     )
+    plan.add_argument(
+        "--levers", default=",".join(LEVERS), help="what a plan may change, comma-separated (default: all)"
+    )
     plan.add_argument("--out", help="write the plan here (JSON)")
     return parser
 
 
-def _plan(args: argparse.Namespace, traces: list) -> None:
-    """``qsync plan``: print the chosen plan's table; write it with --out."""
-    budget = None
-    if args.memory_budget is not None:
-        try:
-            share = parse_share(args.memory_budget)
-            budget = parse_bytes(args.memory_budget) if share is None else None
-        except ValueError as exc:
-            raise QSyncInputError(f"--memory-budget: {exc}") from None
-        if share is not None:
-            budget = int(share * predict(traces).peak_bytes)
+def _check_arguments(args: argparse.Namespace) -> Constraints | None:
+    """Refuse bad arguments before any trace is read (QSyncInputError naming the option); for
+    ``qsync plan``, its constraints."""
+    if getattr(args, "top", 1) < 1:
+        raise QSyncInputError(f"--top: expected a positive number of ops, not {args.top}")
+    if args.command != "plan":
+        return None
+    if args.max_step_ms is not None and not (math.isfinite(args.max_step_ms) and args.max_step_ms > 0):
+        raise QSyncInputError(
+            f"--max-step-ms: expected a positive number of milliseconds, not {args.max_step_ms:g}"
+        )
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in precisions if p not in PRECISIONS]
-    if unknown:
+    if unknown or not precisions:
         raise QSyncInputError(
-            f"--precisions: unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}"
+            f"--precisions: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(PRECISIONS)}"
         )
-    choice, indicator = plan_precision(
-        traces, precisions, max_step_ms=args.max_step_ms, memory_budget=budget, best_effort=args.best_effort
-    )
-    print(format_precision_plan(choice, indicator, predict(traces).to_dict(), traces[0].layers))
-    if not (choice.feasible or args.best_effort):
+    levers = [lever.strip() for lever in args.levers.split(",") if lever.strip()]
+    try:
+        return Constraints.from_arguments(
+            args.memory_budget,
+            args.max_step_ms / 1e3 if args.max_step_ms is not None else None,
+            precisions,
+            levers,
+            args.best_effort,
+        )
+    except ValueError as exc:  # "<argument>: <what is wrong>", said as the option
+        argument, _, what = str(exc).partition(": ")
+        raise QSyncInputError(f"--{argument.replace('_', '-')}: {what}") from None
+
+
+def _plan(args: argparse.Namespace, constraints: Constraints, traces: list) -> None:
+    """``qsync plan``: print the chosen plan's table; write it with --out."""
+    recorded = predict(traces).to_dict()
+    choice = choose_plan(traces, constraints.resolved(recorded["peak_bytes"]), recorded)
+    _out(choice.table)
+    if not (choice.feasible or constraints.best_effort):
         raise QSyncInputError("no plan meets the constraints; --best-effort writes the closest one")
     if args.out:
+        choice.plan.constraints = constraints.to_dict()
         choice.plan.save(args.out)
-        print(f"written to {args.out}")
+        _out(f"written to {args.out}")
+
+
+def _out(text: str) -> None:
+    """Print ``text``; once the reader has gone (``qsync report DIR | head``), drop this and all later
+    output quietly, as Unix tools do (stdout onto /dev/null: no BrokenPipeError at exit either)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # a stdout with no file descriptor (captured)
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        constraints = _check_arguments(args)
         traces = load_trace_dir(args.trace_dir)
-        if args.command == "plan":
-            _plan(args, traces)
+        if constraints is not None:
+            _plan(args, constraints, traces)
         elif args.command == "report":
-            report = build_report(traces, top=max(args.top, 1))
-            print(json.dumps(report, indent=2) if args.json else format_summary(report, top=args.top))
+            report = build_report(traces, top=args.top)
+            _out(json.dumps(report, indent=2) if args.json else format_summary(report, top=args.top))
         else:
             plan = Plan.load(args.plan) if args.plan else None
             prediction = predict(traces, plan, plan_source=args.plan or "<plan>")
             if args.json:
-                print(json.dumps(prediction.to_dict(), indent=2))
+                _out(json.dumps(prediction.to_dict(), indent=2))
             else:
-                print(
+                _out(
                     f"predicted step time {prediction.step_ms:.2f} ms, "
                     f"peak memory {format_bytes(prediction.peak_bytes)}"
                 )

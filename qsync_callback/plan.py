@@ -8,7 +8,14 @@ libraries with global knobs (Horovod) their communication settings. The planner 
 the predictor prices them (the chosen plan keeps the prediction it was chosen on), and the
 integrations enact them on the real run. A plan also carries a fingerprint of what it was made for
 (model structure, layers, batch shapes, device, world size, library versions), so a run can tell
-when a stored plan no longer fits.
+when a stored plan no longer fits, and the constraints it was chosen under (`Constraints`:
+memory budget, step-time target, allowed precisions and levers), so a plan chosen under other
+constraints is never taken for this run's.
+
+``prediction`` has one schema, whatever the plan kind (`Prediction.figures`):
+``{"step_ms": float, "peak_bytes": int | null}``, the predicted step time and peak memory the plan
+was chosen on, which verify compares with the measured ones (``peak_bytes`` null where the
+predictor cannot stand behind a peak).
 
 On disk a plan is versioned JSON (`{"format": "qsync-plan", "version": 1, ...}`), validated
 strictly when read. It is never pickled and never eval'd: loading a plan cannot run code.
@@ -20,11 +27,12 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import parse_json, read_json, write_text_atomic
+from qsync_callback.units import parse_memory_budget, parse_seconds
 
 PLAN_FORMAT = "qsync-plan"
 PLAN_VERSION = 1
@@ -37,6 +45,75 @@ COMMUNICATION_SETTINGS = {
     "cycle_time_ms": (float, "how long the communication thread waits to fuse tensors, ms"),
 }
 
+LEVERS = ("precision", "activation", "regions", "buckets")
+# the plan fields each lever's decisions live in
+LEVER_FIELDS = {
+    "precision": ("precision", "op_precision"),
+    "activation": ("activation",),
+    "regions": ("fused_regions",),
+    "buckets": ("buckets", "communication"),
+}
+DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a plan is chosen under; it travels with the plan (`Plan.constraints`) and keys the cache.
+
+    ``memory_budget`` is in bytes; a budget given as a share of the recorded configuration's
+    predicted peak is ``memory_budget_share`` until the report turns it into bytes (`resolved`).
+    """
+
+    memory_budget: int | None = None
+    memory_budget_share: float | None = None
+    max_step_ms: float | None = None
+    precisions: tuple[str, ...] = DEFAULT_PRECISIONS
+    levers: tuple[str, ...] = LEVERS
+    best_effort: bool = False
+
+    @classmethod
+    def from_arguments(
+        cls,
+        memory_budget: str | int | float | None = None,
+        max_step_time: float | None = None,
+        precisions: Iterable[str] = DEFAULT_PRECISIONS,
+        levers: Iterable[str] = LEVERS,
+        best_effort: bool = False,
+    ) -> Constraints:
+        """Check a user's arguments (ValueError naming the bad one) and build the constraints."""
+        try:
+            budget, share = parse_memory_budget(memory_budget) if memory_budget is not None else (None, None)
+        except ValueError as error:
+            raise ValueError(f"memory_budget: {error}") from None
+        max_ms = parse_seconds(max_step_time, "max_step_time") * 1e3 if max_step_time is not None else None
+        for name, names in (("precisions", precisions), ("levers", levers)):
+            if isinstance(names, str):
+                raise ValueError(f"{name}: a list of names, such as ({names!r},), not the string {names!r}")
+        wanted = ("fp32", *(p for p in dict.fromkeys(precisions) if p != "fp32"))
+        unknown = [p for p in wanted if p not in PRECISIONS]
+        if unknown:
+            listed = ", ".join(map(str, unknown))
+            raise ValueError(f"precisions: unknown {listed}; choose from {', '.join(PRECISIONS)}")
+        levers = tuple(dict.fromkeys(levers))
+        unknown = [lever for lever in levers if lever not in LEVERS]
+        if unknown or not levers:
+            raise ValueError(f"levers: must be some of {', '.join(LEVERS)}, not {levers!r}")
+        if not isinstance(best_effort, bool):
+            raise ValueError(f"best_effort: must be True or False, not {best_effort!r}")
+        return cls(budget, share, max_ms, wanted, levers, best_effort)
+
+    def resolved(self, recorded_peak_bytes: int | None) -> Constraints:
+        """The same constraints with a budget share turned into bytes of ``recorded_peak_bytes``."""
+        if self.memory_budget_share is None or recorded_peak_bytes is None:
+            return self
+        budget = max(int(self.memory_budget_share * recorded_peak_bytes), 1)
+        return Constraints(budget, None, self.max_step_ms, self.precisions, self.levers, self.best_effort)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(self).items()}
+
+
+
 _FIELDS = (
     "fingerprint",
     "precision",
@@ -46,6 +123,7 @@ _FIELDS = (
     "activation",
     "communication",
     "prediction",
+    "constraints",
 )
 _TOP_LEVEL_KEYS = ("format", "version", *_FIELDS)
 _MAX_LISTED = 5
@@ -159,6 +237,7 @@ class Plan:
     activation: dict[str, str] = field(default_factory=dict)
     communication: dict[str, int | float] = field(default_factory=dict)  # COMMUNICATION_SETTINGS
     prediction: dict[str, Any] | None = None
+    constraints: dict[str, Any] = field(default_factory=dict)  # what it was chosen under (`Constraints`)
     version: int = PLAN_VERSION
 
     @classmethod
@@ -193,6 +272,7 @@ class Plan:
             "activation": dict(self.activation),
             "communication": dict(self.communication),
             "prediction": _canonical(self.prediction) if self.prediction is not None else None,
+            "constraints": _canonical(self.constraints),
         }
 
     @classmethod
@@ -242,6 +322,7 @@ class Plan:
             ),
             communication=_check_communication(data.get("communication", {}), source),
             prediction=None if prediction is None else _check_object(prediction, "prediction", source),
+            constraints=_check_object(data.get("constraints", {}), "constraints", source),
             version=version,
         )
 

@@ -20,7 +20,7 @@ from tf_launch import EXAMPLE, run_horovod
 
 WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 3}
 RECORDED = [3, 5]  # warm-up session at call 1, settle at 2, recorded every other call from 3
-CALLS = 9  # 5 + measure_steps + 1: the report comes after the last measured call
+CALLS = 10  # the report comes at the start of the call after the last measured one (5 + 3 + 1)
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +155,17 @@ def test_bad_input_is_refused_at_decoration_time(keras, tmp_path):
     profile(recorder)(train_step)
     with pytest.raises(ValueError, match="already profiles another train step"):
         profile(recorder)(lambda: None)
-    with pytest.raises(ValueError, match="mode must be one of record, report, apply"):
+    with pytest.raises(ValueError, match="mode:? must be one of record, report, apply"):
         Recorder(mode="replay")
-    with pytest.raises(ValueError, match="warmup_steps >= 2"):
+    with pytest.raises(ValueError, match="warmup_steps:? must be an integer of at least 2, not 1"):
         Recorder(warmup_steps=1)
-    with pytest.raises(TypeError, match="model must be a Keras model, not str"):
+    with pytest.raises(ValueError, match="warmup_steps:? must be an integer of at least 2, not 2.5"):
+        Recorder(warmup_steps=2.5)
+    with pytest.raises(ValueError, match="batch_size:? must be an integer of at least 1, not 0"):
+        Recorder(batch_size=0)
+    with pytest.raises(ValueError, match="levers:? must be some of"):
+        Recorder(levers=("xla",))
+    with pytest.raises(TypeError, match="model: must be a Keras model, not str"):
         Recorder(model="resnet")
 
 
@@ -190,7 +196,8 @@ def test_profiler_that_fails_to_start_leaves_the_users_session_alone(keras, tmp_
         tf.profiler.experimental.stop()  # still running: the recorder did not stop it
     assert all(_finite_loss(loss) for loss in results)
     assert len(warned) == 1 and "Another profiler is running" in warned[0]
-    assert recorder.finished and recorder.trace is None and not (tmp_path / "q" / "report.json").exists()
+    assert recorder.finished and not (tmp_path / "q" / "report.json").exists()
+    assert not (tmp_path / "q" / "trace" / "rank0" / "trace.json").exists()
     _no_profiler_running()
 
 
@@ -221,7 +228,7 @@ def test_profile_lost_mid_window_stops_the_profiler(keras, tmp_path):
     results, warned = _run(profile(recorder)(train_step), batch, on_call=block)
     assert all(_finite_loss(loss) for loss in results)
     assert len(warned) == 1 and "is not a directory" in warned[0]
-    assert recorder.finished and recorder.trace is None
+    assert recorder.finished and not (tmp_path / "q" / "trace" / "rank0" / "trace.json").exists()
     _no_profiler_running()
 
 

@@ -1,7 +1,9 @@
-"""Mode "apply" of the Horovod + TensorFlow Recorder on real training: candidates (XLA, bfloat16
-mixed precision uniform and per op type) measured on the live run, kept only if more than 2%
-faster, otherwise rolled back; a candidate that fails or stops being finite is rolled back with
-training going on; two processes under ``horovodrun --gloo`` end with the same decision."""
+"""Mode "apply" of the Horovod + TensorFlow Recorder on real training, through the tuning loop: the
+planner prices the TF candidates (bf16 uniform and per op type, gradient groups) with the predictor,
+one plan is applied on every rank at one call, recorded again, and kept or rolled back by
+`verify.py`'s rule (TF's option and env lists put back); a given XLA plan that cannot compile is
+refused with nothing applied; two processes under ``horovodrun --gloo`` end with the same plan, and
+the next launch applies it from the plan cache."""
 
 import json
 import math
@@ -16,29 +18,25 @@ import pytest
 import tensorflow as tf
 
 from qsync_callback.integrations.horovod_tf import Recorder, profile
-from qsync_callback.integrations.horovod_tf.apply import (
-    AMP_OPTION,
-    CANDIDATE_WARMUP,
-    MEASURED,
-    NO_REWRITE,
-    PREDICTED,
-    trial_calls,
-)
-from qsync_callback.integrations.horovod_tf.mixed_precision import ENV_PREFIX, PROBE_CALLS
+from qsync_callback.integrations.horovod_tf.mixed_precision import AMP_OPTION, ENV_PREFIX
 from qsync_callback.plan import Plan
+from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.verify import SLOWER_TOLERANCE
 
 from keras_steps import mlp_and_step
 from tf_launch import EXAMPLE, run_horovod, run_python
 
-WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 3}
+WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 2}
 LAYERS = ["hidden", "head"]
+WIDE = {"width": 2048, "features": 512, "batch": 512}  # MatMul-bound: bf16 pays for its casts
+EXTRA_CALLS = 3
+MAX_CALLS = 200
 
 
-def _mlp_step(inf_under_bf16: bool = False, py_function: bool = False):
-    """A Keras MLP's train step (a ``tf.function``) and its model. ``py_function`` puts an op in it
-    that XLA cannot compile; ``inf_under_bf16`` makes it return an infinite loss when traced
-    with the bfloat16 rewrite on (the mixed-precision candidate)."""
+def _step(width: int, features: int, inf_under_bf16: bool = False, py_function: bool = False):
+    """A Keras MLP's train step (a ``tf.function``) and its model and optimizer. ``py_function``
+    puts an op in it that XLA cannot compile; ``inf_under_bf16`` makes it return an infinite loss
+    when traced with TF's bfloat16 rewrite on."""
 
     def finish(loss: tf.Tensor) -> tf.Tensor:
         if py_function:
@@ -47,195 +45,194 @@ def _mlp_step(inf_under_bf16: bool = False, py_function: bool = False):
             loss = loss + math.inf
         return loss
 
-    return mlp_and_step(64, 32, finish=finish)
+    return mlp_and_step(width, features, finish=finish)
 
 
-def _apply(output_dir: Path, **step_options) -> dict:
-    """Run a recorder in mode "apply" to its end and 3 calls beyond; return what the tests check, as
-    JSON data (see `_run_in_a_child`)."""
+def _apply(output_dir: Path, options: dict) -> dict:
+    """Run a recorder to its end and `EXTRA_CALLS` beyond; return what the tests check, as JSON data
+    (see `_run_in_a_child`)."""
     hvd.init()
-    model, optimizer, train_step = _mlp_step(**step_options)
+    batch_size = options.pop("batch")
+    width, features = options.pop("width"), options.pop("features")
+    model, optimizer, train_step = _step(width, features, **options.pop("step", {}))
     recorder = Recorder(
-        model=model, batch_size=16, output_dir=output_dir, mode="apply", optimizer=optimizer, **WINDOW
+        model=model,
+        batch_size=batch_size,
+        output_dir=output_dir,
+        optimizer=optimizer,
+        plan_cache=output_dir / "cache",
+        **{"mode": "apply", **WINDOW, **options},
     )
     step = profile(recorder)(train_step)
-    batch = (tf.random.normal((16, 32), seed=1), tf.zeros((16,), tf.int32))
-    results, active = [], []
+    batch = (tf.random.normal((batch_size, features), seed=1), tf.zeros((batch_size,), tf.int32))
+    losses, calls = [], 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(recorder.total_calls + 3):
+        while (not recorder.finished or calls < EXTRA_CALLS) and len(losses) < MAX_CALLS:
             loss = step(*batch)
-            results.append([loss.dtype.name, loss.shape.as_list(), float(loss)])
-            active.append(recorder.active)
+            losses.append([loss.dtype.name, loss.shape.as_list(), float(loss)])
+            calls += 1 if recorder.finished else 0
     return {
-        "results": results,
-        "active": active,
+        "losses": losses,
         "warned": [str(w.message) for w in caught if "qsync Recorder" in str(w.message)],
         "failure": recorder.failure,
-        "total_calls": recorder.total_calls,
+        "plan": recorder.plan.to_dict() if recorder.plan is not None else None,
         "verification": recorder.verification,
         "amp_on": bool(tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False)),
         "amp_env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)},
     }
 
 
-def _run_in_a_child(tmp_path: Path, **step_options) -> dict:
-    """`_apply` in a child process: once XLA has compiled in a process, TF's later profiles there
-    carry an extra "/host:metadata" plane that the XSpace conversion mistakes for the host plane, so
-    the XLA candidate must not run in the process that runs the other tests."""
-    run_python([__file__, str(tmp_path), json.dumps(step_options)])
-    return json.loads((tmp_path / "child.json").read_text())
+def _run_in_a_child(tmp_path: Path, **options) -> tuple[dict, str]:
+    """`_apply` in a child process (a kept plan changes TF's options for the whole process); returns
+    its data and what it printed."""
+    run = run_python([__file__, str(tmp_path), json.dumps(options)])
+    return json.loads((tmp_path / "child.json").read_text()), run.stdout
 
 
-def _check_results(results: list) -> None:
+def _finite_scalars(losses: list) -> bool:
     """Every call returned a finite scalar float32 loss, as the original step does."""
-    assert all(dtype == "float32" and shape == [] and math.isfinite(v) for dtype, shape, v in results)
+    return all(dtype == "float32" and shape == [] and math.isfinite(v) for dtype, shape, v in losses)
 
 
-def _trial_calls(total: int, name: str) -> range:
-    """Indices (among all calls) of the calls of trial ``name``."""
-    v = WINDOW["verify_steps"]
-    warm = CANDIDATE_WARMUP
-    turns = [("baseline", v), ("xla", warm + v), ("amp_bf16", PROBE_CALLS + v), ("amp_op_types", warm + v)]
-    start = total - trial_calls(v)
-    for trial, calls in turns:
-        if trial == name:
-            return range(start, start + calls)
-        start += calls
-    raise KeyError(name)
+def _chosen(stdout: str) -> str:
+    """The name of the candidate the planner's table marks as chosen."""
+    return re.search(r"^\s+(.+?)\s+[\d.]+ ms predicted .*<- chosen$", stdout, re.MULTILINE).group(1)
 
 
-def _amp_ran(amp: dict) -> bool:
-    """The bf16 candidate either ran with bfloat16 ops in its optimized graph, or was left out because
-    the rewrite changed nothing (a CPU without bfloat16 support); returns whether it ran."""
-    if amp["evidence"]:
-        assert amp["evidence"].get("MatMul", 0) > 0 and amp["evidence"].get("Cast", 0) > 0
-        return True
-    assert amp["error"] == NO_REWRITE and amp["excluded"]
-    return False
-
-
-def test_apply_measures_candidates_keeps_only_a_real_gain_and_writes_plan(tmp_path):
-    child = _run_in_a_child(tmp_path)
-    assert child["failure"] is None
-    _check_results(child["results"])
+def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp_path):
+    child, stdout = _run_in_a_child(tmp_path, **WIDE)
+    assert child["failure"] is None and child["warned"] == [] and _finite_scalars(child["losses"])
+    assert "qsync TF plans" in stdout and "XLA is not proposed" in stdout
+    (trace,) = load_trace_dir(tmp_path / "trace")  # the planning window measured TF's bf16 rewrite
+    table = trace.precision_costs["op_types"]
+    if not table.get("costs"):
+        pytest.skip(f"this CPU runs nothing at bfloat16 ({table})")
+    assert table["costs"]["MatMul"]["measured_ops"] > 0
+    assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"}
+    kept = Plan.load(tmp_path / "plan.json")
+    if _chosen(stdout) == "recorded configuration":  # nothing predicted faster on a loaded machine
+        assert kept.is_empty and child["verification"] is None and not child["amp_on"]
+        return
     verification = json.loads((tmp_path / "verification.json").read_text())
     assert verification == child["verification"]
-    base = verification["baseline"]
-    assert base["step_ms"] > 0 and len(base["samples_ms"]) == WINDOW["verify_steps"]
-    by_name = {c["name"]: c for c in verification["candidates"]}
-    assert sorted(by_name) == ["amp_bf16", "amp_op_types", "xla"]
-    amp_ran = _amp_ran(by_name["amp_bf16"])
-    ran = [c for c in by_name.values() if c["error"] is None]
-    assert by_name["xla"] in ran and (by_name["amp_bf16"] in ran) == amp_ran
-    failed = [name for name, c in by_name.items() if c["error"] is not None]
-    assert len(child["warned"]) == len(failed) and all(
-        f"candidate {n}" in " ".join(child["warned"]) for n in failed
-    )
-    for c in ran:
-        assert c["error"] is None and c["finite"] and c["source"] == MEASURED
-        assert len(c["samples_ms"]) == WINDOW["verify_steps"] and c["step_ms"] > 0
-    # the baseline and both bf16 candidates are priced by the predictor (from the measured uniform
-    # candidate), XLA is not
-    assert by_name["xla"]["prediction"] is None
-    for entry in (base, by_name["amp_bf16"], by_name["amp_op_types"]):
-        if amp_ran:
-            assert entry["prediction"]["source"] == PREDICTED and entry["prediction"]["step_ms"] > 0
-        else:
-            assert entry["prediction"] is None
-    # the decision follows the measured figures: the fastest, if more than 2% faster than the baseline
-    best = min(ran, key=lambda c: c["all_ranks_step_ms"])
-    keep = best["all_ranks_step_ms"] < base["all_ranks_step_ms"] * (1 - SLOWER_TOLERANCE)
+    candidate = Plan.from_dict(verification["plan"])
+    assert "bf16" in candidate.op_precision.values() and candidate.fingerprint["layers"] == LAYERS
+    assert verification["predicted"]["step_ms"] == candidate.prediction["step_ms"] > 0
+    measured, baseline = verification["measured"]["step_ms"], verification["baseline_step_ms"]
+    keep = measured <= baseline * (1 + SLOWER_TOLERANCE)
     assert verification["decision"] == ("keep" if keep else "roll back")
-    chosen = best["name"] if keep else "baseline"
-    assert verification["chosen"] == chosen
-    # the switch comes after the last trial call (counted from the first trial call)
-    assert verification["switch_call"] == trial_calls(WINDOW["verify_steps"])
-    before = child["total_calls"] - 1
-    assert child["active"] == ["baseline"] * before + [chosen] * 4
-    # the rewrite stays on, and its env lists set, only when kept
-    assert child["amp_on"] == (chosen in ("amp_bf16", "amp_op_types"))
-    assert bool(child["amp_env"]) == (chosen == "amp_op_types")
-    plan = Plan.load(tmp_path / "plan.json")
-    if chosen == "xla":
-        assert plan.fused_regions == [LAYERS] and not plan.precision
-    elif chosen == "amp_bf16":
-        assert plan.precision == dict.fromkeys(LAYERS, "bf16") and not plan.fused_regions
-    elif chosen == "amp_op_types":
-        assert "bf16" in plan.op_precision.values() and not plan.precision
-    else:
-        assert plan.is_empty
-    if keep:
-        assert plan.prediction["measured_step_ms"] == best["all_ranks_step_ms"]
-        assert plan.prediction["measured_source"] == MEASURED
-        assert plan.prediction["step_ms"] == (best["prediction"] or {}).get("step_ms")
-    xla = Plan.from_dict(by_name["xla"]["plan"])
-    assert xla.fused_regions == [LAYERS] and xla.fingerprint["layers"] == LAYERS
-    assert Plan.from_dict(by_name["amp_bf16"]["plan"]).precision == dict.fromkeys(LAYERS, "bf16")
+    # the kept plan alone is state: plan.json holds it (or the recorded configuration); TF's rewrite
+    # and the plan's env lists stay on only when it is kept
+    assert kept.op_precision == (candidate.op_precision if keep else {})
+    assert child["plan"] == (kept.to_dict() if keep else None)
+    assert child["amp_on"] == keep and bool(child["amp_env"]) == keep
+    assert (tmp_path / "verify" / "trace" / "rank0" / "trace.json").exists()
 
 
-def test_failed_and_non_finite_candidates_roll_back_to_the_original_step(tmp_path):
-    """XLA cannot compile the step (a ``tf.py_function``): it warns once and that call runs the
-    original; the bf16 candidate returns infinite losses: it is out. The run rolls back."""
-    child = _run_in_a_child(tmp_path, inf_under_bf16=True, py_function=True)
-    results, warned, total = child["results"], child["warned"], child["total_calls"]
-    xla_warned = [w for w in warned if "candidate xla" in w]
-    assert len(xla_warned) == 1, warned
-    assert re.search(r"candidate xla failed \(InvalidArgumentError: .*XLA_CPU_JIT", xla_warned[0])
-    assert child["failure"] is None and not child["amp_on"]  # back to TF's options as they were
-    assert child["amp_env"] == {}  # and to the env as it was
-    amp_calls = _trial_calls(total, "amp_bf16")
-    ops_calls = _trial_calls(total, "amp_op_types")
-    by_name = {c["name"]: c for c in child["verification"]["candidates"]}
-    if by_name["amp_op_types"]["error"] is None:  # it ran: infinite, as the uniform one
-        amp_calls = [*amp_calls, *ops_calls]
-    _check_results([r for k, r in enumerate(results) if k not in amp_calls])
-    assert all(math.isinf(results[k][2]) for k in amp_calls)  # returned unchanged, as they came
-    # the original step runs again after the switch: its losses are finite
-    assert child["active"] == ["baseline"] * len(results) and len(results) == total + 3
+def test_a_plan_whose_loss_stops_being_finite_is_rolled_back(tmp_path):
+    """The step returns an infinite loss under TF's bf16 rewrite: during the probe and under the
+    plan the losses come back as they are; verification rolls the plan back, and TF's option and env
+    are as they were."""
+    child, stdout = _run_in_a_child(tmp_path, **WIDE, step={"inf_under_bf16": True})
+    if child["verification"] is None:
+        pytest.skip(f"no bf16 plan was predicted faster on this machine: {_chosen(stdout)}")
     verification = child["verification"]
-    assert verification["decision"] == "roll back" and verification["chosen"] == "baseline"
-    assert by_name["xla"]["error"].startswith("InvalidArgumentError") and by_name["xla"]["step_ms"] is None
-    if _amp_ran(by_name["amp_bf16"]):
-        assert not by_name["amp_bf16"]["finite"] and by_name["amp_bf16"]["excluded"]
+    assert verification["decision"] == "roll back"
+    assert verification["reason"] == "the loss stopped being finite"
+    assert child["failure"] is None and child["plan"] is None
+    assert not child["amp_on"] and child["amp_env"] == {}
     assert Plan.load(tmp_path / "plan.json").is_empty
+    assert _finite_scalars(child["losses"][-EXTRA_CALLS:])  # the original step again
+    assert any(math.isinf(v) for _, _, v in child["losses"])
 
 
-def test_bad_verify_steps_and_modes_are_refused():
-    with pytest.raises(ValueError, match="mode must be one of record, report, apply, not 'replay'"):
+def test_a_given_xla_plan_that_cannot_compile_is_refused_with_nothing_applied(tmp_path):
+    """A step with an op XLA cannot compile (a ``tf.py_function``): the plan's fused region is
+    refused before anything changes, with TF's reason; the recorder steps aside and training goes on."""
+    plan = Plan(fused_regions=[LAYERS])
+    plan.save(tmp_path / "xla.json")
+    child, _ = _run_in_a_child(
+        tmp_path, width=16, features=8, batch=8, step={"py_function": True}, plan=str(tmp_path / "xla.json")
+    )
+    (warned,) = child["warned"]
+    assert "cannot be applied: fused_regions: XLA cannot compile the step" in warned
+    assert "EagerPyFunc" in warned
+    assert child["plan"] is None and _finite_scalars(child["losses"]) and not (tmp_path / "trace").exists()
+
+
+def test_a_given_xla_plan_is_applied_and_the_run_recorded_under_it(tmp_path):
+    plan = Plan(fused_regions=[LAYERS])
+    plan.save(tmp_path / "xla.json")
+    given = str(tmp_path / "xla.json")
+    child, stdout = _run_in_a_child(tmp_path, width=16, features=8, batch=8, plan=given, mode="report")
+    assert child["failure"] is None and child["warned"] == [] and _finite_scalars(child["losses"])
+    assert f"applied the plan from {tmp_path / 'xla.json'} at step 0 (1 fused_regions)" in stdout
+    assert child["plan"]["fused_regions"] == [LAYERS]
+    assert json.loads((tmp_path / "report.json").read_text())["measured"]["step_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    ("decisions", "message"),
+    [
+        ({"communication": {"cycle_time_ms": 7.0}}, "launch with horovodrun --cycle-time-ms 7"),
+        ({"buckets": [["hidden/kernel:0", "nope:0"]]}, "buckets: the plan's gradient groups name unknown"),
+        ({"precision": {"hidden": "bf16"}}, "precision: TF's bf16 rewrite covers the whole step"),
+        ({"fused_regions": [["hidden"]]}, "fused_regions: XLA compiles the whole step"),
+        ({"activation": {"hidden": "recompute"}}, "cannot carry out the plan's activation decisions"),
+    ],
+)
+def test_a_given_plan_the_run_cannot_carry_out_is_refused_with_nothing_applied(tmp_path, decisions, message):
+    hvd.init()
+    model, _, train_step = _step(16, 8)
+    batch = (tf.random.normal((4, 8), seed=1), tf.zeros((4,), tf.int32))
+    Plan(**decisions).save(tmp_path / "plan.json")
+    options = _amp_options()
+    recorder = Recorder(model=model, output_dir=tmp_path / "q", plan=tmp_path / "plan.json", **WINDOW)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [float(profile(recorder)(train_step)(*batch)) for _ in range(2)]
+    (warned,) = [str(w.message) for w in caught if "qsync Recorder" in str(w.message)]
+    assert message in warned and "cannot be applied" in warned
+    assert recorder.finished and recorder.plan is None and recorder.groups is None
+    assert all(math.isfinite(v) for v in losses) and _amp_options() == options
+    assert not (tmp_path / "q").exists()
+
+
+def _amp_options() -> tuple[bool, dict]:
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    return bool(tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False)), env
+
+
+def test_bad_verify_steps_and_plans_are_refused():
+    with pytest.raises(ValueError, match="mode:? must be one of record, report, apply, not 'replay'"):
         Recorder(mode="replay")
-    with pytest.raises(ValueError, match="need verify_steps >= 1"):
+    with pytest.raises(ValueError, match="verify_steps:? must be an integer of at least 1, not 0"):
         Recorder(mode="apply", verify_steps=0)
-    with pytest.raises(TypeError, match="plan must be a plan file's path, None or False, not True"):
+    with pytest.raises(TypeError, match="plan: must be a plan file's path, None or False, not True"):
         Recorder(mode="apply", plan=True)
 
 
-def test_two_processes_under_horovodrun_end_with_the_same_decision(tmp_path):
+def test_two_processes_under_horovodrun_end_with_the_same_plan_and_the_next_launch_applies_it(tmp_path):
     out = tmp_path / "qsync"
-    example = [
-        str(EXAMPLE),
-        "--mode",
-        "apply",
-        "--batch-size",
-        "16",
-        "--output-dir",
-        str(out),
-    ]
-    example += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    run = run_horovod(example)
-    verification = json.loads((out / "verification.json").read_text())
-    assert verification["world_size"] == 2
-    applied = dict(re.findall(r"rank (\d): qsync applied (\w+)", run.stdout))
-    assert applied == {"0": verification["chosen"], "1": verification["chosen"]}
-    assert "qsync apply: baseline" in run.stdout and "decision:" in run.stdout
-    by_name = {c["name"]: c for c in verification["candidates"]}
-    # Horovod's all-reduce has no XLA kernel on CPU: the XLA candidate fails on both ranks, and says so
-    assert "HorovodAllreduce" in by_name["xla"]["error"] and by_name["xla"]["excluded"]
-    if _amp_ran(by_name["amp_bf16"]):
-        assert by_name["amp_bf16"]["error"] is None and by_name["amp_bf16"]["all_ranks_step_ms"] > 0
-    assert Plan.load(out / "plan.json").fingerprint["world_size"] == 2
+    example = [str(EXAMPLE), "--mode", "apply", "--batch-size", "32", "--output-dir", str(out)]
+    example += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "2"]
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = run_horovod([*example, "--horovod-timeline"], env=env)
+    in_force = dict(re.findall(r"rank (\d): qsync plan in force: (.*)", run.stdout))
+    assert set(in_force) == {"0", "1"} and in_force["0"] == in_force["1"]
+    assert "gradient groups (" in run.stdout  # priced from Horovod's timeline
+    kept = Plan.load(out / "plan.json")
+    assert kept.fingerprint["world_size"] == 2 and kept.communication == {}
+    if (out / "verification.json").exists():
+        assert json.loads((out / "verification.json").read_text())["decision"] in ("keep", "roll back")
+    recorded = (out / "trace" / "rank0" / "trace.json").stat().st_mtime
+    again = run_horovod([*example, "--steps", "3"], env=env)
+    assert "applied the plan from the plan cache at step 0" in again.stdout
+    assert dict(re.findall(r"rank (\d): qsync plan in force: (.*)", again.stdout)) == in_force
+    assert (out / "trace" / "rank0" / "trace.json").stat().st_mtime == recorded  # nothing recorded
 
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    (out / "child.json").write_text(json.dumps(_apply(out, **json.loads(sys.argv[2]))))
+    (out / "child.json").write_text(json.dumps(_apply(out, json.loads(sys.argv[2]))))

@@ -1,8 +1,12 @@
 """Horovod timeline conversion: a real timeline written by Horovod in a one-process run, a small file
 in the exact layout Horovod 0.28.1 writes (a fused response of two tensors, then a single one),
-an unterminated file, and truncated or corrupt files."""
+an unterminated file, and truncated or corrupt files; and a two-process run under ``horovodrun
+--gloo`` whose recorder records the timeline, from which the planner prices gradient groups and
+fusion settings, and whose next launch runs a plan with the fusion settings in effect."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,8 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from qsync_callback.cli import main as qsync_main
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Plan
+from qsync_callback.planner.tensor_fusion import choose_groups
+from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.horovod_timeline import load_timeline, read_timeline, tensor_key
+from qsync_callback.recorder.trace import load_trace_dir
+
+from tf_launch import EXAMPLE, run_horovod
+
+MIB = 2**20
 
 START = 1_795_338_642_559_448  # start_time_since_epoch_in_micros
 SCOPE = "DistributedGradientTape_Allreduce"
@@ -160,3 +173,48 @@ def test_real_timeline_from_a_one_process_horovod_run(tmp_path):
         assert r.op == "ALLREDUCE" and "GLOO_ALLREDUCE" in [p.name for p in r.phases]
         assert r.negotiate_us[0] <= r.negotiate_us[1] <= r.start_us < r.end_us
         assert abs(r.start_us / 1e6 - path.stat().st_mtime) < 60  # on the wall clock
+
+
+def test_two_processes_record_the_timeline_and_plan_from_it(tmp_path, capsys):
+    out = tmp_path / "qsync"
+    window = ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "2"]
+    example = [str(EXAMPLE), "--batch-size", "16", "--output-dir", str(out)]
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = run_horovod([*example, "--mode", "apply", "--horovod-timeline", *window], env)
+
+    traces = load_trace_dir(out / "trace")
+    assert sorted(p.name for p in (out / "trace" / "rank0" / "horovod_timeline").iterdir()) == [
+        "step3.json",
+        "step5.json",
+    ]
+    assert not (out / "trace" / "rank1" / "horovod_timeline").exists()  # only the coordinator writes
+    variables = {"fc1/kernel:0", "fc1/bias:0", "fc2/kernel:0", "fc2/bias:0", "head/kernel:0", "head/bias:0"}
+    for trace in traces:
+        assert trace.communication["fusion_threshold_bytes"] == 128 * MIB
+        tensors = [t for o in trace.ops if o.kind == "comm" for t in o.collective["tensors"]]
+        assert {t["variable"] for t in tensors} == variables and all(t["bytes"] > 0 for t in tensors)
+        assert all(("timeline" in t) == (trace.rank == 0) for t in tensors)
+    assert traces[0].communication["timeline"] == "horovod_timeline"
+
+    # the planner priced gradient groups from the timeline, and the fusion settings for the next launch
+    groups = choose_groups(Predictor(traces))
+    name = f"gradient groups ({len(groups.plan.buckets)})"
+    assert re.search(rf"{re.escape(name)}\s+{groups.prediction.step_ms:.2f} ms predicted", run.stdout)
+    plan_file = tmp_path / "groups.json"
+    groups.plan.save(plan_file)
+    capsys.readouterr()
+    assert qsync_main(["predict", str(out / "trace"), "--plan", str(plan_file), "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["step_ms"]
+    assert predicted == pytest.approx(groups.prediction.step_ms, rel=1e-6)
+
+    # a plan whose fusion threshold and cycle time the next launch's environment sets is applied
+    settings = {"fusion_threshold_bytes": 16 * MIB, "cycle_time_ms": 2.0}
+    plan = Plan(fingerprint=traces[0].fingerprint, communication=settings)
+    plan.save(tmp_path / "fusion.json")
+    env.update({"HOROVOD_FUSION_THRESHOLD": str(16 * MIB), "HOROVOD_CYCLE_TIME": "2"})
+    window = ["--warmup-steps", "2", "--profile-steps", "1", "--measure-steps", "0"]
+    run = run_horovod([*example, "--mode", "record", "--plan", str(tmp_path / "fusion.json"), *window], env)
+    assert "at step 0 (2 communication)" in run.stdout  # both settings in effect
+    recorded = load_trace_dir(out / "trace")[0].communication
+    assert (recorded["fusion_threshold_bytes"], recorded["cycle_time_ms"]) == (16 * MIB, 2.0)
+

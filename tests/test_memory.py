@@ -57,6 +57,17 @@ def test_peak_is_the_largest_live_sum_and_says_what_is_alive():
     assert memory.breakdown["activations"] == 0
 
 
+def test_other_resident_tensors_are_part_of_every_step():
+    """A tensor the step starts from that no other category counts (one kept as a plain attribute,
+    the batch, the data set) is resident like the parameters, at the peak and in its breakdown."""
+    t = _step()
+    t.resident_bytes = {**t.resident_bytes, "other": 5000}
+    memory = predict_memory(t)
+    assert memory.peak_bytes == 1000 + 5000 + 800 + 1600
+    assert memory.breakdown["other"] == 5000
+    assert sum(memory.breakdown.values()) == memory.peak_bytes
+
+
 def test_peak_in_backward_holds_activations_and_the_input_gradient():
     t = _step()
     t.memory_events = [e for e in t.memory_events if e[1] not in (0xE, 0xF)]

@@ -15,6 +15,7 @@ from qsync_callback.plan import (
     PLAN_FORMAT,
     PLAN_VERSION,
     PRECISIONS,
+    Constraints,
     Plan,
     fingerprint_key,
     fingerprint_mismatches,
@@ -40,6 +41,7 @@ def make_plan() -> Plan:
         activation={"fc1": "recompute", "fc2": "offload", "head": "keep"},
         communication={"fusion_threshold_bytes": 1 << 20, "cycle_time_ms": 2.5},
         prediction={"step_ms": 12.5, "peak_bytes": 1_000_000},
+        constraints=Constraints.from_arguments(memory_budget="90%", precisions=("fp32", "bf16")).to_dict(),
     )
 
 
@@ -109,6 +111,14 @@ def test_to_dict_shape() -> None:
         "activation": {"fc1": "recompute", "fc2": "offload", "head": "keep"},
         "communication": {"fusion_threshold_bytes": 1 << 20, "cycle_time_ms": 2.5},
         "prediction": {"step_ms": 12.5, "peak_bytes": 1_000_000},
+        "constraints": {
+            "memory_budget": None,
+            "memory_budget_share": 0.9,
+            "max_step_ms": None,
+            "precisions": ["fp32", "bf16"],
+            "levers": ["precision", "activation", "regions", "buckets"],
+            "best_effort": False,
+        },
     }
 
 

@@ -52,18 +52,20 @@ def _loader(batch_size=512):
     )
 
 
-def _fit(callback, model=None, max_steps=30, batch_size=512):
+def _fit(callback, model=None, max_steps=30, batch_size=512, **trainer_options):
+    """Train ``model`` (a GeluNet by default) with ``callback`` (one, a list, or None)."""
     pl.seed_everything(0, verbose=False)
     model = model or GeluNet()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
-        callbacks=[callback] if callback else [],
+        callbacks=callback if isinstance(callback, list) else [callback] if callback else [],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **trainer_options,
     )
     trainer.fit(model, _loader(batch_size))
     return model
@@ -99,7 +101,7 @@ def test_memory_budget_plan_is_applied_verified_kept_and_reused(tmp_path, caplog
     assert set(kept.precision) <= {f"net.{2 * i}" for i in range(8)}
     verification = json.loads((out / "verification.json").read_text())
     assert verification["decision"] == "keep", verification["reason"]
-    budget = callback.memory_budget
+    budget = callback.constraints.memory_budget
     assert verification["predicted"]["peak_bytes"] <= budget < callback.report["predicted"]["peak_bytes"]
     # sane, not accurate: benchmarks/precision_plans.py measures the error
     assert verification["measured"]["peak_bytes"] == pytest.approx(
@@ -112,7 +114,7 @@ def test_memory_budget_plan_is_applied_verified_kept_and_reused(tmp_path, caplog
     assert callback.state_dict()["plan"]["precision"] == kept.precision
     assert all(torch.isfinite(torch.tensor(model.losses)))
     assert (out / "verify" / "trace" / "rank0" / "trace.json").exists()
-    assert plan_cache_path(kept.fingerprint, tmp_path / "cache").exists()
+    assert plan_cache_path(f"{GeluNet.__module__}.GeluNet", kept.constraints, tmp_path / "cache").exists()
 
     # the next launch of the same job applies the kept plan at step 0, without recording
     again = _apply_callback(tmp_path, out="q2")
@@ -120,7 +122,7 @@ def test_memory_budget_plan_is_applied_verified_kept_and_reused(tmp_path, caplog
         model = _fit(again)
     assert _lp_precisions(model) == kept.precision
     assert not (tmp_path / "q2" / "trace").exists()
-    assert "applying the plan from the plan cache" in caplog.text
+    assert "applied the plan from the plan cache" in caplog.text
 
     # another batch size is another run: the kept plan is not applied, and the log says why
     caplog.clear()
@@ -175,7 +177,7 @@ def test_impossible_budget_with_best_effort_applies_the_closest_plan(tmp_path):
     callback = _apply_callback(tmp_path, memory_budget="10%", plan_cache=False, best_effort=True)
     _fit(callback, max_steps=24)
     verification = json.loads((tmp_path / "q" / "verification.json").read_text())
-    assert verification["predicted"]["peak_bytes"] > callback.memory_budget  # closest, not fitting
+    assert verification["predicted"]["peak_bytes"] > callback.constraints.memory_budget  # closest
     assert verification["plan"]["precision"]  # it lowers some layer
     # kept because it lowers the measured peak (the rule for plans made for a memory budget)
     assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
@@ -185,7 +187,7 @@ def test_impossible_budget_with_best_effort_applies_the_closest_plan(tmp_path):
 def test_bad_apply_arguments_are_refused():
     with pytest.raises(ValueError, match="not a size"):
         QSyncCallback(mode="apply", memory_budget="lots")
-    with pytest.raises(ValueError, match="unknown precision"):
+    with pytest.raises(ValueError, match="precisions: unknown"):
         QSyncCallback(mode="apply", precisions=("fp8",))
     with pytest.raises(ValueError, match="max_step_time"):
         QSyncCallback(mode="apply", max_step_time=-1)

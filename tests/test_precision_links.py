@@ -9,8 +9,8 @@ from torch import nn
 from qsync_callback.lp import restore
 from qsync_callback.lp.costs import probe_pass_through_costs
 from qsync_callback.lp.swap import apply_precision_plan, link_neighbours
+from qsync_callback.model_layers import sequential_next
 from qsync_callback.precision_links import Link, pass_through_candidates, precision_links
-from qsync_callback.recorder.layer_ranges import sequential_next
 
 
 def _table(*rows):

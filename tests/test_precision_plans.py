@@ -262,18 +262,22 @@ def test_impossible_budget_is_refused_naming_the_closest_plan_unless_best_effort
     assert taken.prediction.peak_bytes == least.peak_bytes > 20000
 
 
-def test_plan_cache_keeps_one_plan_per_model_and_says_why_it_does_not_fit(tmp_path):
+def test_plan_cache_keeps_one_plan_per_job_and_constraints_and_says_why_it_does_not_fit(tmp_path):
     fingerprint = {"model": "abc123", "batch_shapes": [[32, 8]], "world_size": 1}
-    plan = Plan(fingerprint=fingerprint, precision={"fc1": "bf16"})
-    path = store_plan(plan, tmp_path)
-    assert path == plan_cache_path(fingerprint, tmp_path) and path.exists()
-    found, why = cached_plan(fingerprint, tmp_path)
+    constraints = {"memory_budget_share": 0.9}
+    plan = Plan(fingerprint=fingerprint, precision={"fc1": "bf16"}, constraints=constraints)
+    path = store_plan(plan, "train.Net", tmp_path)
+    assert path == plan_cache_path("train.Net", constraints, tmp_path) and path.exists()
+    found, why = cached_plan("train.Net", fingerprint, constraints, tmp_path)
     assert found.precision == {"fc1": "bf16"} and why is None
-    found, why = cached_plan({**fingerprint, "batch_shapes": [[64, 8]]}, tmp_path)
+    found, why = cached_plan("train.Net", {**fingerprint, "batch_shapes": [[64, 8]]}, constraints, tmp_path)
     assert found is None and "batch_shapes" in why
-    assert cached_plan({"model": "other"}, tmp_path) == (None, None)
+    found, why = cached_plan("train.Net", {**fingerprint, "model": "def456"}, constraints, tmp_path)
+    assert found is None and "model: plan made for 'abc123'" in why
+    assert cached_plan("other.Net", fingerprint, constraints, tmp_path) == (None, None)
+    assert cached_plan("train.Net", fingerprint, {"memory_budget_share": 0.8}, tmp_path) == (None, None)
     path.write_text("{not json")
-    found, why = cached_plan(fingerprint, tmp_path)
+    found, why = cached_plan("train.Net", fingerprint, constraints, tmp_path)
     assert found is None and "cannot be read" in why
 
 
@@ -283,7 +287,8 @@ def test_sizes_and_shares_parse_as_people_write_them():
     assert parse_bytes(1024) == 1024
     assert parse_share("90%") == pytest.approx(0.9)
     assert parse_share("2GB") is None
-    for bad in ("lots", "-1GB", "0", "2 GiBs"):
+    assert parse_bytes("1e9") == parse_bytes(1e9) == 10**9
+    for bad in ("lots", "-1GB", "0", "2 GiBs", "0.5", float("nan"), float("inf"), "inf"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
     with pytest.raises(ValueError):

@@ -1,22 +1,16 @@
 """Pricing Horovod's tensor fusion: hand-written two-rank traces whose answers are worked out by hand
 (fused against separate, the threshold splitting, the cycle time delaying, a gradient group), the
-recorded graph's responses, refusals; and a real two-process run under ``horovodrun --gloo`` that
-records Horovod's timeline, prices and tries a gradient-groups plan, writes the fusion settings
-for the next launch, and on that launch says they are in effect."""
-
-import json
+recorded graph's responses, refusals. A real two-process run that records Horovod's timeline and
+plans from it is in ``test_horovod_timeline.py``."""
 
 import pytest
 
-from qsync_callback.cli import main as qsync_main
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
 from qsync_callback.planner.tensor_fusion import choose_groups, choose_settings
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.predict import Predictor
-from qsync_callback.recorder.trace import load_trace_dir
 
-from tf_launch import EXAMPLE, run_horovod
 from tracebuilder import op, trace
 
 MIB = 2**20
@@ -132,52 +126,3 @@ def test_fusion_plans_are_refused_on_traces_without_horovods_records():
     no_timeline[0].rank = 0
     with pytest.raises(QSyncInputError, match="buckets decisions cannot be priced: .* no collective records"):
         Predictor(no_timeline).predict(Plan(buckets=[["w/a:0", "w/b:0"]]))
-
-
-# ----------------------------------------------------------------------------- two processes
-
-
-def test_two_processes_record_the_timeline_and_try_a_groups_plan(tmp_path, capsys):
-    out = tmp_path / "qsync"
-    window = ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    example = [str(EXAMPLE), "--mode", "apply", "--horovod-timeline", "--batch-size", "16"]
-    run = run_horovod([*example, "--output-dir", str(out), *window])
-
-    traces = load_trace_dir(out / "trace")
-    assert sorted(p.name for p in (out / "trace" / "rank0" / "horovod_timeline").iterdir()) == [
-        "step3.json",
-        "step5.json",
-    ]
-    assert not (out / "trace" / "rank1" / "horovod_timeline").exists()  # only the coordinator writes
-    variables = {"fc1/kernel:0", "fc1/bias:0", "fc2/kernel:0", "fc2/bias:0", "head/kernel:0", "head/bias:0"}
-    for trace_ in traces:
-        assert trace_.communication["fusion_threshold_bytes"] == 128 * MIB
-        tensors = [t for o in trace_.ops if o.kind == "comm" for t in o.collective["tensors"]]
-        assert {t["variable"] for t in tensors} == variables and all(t["bytes"] > 0 for t in tensors)
-        assert all(("timeline" in t) == (trace_.rank == 0) for t in tensors)
-    assert traces[0].communication["timeline"] == "horovod_timeline"
-
-    verification = json.loads((out / "verification.json").read_text())
-    groups = next(c for c in verification["candidates"] if c["name"] == "groups")
-    assert groups["error"] is None and groups["all_ranks_step_ms"] > 0
-    assert groups["prediction"]["step_ms"] > 0 and groups["evidence"]["grouped_tensors"]
-    assert "qsync fusion:" in run.stdout
-    plan_file = tmp_path / "groups.json"
-    Plan.from_dict(groups["plan"]).save(plan_file)
-    capsys.readouterr()
-    assert qsync_main(["predict", str(out / "trace"), "--plan", str(plan_file), "--json"]) == 0
-    predicted = json.loads(capsys.readouterr().out)["step_ms"]
-    assert predicted == pytest.approx(groups["prediction"]["step_ms"], rel=1e-6)
-
-    # the next launch, with the plan's fusion threshold and cycle time in Horovod's environment
-    plan = Plan.load(out / "plan.json")
-    plan.communication = {"fusion_threshold_bytes": 16 * MIB, "cycle_time_ms": 2.0}
-    plan.save(out / "plan.json")
-    env = {"HOROVOD_FUSION_THRESHOLD": str(16 * MIB), "HOROVOD_CYCLE_TIME": "2"}
-    window = ["--warmup-steps", "2", "--profile-steps", "1", "--measure-steps", "0"]
-    run = run_horovod(
-        [str(EXAMPLE), "--mode", "record", "--batch-size", "16", "--output-dir", str(out), *window], env
-    )
-    assert "fusion threshold and cycle time are in effect" in run.stdout
-    recorded = load_trace_dir(out / "trace")[0].communication
-    assert recorded["plan_in_effect"] and recorded["cycle_time_ms"] == 2.0

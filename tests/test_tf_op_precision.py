@@ -1,34 +1,32 @@
 """Mixed precision per op type (TF's auto-mixed-precision lists): pricing on a hand-written trace with
 a known answer, the plan's translation into TF's env lists and their effect on TF's rewrite, the env
-put back, the Horovod + TensorFlow example choosing, applying and verifying an op-type plan, and the
-next launch applying the kept plan (a plan for another run refused)."""
+put back, a kept plan applied at the first call from the plan cache (one for another run, or with an
+op type TF does not know, refused with nothing applied), and the example's planning window
+measuring TF's bf16 rewrite per op type."""
 
 import json
 import math
 import os
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import horovod.tensorflow as hvd
 import pytest
 import tensorflow as tf
 
+from qsync_callback.cache import plan_cache_path, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.integrations.horovod_tf import Recorder, profile
-from qsync_callback.integrations.horovod_tf.apply import (
-    AMP_OPTION,
-    MEASURED,
-    PREDICTED,
-    AmpOption,
-    bf16_op_counts,
-)
+from qsync_callback.integrations.horovod_tf.horovod_run import batch_shapes_of, job_name, tf_fingerprint
 from qsync_callback.integrations.horovod_tf.mixed_precision import (
+    AMP_OPTION,
     ENV_PREFIX,
     PRIORLIST_FILE,
     PRIORLIST_FILE_VAR,
     env_lists,
+    rewrite_on,
 )
-from qsync_callback.integrations.horovod_tf.recorder import batch_shapes_of, tf_fingerprint
-from qsync_callback.plan import Plan
+from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.op_precision import choose_op_precision
 from qsync_callback.predictor.op_precision import op_precisions
 from qsync_callback.predictor.predict import Predictor
@@ -128,6 +126,31 @@ def test_an_op_type_plan_becomes_tf_env_lists_and_a_priorlist(tmp_path):
         env_lists({"MatMul": "fp16"})
 
 
+def bf16_op_counts(fn: Callable, args: Sequence, kwargs: Mapping) -> dict[str, int]:
+    """Ops of the step's graph, after TF's graph optimizations with the oneDNN bfloat16 rewrite on,
+    that compute in bfloat16, by op type; empty where the rewrite does nothing (a CPU without
+    bfloat16 support). Runs TF's graph optimizer (Grappler) on the traced graph: internal API."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+    from tensorflow.python.training import saver
+
+    concrete = fn.get_concrete_function(*args, **kwargs)
+    graph = concrete.graph
+    meta = saver.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
+    meta.collection_def["train_op"].node_list.value.extend(t.name for t in concrete.outputs)
+    config = config_pb2.ConfigProto()
+    config.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16 = (
+        rewriter_config_pb2.RewriterConfig.ON
+    )
+    optimized = tf_optimizer.OptimizeGraph(config, meta)
+    nodes = [*optimized.node, *(n for f in optimized.library.function for n in f.node_def)]
+    counts: dict[str, int] = {}
+    for node in nodes:
+        if any(node.attr[k].type == tf.bfloat16.as_datatype_enum for k in ("T", "DstT") if k in node.attr):
+            counts[node.op] = counts.get(node.op, 0) + 1
+    return counts
+
+
 def _relu_mlp_step():
     model, _, step = mlp_and_step(32, 16, momentum=0.0)
     args = (tf.random.normal((8, 16)), tf.zeros((8,), tf.int32))
@@ -147,12 +170,11 @@ def test_the_env_lists_steer_tfs_rewrite_and_are_put_back(tmp_path, monkeypatch)
     monkeypatch.setenv(ENV_PREFIX + "CLEARLIST_REMOVE", "Snapshot")  # the user's own setting
     before = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     option_before = tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False)
-    amp = AmpOption()
-    amp.enable(env_lists({"MatMul": "bf16", "ReluGrad": "fp32"}, tmp_path / PRIORLIST_FILE))
+    undo = rewrite_on(env_lists({"MatMul": "bf16", "ReluGrad": "fp32"}, tmp_path / PRIORLIST_FILE))
     planned = bf16_op_counts(step, args, {})
     assert planned.get("MatMul") == default["MatMul"] and "ReluGrad" not in planned
     assert tf.config.optimizer.get_experimental_options()[AMP_OPTION] is True
-    amp.restore()
+    undo()
     assert {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)} == before
     assert tf.config.optimizer.get_experimental_options().get(AMP_OPTION, False) == option_before
     assert bf16_op_counts(step, args, {}) == default
@@ -180,28 +202,20 @@ def _qsync_warnings(caught: list) -> list[str]:
     return [str(w.message) for w in caught if "qsync Recorder" in str(w.message)]
 
 
-def test_a_kept_plan_is_applied_at_the_first_call_and_one_for_another_run_refused(tmp_path, amp_state):
-    """Mode "apply" with the plan.json an earlier run kept in its output directory: at the first call
-    the plan's op types run at bf16 (TF's env lists, the step re-traced) and nothing is recorded. A
-    plan for another run (2 processes) is refused with one warning and nothing applied: given, the
-    recorder steps aside; kept, mode "apply" plans afresh."""
+@pytest.fixture
+def first_call(tmp_path, amp_state):
+    """A Keras MLP's step (traced once) and a function that runs its first call through a new
+    recorder, from the same weights: ``first_call(**recorder_options) -> (recorder, loss, warnings)``;
+    also the run's fingerprint and its fp32 loss. Skips on a CPU without bfloat16."""
     hvd.init()
     model, step, args = _relu_mlp_step()
     if not bf16_op_counts(step, args, {}):
         pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
-    fingerprint = tf_fingerprint(keras_layers(model), batch_shapes_of((args, {})), 8, 1, "cpu")
-    del fingerprint["device"]  # whatever this machine is
-    plan = Plan(fingerprint=fingerprint, op_precision={"MatMul": "bf16", "ReluGrad": "fp32"})
-    foreign = Plan(fingerprint={**fingerprint, "world_size": 2}, op_precision=plan.op_precision)
-    foreign.save(tmp_path / "foreign.json")
-    for name in ("stale", "kept"):
-        (tmp_path / name).mkdir()
-    foreign.save(tmp_path / "stale" / "plan.json")
-    plan.save(tmp_path / "kept" / "plan.json")
+    fingerprint = tf_fingerprint(keras_layers(model), batch_shapes_of((args, {})), 8, 1)
     weights = model.get_weights()
+    fp32 = float(step(*args))
 
-    def first_call(**options) -> tuple[Recorder, float, list[str]]:
-        """One call of the step through a new recorder, from the same weights."""
+    def call(**options) -> tuple[Recorder, float, list[str]]:
         model.set_weights(weights)
         recorder = Recorder(model, batch_size=8, warmup_steps=2, profile_steps=1, measure_steps=0, **options)
         with warnings.catch_warnings(record=True) as caught:
@@ -209,70 +223,93 @@ def test_a_kept_plan_is_applied_at_the_first_call_and_one_for_another_run_refuse
             loss = float(profile(recorder)(step)(*args))
         return recorder, loss, _qsync_warnings(caught)
 
-    model.set_weights(weights)
-    fp32 = float(step(*args))
-    recorder, loss, warned = first_call(
-        output_dir=tmp_path / "given", mode="report", plan=tmp_path / "foreign.json"
-    )
+    return call, fingerprint, fp32, job_name(model, step.python_function)
+
+
+def test_a_kept_plan_is_applied_at_the_first_call_and_one_for_another_run_refused(
+    tmp_path, first_call, amp_state, capsys
+):
+    """Mode "apply" with a plan kept in the plan cache: at the first call the plan's op types run at
+    bf16 (TF's env lists, the step re-traced) and nothing is recorded. A plan for another run (2
+    processes) is refused with nothing applied: given, the recorder steps aside with one warning;
+    kept, mode "apply" says why and plans afresh."""
+    call, fingerprint, fp32, job = first_call
+    constraints = Constraints.from_arguments().to_dict()
+    decisions = {"MatMul": "bf16", "ReluGrad": "fp32"}
+    plan = Plan(fingerprint=fingerprint, op_precision=decisions, constraints=constraints)
+    foreign = Plan.from_dict({**plan.to_dict(), "fingerprint": {**fingerprint, "world_size": 2}})
+    foreign.save(tmp_path / "foreign.json")
+    recorder, loss, warned = call(output_dir=tmp_path / "given", plan=tmp_path / "foreign.json")
     assert len(warned) == 1 and "made for another run (world_size: plan made for 2, run has 1)" in warned[0]
-    assert recorder.finished and recorder.active == "baseline" and loss == fp32
+    assert recorder.finished and recorder.plan is None and loss == fp32
     assert _amp_state() == amp_state  # nothing applied
-    recorder, loss, warned = first_call(output_dir=tmp_path / "stale", mode="apply")
-    assert len(warned) == 1 and "not applying the kept plan" in warned[0] and "planning afresh" in warned[0]
-    assert not recorder.finished and recorder.failure is None and loss == fp32
-    assert _amp_state() == amp_state
-    recorder, loss, warned = first_call(output_dir=tmp_path / "kept", mode="apply")
-    assert warned == [] and recorder.finished and recorder.active == "amp_op_types"
+    store_plan(foreign, job, tmp_path / "stale")
+    capsys.readouterr()
+    recorder, loss, warned = call(output_dir=tmp_path / "q1", mode="apply", plan_cache=tmp_path / "stale")
+    assert warned == [] and not recorder.finished and loss == fp32
+    assert "not applying the kept plan" in capsys.readouterr().out and _amp_state() == amp_state
+    store_plan(plan, job, tmp_path / "kept")
+    recorder, loss, warned = call(output_dir=tmp_path / "q2", mode="apply", plan_cache=tmp_path / "kept")
+    assert warned == [] and recorder.finished and recorder.plan.op_precision == plan.op_precision
+    assert "applied the plan from the plan cache at step 0" in capsys.readouterr().out
     assert loss != fp32 and math.isclose(loss, fp32, rel_tol=1e-2)  # the MatMuls computed in bf16
     env, option = _amp_state()
     assert option and env[ENV_PREFIX + "DENYLIST_ADD"] == "ReluGrad"
-    assert not (tmp_path / "kept" / "trace").exists()  # nothing recorded
+    assert (tmp_path / "q2" / PRIORLIST_FILE).read_text() == "MatMul\n"
+    assert not (tmp_path / "q2" / "trace").exists()  # nothing recorded
 
 
-def test_the_example_chooses_applies_and_verifies_an_op_type_plan(tmp_path):
-    """One process of the example's MLP in mode "apply": rank 0 measures TF's uniform bf16 rewrite
-    per op type, the predictor prices plans, the chosen one is applied through the env lists and
-    measured; predicted and measured figures sit side by side in verification.json."""
+def test_a_plan_with_an_op_type_tf_does_not_know_is_refused_with_nothing_applied(
+    tmp_path, first_call, amp_state, capsys
+):
+    """Given, the recorder steps aside with one warning naming the op type; kept in the plan cache,
+    it is dropped and the run plans afresh. Either way TF's option, its env lists and the step are
+    as they were, and no priorlist is written."""
+    call, fingerprint, fp32, job = first_call
+    constraints = Constraints.from_arguments().to_dict()
+    decisions = {"MatMul": "bf16", "NoSuchOp": "bf16"}
+    plan = Plan(fingerprint=fingerprint, op_precision=decisions, constraints=constraints)
+    plan.save(tmp_path / "unknown.json")
+    recorder, loss, warned = call(output_dir=tmp_path / "given", plan=tmp_path / "unknown.json")
+    assert len(warned) == 1 and "cannot be applied: op_precision" in warned[0] and "'NoSuchOp'" in warned[0]
+    assert recorder.finished and recorder.plan is None and loss == fp32
+    assert _amp_state() == amp_state and not (tmp_path / "given").exists()
+    path = store_plan(plan, job, tmp_path / "cache")
+    capsys.readouterr()
+    recorder, loss, warned = call(output_dir=tmp_path / "kept", mode="apply", plan_cache=tmp_path / "cache")
+    assert warned == [] and not recorder.finished and loss == fp32
+    out = capsys.readouterr().out
+    assert "the kept plan cannot be applied here (op_precision:" in out and "dropped, planning afresh" in out
+    assert not path.exists() and path == plan_cache_path(job, constraints, tmp_path / "cache")
+    assert _amp_state() == amp_state and not (tmp_path / "kept" / PRIORLIST_FILE).exists()
+
+
+def test_the_examples_planning_window_measures_tfs_bf16_rewrite_per_op_type(tmp_path):
+    """One process of the example's MLP in mode "apply": the planning window measures TF's uniform
+    bf16 rewrite per op type into the trace; the planner's candidates are priced from it, and the
+    chosen plan's prediction is the predictor's figure for it on that trace."""
     out = tmp_path / "qsync"
     args = [str(EXAMPLE), "--mode", "apply", "--output-dir", str(out)]
-    args += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "3"]
-    run = run_python(args)
-    verification = json.loads((out / "verification.json").read_text())
-    # the next launch in the same output directory applies the kept plan at its first step
-    again = run_python([*args, "--steps", "3"])
-    assert f"applying the plan from {out / 'plan.json'}" in again.stdout
-    assert f"rank 0: qsync applied {verification['chosen']}" in again.stdout
-    by_name = {c["name"]: c for c in verification["candidates"]}
-    if not by_name["amp_bf16"]["evidence"]:
-        pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
-    ops, baseline = by_name["amp_op_types"], verification["baseline"]
-    plan = Plan.from_dict(ops["plan"])
-    for entry in (baseline, by_name["amp_bf16"], ops):
-        assert entry["prediction"]["source"] == PREDICTED and entry["prediction"]["step_ms"] > 0
-    assert ops["prediction"]["search"] == "exhaustive" and ops["source"] == MEASURED
-    # the costs the prediction came from are in the trace, for `qsync predict --plan` later
+    args += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "2"]
+    run = run_python(args, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     (trace,) = load_trace_dir(out / "trace")
     table = trace.precision_costs["op_types"]
-    assert table["costs"]["MatMul"]["bf16_us"] < table["costs"]["MatMul"]["fp32_us"]
-    assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"}
-    assert Predictor([trace]).predict(plan).step_ms == pytest.approx(ops["prediction"]["step_ms"])
-    if ops["error"] is not None:
-        # on a machine loaded by other jobs bf16 can measure no faster: then no plan was predicted
-        # faster than the baseline, and the candidate stepped aside saying so
-        assert "found no op type that makes the step faster" in ops["error"]
-        assert ops["prediction"]["step_ms"] == baseline["prediction"]["step_ms"]
-        return
-    assert ops["finite"] and ops["step_ms"] > 0 and ops["all_ranks_step_ms"] > 0  # measured
-    assert plan.op_precision["MatMul"] == "bf16"  # the MLP's matmuls are several times faster at bf16
-    assert ops["evidence"]["MatMul"] > 0  # TF's rewrite under the env lists turned them to bf16
-    low = sorted(t for t, p in plan.op_precision.items() if p == "bf16")
-    assert (out / PRIORLIST_FILE).read_text().split() == low
-    kept = Plan.load(out / "plan.json")
-    if verification["chosen"] == "amp_op_types":
-        assert kept.op_precision == plan.op_precision
-        assert kept.prediction["step_ms"] == ops["prediction"]["step_ms"]
-        assert kept.prediction["measured_step_ms"] == ops["all_ranks_step_ms"]
-    assert f"amp_op_types {ops['all_ranks_step_ms']:.2f} ms/step (measured)" in " ".join(run.stdout.split())
+    if not table.get("costs"):
+        pytest.skip(f"this CPU runs nothing at bfloat16 ({table})")
+    assert table["costs"]["MatMul"]["ops"] > 0 and table["costs"]["MatMul"]["bf16_us"] > 0
+    assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"} and table["low_ops"]
+    assert "bf16 uniform (" in run.stdout and "predicted" in run.stdout
+    assert (out / "trace" / "rank0" / "profile" / "bf16_probe").is_dir()  # a TensorBoard run of its own
+    predictor = Predictor([trace])
+    verification = out / "verification.json"
+    if verification.exists():  # a plan was predicted faster: it was applied and verified
+        candidate = Plan.from_dict(json.loads(verification.read_text())["plan"])
+        assert predictor.predict(candidate).step_ms == pytest.approx(candidate.prediction["step_ms"])
+        low = sorted(t for t, p in candidate.op_precision.items() if p == "bf16")
+        assert (out / PRIORLIST_FILE).read_text().split() == low
+    else:
+        assert Plan.load(out / "plan.json").is_empty
+        assert "the recorded configuration is the plan; nothing to apply" in run.stdout
 
 
 def test_ops_the_plan_does_not_name_follow_the_ops_upstream_of_them():

@@ -1,24 +1,30 @@
 """Fresh processes for the TensorFlow tests: the Horovod + TF example (or another script) under
-Python or ``horovodrun -np 2 --gloo``, with this checkout importable and TF's logs quiet."""
+Python or ``horovodrun -np 2 --gloo``, with this checkout importable, TF's logs quiet, and a plan
+cache of their own (never the user's)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
 HOROVODRUN = Path(sys.executable).with_name("horovodrun")
+_CACHES = tempfile.TemporaryDirectory(prefix="qsync-test-caches-")  # removed when the tests end
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with the checkout on PYTHONPATH, TF's C++ logs at warnings, and
-    ``extra`` on top."""
+    """This process's environment with the checkout on PYTHONPATH, TF's C++ logs at warnings, a new
+    empty plan cache (``XDG_CACHE_HOME``), and ``extra`` on top (a test that launches twice with one
+    cache gives its own)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2", **(extra or {})}
+    cache = tempfile.mkdtemp(dir=_CACHES.name)
+    env = {"PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_CACHE_HOME": cache}
+    return {**os.environ, **env, **(extra or {})}
 
 
 def run_python(args: list[str], env: Mapping[str, str] | None = None, timeout: float = 120):

@@ -45,6 +45,7 @@ from qsync_callback.lp.modules import (
     supported_precisions,
 )
 from qsync_callback.plan import PRECISIONS
+from qsync_callback.quiet_profiler import quiet_kineto
 
 CAST_PAIRS: tuple[tuple[str, str], ...] = (
     ("fp32", "bf16"),
@@ -409,6 +410,7 @@ def _transient_bytes(lp: LPModule, x: torch.Tensor, grad: torch.Tensor) -> tuple
     activities = [torch.profiler.ProfilerActivity.CPU]
     if x.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    quiet_kineto()
     with tempfile.TemporaryDirectory() as folder:
         with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
             with torch.profiler.record_function(_PROBE_FORWARD):

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from qsync_callback.lp.modules import CAST_DTYPES, LP_CLASSES, LPModule, lp_class_for
+from qsync_callback.model_layers import layer_table, layers_of, registrations
 from qsync_callback.precision_links import Link, precision_links
-from qsync_callback.recorder.layer_ranges import layer_table, layers_of, registrations
 
 
 def _under_mha(model: nn.Module, module: nn.Module) -> bool:

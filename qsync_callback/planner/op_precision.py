@@ -25,6 +25,21 @@ from qsync_callback.predictor.predict import Prediction, Predictor
 
 EXHAUSTIVE_MAX = 6
 LOW_PRECISION = "bf16"
+# TF 2.15's oneDNN bfloat16 deny list of numerically dangerous ops (AutoMixedPrecisionListsMkl)
+TF_BF16_DENYLIST = frozenset(
+    {
+        "Exp",
+        "Expm1",
+        "L2Loss",
+        "Mean",
+        "Pow",
+        "SaveV2",
+        "SoftmaxCrossEntropyWithLogits",
+        "SparseSoftmaxCrossEntropyWithLogits",
+    }
+)
+# never planned into bf16 unless asked: the deny list, softmax and the reductions TF leaves unlisted
+UNSAFE_OP_TYPES = TF_BF16_DENYLIST | {"Softmax", "LogSoftmax", "Sum", "Prod"}
 
 
 @dataclass

@@ -103,7 +103,7 @@ class _Pricer:
     ) -> PrecisionChoice:
         """The result of a search: ``choice`` as a plan carrying ``prediction``, and its figures."""
         plan = self.plan(choice)
-        plan.prediction = {"step_ms": prediction.step_ms, "peak_bytes": prediction.peak_bytes}
+        plan.prediction = prediction.figures()
         return PrecisionChoice(
             plan,
             prediction,

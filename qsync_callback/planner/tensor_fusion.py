@@ -5,8 +5,8 @@ Every candidate is priced by the predictor (the recorded all-reduces regrouped a
 
 - ``choose_settings``: fusion thresholds `THRESHOLDS_MIB` (whole MiB, so that ``horovodrun
   --fusion-threshold-mb`` can say them) crossed with cycle times `CYCLES_MS`, the recorded
-  settings among them, with the plan's buckets (or the recorded grouping). These apply at the next
-  launch.
+  settings among them, with the plan's buckets (or the recorded grouping). Horovod reads them at
+  ``hvd.init()``: they apply at the next launch (`next_launch` says how to launch with them).
 - ``choose_groups``: gradient groups, with the recorded settings: everything in one group, one
   group per layer, and 2 or 3 groups of about equal bytes in the order the gradients become ready
   (the first to be ready launch first). These can be applied to the live run. The recorded
@@ -16,7 +16,7 @@ Every candidate is priced by the predictor (the recorded all-reduces regrouped a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,8 @@ from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.replay import replay
 from qsync_callback.predictor.tensor_fusion import collective_tensors
 
+THRESHOLD_ENV = "HOROVOD_FUSION_THRESHOLD"  # Horovod's names for the settings
+CYCLE_ENV = "HOROVOD_CYCLE_TIME"
 THRESHOLDS_MIB = (0, 1, 4, 16, 64, 128)
 CYCLES_MS = (0.5, 1.0, 2.0, 5.0)
 BALANCED_GROUPS = (2, 3)
@@ -110,3 +112,19 @@ def choose_groups(predictor: Predictor, plan: Plan | None = None) -> FusionChoic
         candidate.buckets = groups
         plans.append(candidate)
     return _choose(predictor, plans, "buckets") if plans else None
+
+
+def next_launch(settings: Mapping[str, Any]) -> str:
+    """How to launch with ``settings`` (a plan's ``communication``): horovodrun's flags (only where
+    they can say it: the threshold in whole MiB) and the environment variables."""
+    flags, env = [], []
+    threshold = settings.get("fusion_threshold_bytes")
+    cycle = settings.get("cycle_time_ms")
+    if threshold is not None:
+        if threshold % 2**20 == 0:
+            flags.append(f"--fusion-threshold-mb {threshold // 2**20}")
+        env.append(f"{THRESHOLD_ENV}={threshold}")
+    if cycle is not None:
+        flags.append(f"--cycle-time-ms {cycle:g}")
+        env.append(f"{CYCLE_ENV}={cycle:g}")
+    return f"horovodrun {' '.join(flags)} ...   (or {' '.join(env)})"

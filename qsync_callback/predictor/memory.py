@@ -14,12 +14,14 @@ step ended). The phases of those two ops say what the tensor was:
   `_unseen_gradient_frees`).
 
 The bytes resident at a step's start (parameters, buffers, gradients, optimizer state, DDP's
-gradient buckets) come from the recorder, which counts the model's and optimizers' tensors; every
-step starts from that same state. A step's curve is that baseline plus the bytes of every tensor
-alive at each moment; the largest over the recorded steps is the predicted peak, with the bytes of
-each category alive at that moment. `MemoryCurve` keeps each step's births and deaths as sorted
-arrays, so that a plan's extra tensors (`precision.PrecisionLives`) are merged in rather than the
-curve rebuilt.
+gradient buckets, and ``other``: any other live tensor on the device, such as one kept as a plain
+attribute, the batch or the data set) come from the recorder, which counts them once, when its
+window opens; every step starts from that same state. A step's curve is that baseline (every
+category summed) plus the bytes of every tensor alive at each moment; the largest over the recorded
+steps is the predicted peak, with the bytes of each category alive at that moment (``other``: the
+resident ones and those born outside any phase and kept). `MemoryCurve` keeps each step's births
+and deaths as sorted arrays, so that a plan's extra tensors (`precision.PrecisionLives`) are merged
+in rather than the curve rebuilt.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 does to the recorded step, as a graph transform on the recorded fp32 trace.
 
 It reads the trace's ``precision_costs["op_types"]`` (schema in `recorder/trace.py`; written by
-`integrations/horovod_tf/mixed_precision.py`): the op type of each recorded op, the float tensors
+`recorder/tf_op_types.py`): the op type of each recorded op, the float tensors
 that flow between ops with their fp32 bytes, per op type the measured time of its ops at fp32 (the
 recorded steps) and at the low precision (profiled steps of the framework's own rewrite), and the
 measured cost per byte of the casts that rewrite inserted.
@@ -36,14 +36,12 @@ import networkx as nx
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION
 from qsync_callback.predictor.precision import _insert
-from qsync_callback.recorder.trace import Trace
-
-OP_TYPES = "op_types"  # the key under Trace.precision_costs
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
 
 
 def op_type_table(trace: Trace) -> Mapping:
     """The trace's per-op-type costs (empty if it has none)."""
-    return trace.precision_costs.get(OP_TYPES, {})
+    return trace.precision_costs.get(OP_TYPE_COSTS, {})
 
 
 def changed_op_types(op_precision: Mapping[str, str]) -> dict[str, str]:

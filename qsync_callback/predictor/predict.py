@@ -61,6 +61,10 @@ class Prediction:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def figures(self) -> dict[str, float | int]:
+        """What a plan carries as its ``prediction`` (the one schema, see `qsync_callback.plan`)."""
+        return {"step_ms": self.step_ms, "peak_bytes": self.peak_bytes}
+
 
 def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> None:
     """Refuse a plan made for another run, or with decisions this version cannot price."""

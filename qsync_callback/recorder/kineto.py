@@ -6,7 +6,9 @@ What the torch recorder puts into the profiled window, and this module reads bac
   ``cpu_op`` events) attribute forward ops to layers;
 - ``qsync::calibration::<loop>`` ranges hold the profiled half of the overhead calibration loops
   (`overhead.py`), whose events `calibration_event_counts` counts;
-- ``qsync::clock_sync`` marks the moment all ranks left a barrier (the common clock's zero).
+- ``qsync::clock_sync`` marks the moment all ranks left a barrier (the common clock's zero);
+- ``qsync::freed#<address>`` marks the moment a storage live at a recorded step's start was freed
+  (`live_memory.StorageWatch`), for the measured peak.
 
 Graph nodes are the outermost ``cpu_op`` events of each thread (user annotations and layer ranges
 are context, not nodes) and the collectives on communication threads (``gloo:*``; NCCL kernels on
@@ -37,6 +39,7 @@ CALIBRATION_RANGE = "qsync::calibration"
 CALIBRATION_LOOP_PREFIX = CALIBRATION_RANGE + "::"
 MEMORY_EVENT = "[memory]"
 CLOCK_SYNC = "qsync::clock_sync"
+FREED_PREFIX = "qsync::freed#"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
@@ -86,9 +89,10 @@ def convert_kineto(
     """Read a Kineto trace dict; return steps, ops, memory events, clock zero and allocator figures.
 
     Returns a dict with keys ``steps`` (list[Step]), ``ops`` (list[Op]), ``memory_events``,
-    ``clock_sync_us`` (None when no sync mark was recorded) and ``allocator_peak_bytes``
-    (the largest "Total Allocated" seen inside a step: absolute on CUDA, counted from the window's
-    start on CPU).
+    ``clock_sync_us`` (None when no sync mark was recorded), ``allocator_counter`` (by step, the
+    memory events of the trace's device as ``[ts, addr, bytes, rise]``: ``rise`` the allocator's
+    "Total Allocated" after the event less its value at the step's start) and ``freed_marks`` (by
+    step, ``[ts, address]`` of each ``qsync::freed#`` mark).
     Raises ValueError if the trace holds no ``qsync::step#`` ranges.
     """
     overhead_us = dict(overhead_us or {})
@@ -134,15 +138,20 @@ def convert_kineto(
     _attribute_layers(main_events, ops)
     _link_collectives(ops, node_events, main_tid, main_events)
     _attribute_overhead(by_tid, node_events, memory, ops, overhead_us, step_of)
-    mem_events, op_bytes, peak_delta = _memory_events(memory, node_events, device, step_of)
+    mem_events, op_bytes, counter = _memory_events(memory, node_events, device, step_of)
     for op_id, nbytes in op_bytes.items():
         ops[op_id].bytes = nbytes
+    freed: dict[int, list[list[float]]] = defaultdict(list)
+    for e in events:
+        if e.name.startswith(FREED_PREFIX) and (step := step_of(e.ts)) is not None:
+            freed[step].append([e.ts, int(e.name[len(FREED_PREFIX) :])])
     return {
         "steps": steps,
         "ops": ops,
         "memory_events": mem_events,
         "clock_sync_us": clock_sync_us,
-        "allocator_peak_bytes": peak_delta,
+        "allocator_counter": dict(counter),
+        "freed_marks": dict(freed),
     }
 
 
@@ -195,7 +204,7 @@ def _thread_nodes(evs: list[_Event], main: bool) -> list[_Event]:
         is_comm = bool(_COMM_NAME.match(e.name))
         if e.cat not in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset") and not is_comm:
             continue
-        if e.name.startswith(LAYER_PREFIX):
+        if e.name.startswith((LAYER_PREFIX, FREED_PREFIX)):
             continue
         if main and is_comm:
             continue
@@ -250,29 +259,56 @@ def _inside(ts: float, intervals: list[tuple[float, float]]) -> bool:
 
 
 def _classify_main_thread(main_events: list[_Event], ops: list[Op], steps: list[Step]) -> None:
-    """Forward before the first backward op of a step, backward through the last one, then update
-    (inside ``Optimizer.step#``) or other; ``Optimizer.zero_grad#`` is update wherever it runs."""
+    """Forward, backward, update or other, per op of the main thread.
+
+    A step may hold several forward and backward passes (gradient accumulation: one per
+    micro-batch). Backward ops are autograd's; a backward pass ends where the next micro-batch's
+    forward begins (its first op inside a layer range), and the ops between the last backward op
+    and that one are the next forward's. After the step's last backward op an op is update inside
+    ``Optimizer.step#``, else other; ``Optimizer.zero_grad#`` is update wherever it runs."""
     step_ranges = _intervals(main_events, OPTIMIZER_STEP_PREFIX)
     zero_grad_ranges = _intervals(main_events, OPTIMIZER_ZERO_GRAD_PREFIX)
+    in_layer = _Cover(_intervals(main_events, LAYER_PREFIX))
     by_step: dict[int, list[Op]] = defaultdict(list)
     for op in ops:
         if op.thread == "main":
             by_step[op.step].append(op)
     for step_ops in by_step.values():
         backward_at = [i for i, op in enumerate(step_ops) if op.name.startswith(BACKWARD_PREFIX)]
-        first = backward_at[0] if backward_at else len(step_ops)
         last = backward_at[-1] if backward_at else len(step_ops)
+        phase, last_backward = "forward", -1
         for i, op in enumerate(step_ops):
             if _inside(op.start_us, zero_grad_ranges):
                 op.kind = "update"
-            elif i < first:
-                op.kind = "forward"
-            elif i <= last:
-                op.kind = "backward"
-            elif _inside(op.start_us, step_ranges):
-                op.kind = "update"
+                continue
+            if i > last:
+                op.kind = "update" if _inside(op.start_us, step_ranges) else "other"
+                continue
+            if op.name.startswith(BACKWARD_PREFIX):
+                phase, last_backward = "backward", i
+            elif phase == "backward" and in_layer(op.start_us):
+                phase = "forward"  # the next micro-batch
+                for between in step_ops[last_backward + 1 : i]:
+                    between.kind = "forward"
+            op.kind = phase
+
+
+class _Cover:
+    """Whether a time falls in any of some (possibly nested) intervals: merged once, then bisected."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        merged: list[list[float]] = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
             else:
-                op.kind = "other"
+                merged.append([start, end])
+        self.starts = [start for start, _ in merged]
+        self.ends = [end for _, end in merged]
+
+    def __call__(self, ts: float) -> bool:
+        i = bisect.bisect_right(self.starts, ts) - 1
+        return i >= 0 and ts < self.ends[i]
 
 
 def _attribute_layers(main_events: list[_Event], ops: list[Op]) -> None:
@@ -407,10 +443,11 @@ def _memory_events(
     node_events: dict[Any, list[_Event]],
     device: str,
     step_of,
-) -> tuple[list[list], dict[int, int], int]:
+) -> tuple[list[list], dict[int, int], dict[int, list[list[float]]]]:
     """Allocations and frees of the trace's device inside steps as ``[ts, addr, bytes, op_id]``;
-    bytes each op allocated; the largest "Total Allocated" seen inside a step, relative to the
-    step's start on CPU (where the figure carries over whatever earlier sessions counted).
+    bytes each op allocated; by step, the events as ``[ts, addr, bytes, rise]``, ``rise`` the
+    allocator's "Total Allocated" after the event less its value at the step's start (before the
+    step's first event; on CPU the figure also carries whatever earlier sessions counted).
 
     An event between ops is charged to the op before it on its thread: a tensor is freed when the
     last reference to it goes, right after the op that used it last."""
@@ -418,16 +455,16 @@ def _memory_events(
     starts = {tid: [n.ts for n in nodes] for tid, nodes in node_events.items()}
     out: list[list] = []
     op_bytes: dict[int, int] = defaultdict(int)
-    peak, baselines = 0, {}
+    counter: dict[int, list[list[float]]] = defaultdict(list)
+    baselines: dict[int, int] = {}
     for m in sorted(memory, key=lambda m: float(m["ts"])):
         args = m.get("args") or {}
         ts, nbytes = float(m["ts"]), int(args.get("Bytes", 0))
         step = step_of(ts)
         if args.get("Device Type") != device_type or step is None:
             continue
-        if step not in baselines:
-            cpu = device_type == _DEVICE_TYPE["cpu"]
-            baselines[step] = int(args.get("Total Allocated", 0)) - nbytes if cpu else 0
+        total = int(args.get("Total Allocated", 0))
+        baselines.setdefault(step, total - nbytes)
         op_id = -1
         nodes = node_events.get(m.get("tid"), [])
         i = bisect.bisect_right(starts.get(m.get("tid"), []), ts) - 1
@@ -435,6 +472,7 @@ def _memory_events(
             op_id = nodes[i].node_id
             if nbytes > 0 and ts < nodes[i].end:
                 op_bytes[op_id] += nbytes
-        out.append([ts, int(args.get("Addr", 0)), nbytes, op_id])
-        peak = max(peak, int(args.get("Total Allocated", 0)) - baselines[step])
-    return out, dict(op_bytes), peak
+        addr = int(args.get("Addr", 0))
+        out.append([ts, addr, nbytes, op_id])
+        counter[step].append([ts, addr, nbytes, total - baselines[step]])
+    return out, dict(op_bytes), counter

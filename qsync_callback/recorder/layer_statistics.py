@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from qsync_callback.lp.swap import swappable_layers
-from qsync_callback.predictor.indicator import (
+from qsync_callback.recorder.statistics_schema import (
     FP16_NORMAL_MIN,
     STATISTICS_FORMAT,
     STATISTICS_VERSION,

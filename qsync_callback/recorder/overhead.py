@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from qsync_callback.quiet_profiler import quiet_kineto
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX
 from qsync_callback.recorder.layer_ranges import LayerRanges
 
@@ -58,7 +59,9 @@ def _best_time(name: str, fn: Callable[[], None]) -> float:
 
 
 def profiler_kwargs(device: str) -> dict:
-    """The profiler configuration used for recording (and so for calibration)."""
+    """The profiler configuration used for recording (and so for calibration); Kineto's console
+    lines are silenced before the session starts (`quiet_profiler`)."""
+    quiet_kineto()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)

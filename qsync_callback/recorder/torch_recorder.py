@@ -22,15 +22,23 @@ On request the recorder also gathers the precision indicator's layer statistics 
 every swappable layer at each precision asked for (`precision_probes.py`); both go into the trace.
 
 Before the window opens the recorder times the overhead calibration loops (`overhead.py`) and
-counts the bytes resident in parameters, buffers, gradients and optimizer state; the first
-session opens with a ``qsync::clock_sync`` mark and the calibration loops' profiled half, whose
-events the merged trace counts when the window closes (for the costs per event).
+counts the bytes resident in parameters, buffers, gradients, optimizer state, DDP's buckets and any
+other live tensor on the device (`resident_bytes`); the first session opens with a
+``qsync::clock_sync`` mark and the calibration loops' profiled half, whose events the merged trace
+counts when the window closes (for the costs per event).
 
 With several ranks the caller synchronizes them (the recorder makes no collective call of its
 own, so a failure on one rank can never leave another waiting in one): right before the boundary
 at ``warmup_steps - 1``, which opens the first session (so that the clock-sync marks of all ranks
 fall at one moment), and right after each of ``session_end_steps`` (so that the unprofiled step
 that follows starts together on all ranks, then `restart_step_clock`).
+
+The measured peak (``trace.measured["peak_bytes"]``, its source in ``peak_source``) owes nothing to
+the predictor: on CUDA, the caching allocator's peak (``torch.cuda.max_memory_allocated``, reset at
+the boundary before each recorded step and read at the one after); elsewhere, the bytes of the live
+tensors at each recorded step's start plus the largest rise of the allocator's "Total Allocated"
+counter within the step, less the frees that counter misses (`live_memory.py`; counted at the
+boundaries, outside the steps, in ``overhead_s``). The largest over the recorded steps.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ import orjson
 import torch
 
 from qsync_callback.lp.modules import LPModule
-from qsync_callback.predictor.memory import predict_memory
+from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.recorder.kineto import (
     CALIBRATION_RANGE,
     CLOCK_SYNC,
@@ -62,8 +70,9 @@ from qsync_callback.recorder.kineto import (
     calibration_event_counts,
     convert_kineto,
 )
-from qsync_callback.recorder.layer_ranges import LayerRanges, layer_table, layers_of
+from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.layer_statistics import LayerStatistics
+from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
 from qsync_callback.recorder.overhead import (
     calibration_loop_times,
     overhead_per_event,
@@ -88,12 +97,27 @@ def ddp_bucket_bytes(module: torch.nn.Module | None) -> int:
     return sum(int(s) for s in str(sizes).replace(",", " ").split())
 
 
+def tensor_roots(
+    model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> list[torch.Tensor | None]:
+    """The tensors a step starts from that may have no Python object until read: parameters (the
+    model's and the optimizers'), their gradients, buffers."""
+    params = [*model.parameters(), *(p for opt in optimizers for g in opt.param_groups for p in g["params"])]
+    return [*params, *(p.grad for p in params), *model.buffers()]
+
+
 def resident_bytes(
     model: torch.nn.Module,
     optimizers: Iterable[torch.optim.Optimizer],
     ddp_module: torch.nn.Module | None = None,
+    device_type: str = "cpu",
 ) -> dict[str, int]:
-    """Bytes held across steps, by category, each storage counted once."""
+    """Bytes held across steps, by category, each storage counted once: parameters, buffers,
+    gradients, optimizer state, DDP's gradient buckets, and ``other``: the storages on
+    ``device_type`` of every other live tensor (`live_memory.live_storages`: a tensor kept as a plain
+    attribute, the batch, the data set), which the step starts from as well."""
+    optimizers = list(optimizers)
+    live = live_storages(device_type, tensor_roots(model, optimizers))
     seen: set[int] = set()
 
     def total(tensors: Iterable[torch.Tensor]) -> int:
@@ -110,13 +134,14 @@ def resident_bytes(
 
     params = list(model.parameters())
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
-    return {
+    counted = {
         "parameters": total(params),
         "buffers": total(model.buffers()),
         "gradients": total(p.grad for p in params if p.grad is not None),
         "optimizer_state": total(state),
         "gradient_buckets": ddp_bucket_bytes(ddp_module),
     }
+    return counted | {"other": sum(nbytes for ptr, nbytes in live.items() if ptr not in seen)}
 
 
 def torch_fingerprint(
@@ -192,6 +217,7 @@ class TorchRecorder:
         ddp_module: torch.nn.Module | None = None,
         probe_precisions: Sequence[str] = (),
         layer_statistics: bool = False,
+        measure_steps: int = 0,
     ):
         if warmup_steps < 2 or profile_steps < 1:
             raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
@@ -201,6 +227,7 @@ class TorchRecorder:
         self.trace_dir = Path(trace_dir)
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
+        self.measure_steps = measure_steps
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -220,6 +247,9 @@ class TorchRecorder:
         self._ranges: LayerRanges | None = None
         self._step_range = None
         self._resident: dict[str, int] = {}
+        self._watch: StorageWatch | None = None
+        self._step_start: dict[int, tuple[dict[int, int], int]] = {}
+        self._cuda_peaks: dict[int, int] = {}
         self._saved: SavedActivations | None = None
         self._saved_bytes: dict[str, int] = {}
         self._plain_loops: dict[str, float] = {}
@@ -242,6 +272,28 @@ class TorchRecorder:
         return window_close_step(self.warmup_steps, self.profile_steps)
 
     @property
+    def meet_before(self) -> set[int]:
+        """Boundaries where every rank meets before `step_boundary`: the one that opens the first
+        session, so that the clock-sync marks of all ranks fall at one moment."""
+        return {self.warmup_steps - 1}
+
+    @property
+    def meet_after(self) -> set[int]:
+        """Boundaries where every rank meets after `step_boundary`, then restarts its step clock:
+        after the calibration (``warmup_steps - 2``: a failure there is agreed on before the ranks
+        meet at the clock-sync barrier) and after each session ends (so that the unprofiled step
+        that follows starts together on all ranks)."""
+        return {self.warmup_steps - 2, *self.session_end_steps}
+
+    @property
+    def done_step(self) -> int:
+        """The boundary at which the window is complete: ``measure_steps`` after it closes."""
+        return self.close_step + self.measure_steps
+
+    def step_end(self) -> None:
+        """The step returned (nothing to do: steps are timed boundary to boundary)."""
+
+    @property
     def recording(self) -> bool:
         return self._profiler is not None
 
@@ -256,11 +308,13 @@ class TorchRecorder:
             self.unprofiled_page_faults.append(faults - self._last_faults)
         if self._statistics is not None and step in (0, COLD_STEPS):
             self._gather_statistics(step)
-        if step == self.warmup_steps - 1:
-            self.prepare_window()  # counts its own time
+        if step in (self.warmup_steps - 2, self.warmup_steps - 1):
+            self.prepare_window()  # once; counts its own time
         work = time.perf_counter()
         finished = None
         if self.recording and step in self.session_end_steps:
+            if step - 1 in self.profiled_steps:
+                self._end_step_memory(step - 1)
             self._end_session()
             if step == self.close_step:
                 finished = self._close_window()
@@ -273,6 +327,7 @@ class TorchRecorder:
             if not self.recording:
                 self._start_session()
             self._stop_saved_activations()
+            self._start_step_memory(step)
             self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
         if self.warmup_steps - 1 <= step <= self.close_step:
             self.overhead_s += time.perf_counter() - work
@@ -302,7 +357,12 @@ class TorchRecorder:
         if not self._plain_loops:
             start = time.perf_counter()
             self._plain_loops = calibration_loop_times(with_layer_hooks=False)
-            self._resident = resident_bytes(self.model, self.optimizers, self.ddp_module)
+            # a full collection: tensors in unreachable cycles (an earlier run's model in the same
+            # process, say) await the next one and would count as resident for the whole window
+            gc.collect()
+            self._resident = resident_bytes(
+                self.model, self.optimizers, self.ddp_module, torch.device(self.device).type
+            )
             self.overhead_s += time.perf_counter() - start
 
     def _open_window(self) -> None:
@@ -321,11 +381,34 @@ class TorchRecorder:
         self._ranges = LayerRanges(layers_of(self.model))
         self._ranges.install()
 
+    def _start_step_memory(self, step: int) -> None:
+        """Where a recorded step's measured peak starts from: on CUDA, the caching allocator's peak
+        is reset; elsewhere the live storages are counted and watched (`live_memory.StorageWatch`),
+        and DDP's gradient buckets, which only its C++ side holds, taken from DDP's own logging
+        data (`ddp_bucket_bytes`)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            roots = tensor_roots(self.model, self.optimizers)
+            self._watch = StorageWatch(torch.device(self.device).type, roots)
+            self._step_start[step] = (self._watch.bytes, ddp_bucket_bytes(self.ddp_module))
+
+    def _end_step_memory(self, step: int) -> None:
+        """At the boundary after recorded step ``step``: on CUDA, its allocator peak is read."""
+        if self.device.startswith("cuda"):
+            self._cuda_peaks[step] = torch.cuda.max_memory_allocated(self.device)
+        self._stop_watch()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
     def _end_session(self) -> None:
         """Stop the profiler after a recorded step and write its trace now (a profiler holding its
         results would stay in memory through the unprofiled steps that follow)."""
         profiler = self._profiler
-        self.close()
+        self._stop()
         part = self._raw_path().with_suffix(f".part{len(self._parts)}.json")
         part.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(part))
@@ -382,17 +465,23 @@ class TorchRecorder:
             raw_trace=RAW_TRACE_FILE,
         )
         if self.device.startswith("cuda"):
-            trace.measured["peak_bytes"] = converted["allocator_peak_bytes"]
+            trace.measured["peak_bytes"] = max(self._cuda_peaks.values())
             trace.measured["peak_source"] = (
-                "the CUDA caching allocator's 'Total Allocated' in the profiler's memory events"
+                "the CUDA caching allocator's peak (torch.cuda.max_memory_allocated, reset before each "
+                "recorded step), the largest over the recorded steps"
             )
         else:
-            # no allocator statistics on CPU: the curve of the profiler's allocation events over the
-            # resident bytes, with the gradient frees the profiler cannot see restored
-            trace.measured["peak_bytes"] = predict_memory(trace).peak_bytes
+            counter, freed = converted["allocator_counter"], converted["freed_marks"]
+            trace.measured["peak_bytes"] = max(
+                step_peak(start, counter.get(step, []), freed.get(step, [])) + buckets
+                for step, (start, buckets) in self._step_start.items()
+            )
             trace.measured["peak_source"] = (
-                "resident bytes at the step's start + the profiler's CPU allocation events "
-                "(frees of last step's gradients it missed restored)"
+                "live tensors at each recorded step's start (every tensor storage on the CPU, each "
+                "counted once; DDP's gradient buckets from DDP's logging data) + the largest rise "
+                "within the step of the CPU allocator's 'Total Allocated' in the profiler's memory "
+                "events, less the frees of older blocks that counter misses (marked by weak "
+                "references on the storages counted at the start); the largest over the recorded steps"
             )
         return trace
 
@@ -411,7 +500,16 @@ class TorchRecorder:
             self._saved = None
 
     def close(self) -> None:
-        """Stop profiling and remove the hooks; safe to call at any time, more than once."""
+        """Stop profiling, remove the hooks and the Kineto parts of a window that did not close;
+        safe to call at any time, more than once."""
+        self._stop()
+        for part in self._parts:
+            part.unlink(missing_ok=True)
+        self._parts.clear()
+
+    def _stop(self) -> None:
+        """Stop profiling and watching storages, and remove the hooks."""
+        self._stop_watch()
         self._stop_saved_activations()
         if self._statistics is not None:
             self._statistics.stop()

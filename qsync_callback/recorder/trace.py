@@ -1,7 +1,10 @@
 """The normalized trace: one rank's recorded steps, framework-neutral, as JSON.
 
 Every recorder (torch.profiler here, the TF profiler plus Horovod's timeline later) writes this
-schema, and everything downstream (graph, replay, memory, report) reads only this schema.
+schema, and everything downstream (graph, replay, memory, report) reads only this schema. Reading
+one checks every field's type and shape against this layout, said in code as `_TRACE` and `_OP`
+(unknown keys are ignored), and rank traces read or gathered together are checked to be one
+run's (`check_rank_traces`).
 
 One file per rank, ``<trace_dir>/rank<k>/trace.json``::
 
@@ -39,7 +42,7 @@ the op that the profiler itself added (events recorded inside or before it, time
 per-event cost); the graph subtracts them so that predictions are for runs without the profiler.
 
 Per-op-type precision costs (``precision_costs["op_types"]``, written by
-`integrations/horovod_tf/mixed_precision.py`, read by `predictor/op_precision.py`)::
+`recorder/tf_op_types.py`, read by `predictor/op_precision.py`)::
 
     {"ops": {"mlp/fc1/Relu": "MatMul", ...},   # op type of recorded ops, by op name (a fused op:
                                                # its root type, as the rewrite's lists name it)
@@ -55,25 +58,48 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
      "casts": {"fp32->bf16": {"us_per_byte": .., "bytes": .., "casts": 9}, "bf16->fp32": {...}},
                                                # the rewrite's own Cast ops, per step, per fp32 byte
      "source": "..."}                          # what was measured where (rank, steps)
+    {"note": "..."}                            # instead, where the probe measured nothing: why
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.jsonio import (
+    AMOUNT,
+    ANY,
+    BOOLEAN,
+    COUNT,
+    FINITE,
+    INTEGER,
+    NUMBER,
+    STRING,
+    Fields,
+    ListOf,
+    MapOf,
+    Nullable,
+    Row,
+    Scalar,
+    check_shape,
+    collector_paused,
+    read_json,
+    write_text_atomic,
+)
+from qsync_callback.plan import PRECISIONS
+from qsync_callback.recorder.statistics_schema import check_statistics
 
 TRACE_FORMAT = "qsync-trace"
 TRACE_VERSION = 1
 TRACE_FILE = "trace.json"
 OP_KINDS = ("forward", "backward", "update", "comm", "cast", "copy", "other")
+OP_TYPE_COSTS = "op_types"  # the key of the per-op-type precision costs under Trace.precision_costs
 
 
 @dataclass
@@ -166,7 +192,10 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<trace>") -> Trace:
-        """Validate and build; any problem raises QSyncInputError naming ``source``."""
+        """Validate and build; any problem raises QSyncInputError naming ``source`` and the field.
+
+        Every field's type and shape is checked (`_TRACE`, `_OP`), and the ops against the steps
+        and each other. The trace takes ``data``'s lists and objects over, uncopied."""
         if not isinstance(data, Mapping):
             raise QSyncInputError(f"{source}: not a qsync trace (expected a JSON object)")
         if data.get("format") != TRACE_FORMAT:
@@ -175,84 +204,254 @@ class Trace:
             raise QSyncInputError(
                 f"{source}: trace version {data.get('version')!r}; this tool reads version {TRACE_VERSION}"
             )
-        try:
-            steps = [Step(int(s["index"]), float(s["start_us"]), float(s["end_us"])) for s in data["steps"]]
-            ops = [_op_from_dict(o) for o in data["ops"]]
-            trace = cls(
-                rank=int(data["rank"]),
-                world_size=int(data["world_size"]),
-                device=str(data["device"]),
-                steps=steps,
-                ops=ops,
-                framework=str(data.get("framework", "")),
-                framework_version=str(data.get("framework_version", "")),
-                host=str(data.get("host", "")),
-                clock_offset_us=float(data.get("clock_offset_us", 0.0)),
-                memory_events=[list(e) for e in data.get("memory_events", [])],
-                resident_bytes={str(k): int(v) for k, v in data.get("resident_bytes", {}).items()},
-                saved_activation_bytes={
-                    str(k): int(v) for k, v in data.get("saved_activation_bytes", {}).items()
-                },
-                precision={str(k): str(v) for k, v in data.get("precision", {}).items()},
-                precision_costs=dict(data.get("precision_costs", {})),
-                layer_statistics=dict(data.get("layer_statistics", {})),
-                layers=list(data.get("layers", [])),
-                measured=dict(data.get("measured", {})),
-                profiler_overhead_us={k: float(v) for k, v in data.get("profiler_overhead_us", {}).items()},
-                fingerprint=dict(data.get("fingerprint", {})),
-                raw_trace=data.get("raw_trace"),
-                communication=dict(data.get("communication", {})),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise QSyncInputError(f"{source}: malformed trace ({type(exc).__name__}: {exc})") from None
-        _check_consistency(trace, source)
-        return trace
+        check_shape(data, _TRACE, source)
+        if data["rank"] >= data["world_size"]:
+            raise QSyncInputError(f"{source}: rank is {data['rank']} but world_size is {data['world_size']}")
+        steps = [Step(s["index"], s["start_us"], s["end_us"]) for s in data["steps"]]
+        if not steps:
+            raise QSyncInputError(f"{source}: the trace has no recorded steps")
+        for i, step in enumerate(steps):
+            if step.end_us <= step.start_us:
+                raise QSyncInputError(f"{source}: steps[{i}] does not end after it starts")
+        with collector_paused():
+            ops = _ops_from_json(data["ops"], {s.index for s in steps}, source)
+        _check_memory_events(data.get("memory_events", []), source)
+        if data.get("layer_statistics"):
+            check_statistics(data["layer_statistics"], f"{source}: layer_statistics")
+        return cls(
+            rank=data["rank"],
+            world_size=data["world_size"],
+            device=data["device"],
+            steps=steps,
+            ops=ops,
+            **{name: data[name] for name in _OPTIONAL_FIELDS if name in data},
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
         return cls.from_dict(read_json(path, what="trace file"), source=str(path))
 
 
-def _op_from_dict(o: Mapping) -> Op:
-    return Op(
-        id=int(o["id"]),
-        name=str(o["name"]),
-        kind=str(o["kind"]),
-        thread=str(o["thread"]),
-        start_us=float(o["start_us"]),
-        dur_us=float(o["dur_us"]),
-        step=int(o["step"]),
-        layer=o.get("layer"),
-        seq=o.get("seq"),
-        input_shapes=list(o.get("input_shapes", [])),
-        input_dtypes=list(o.get("input_dtypes", [])),
-        bytes=int(o.get("bytes", 0)),
-        overhead_us=float(o.get("overhead_us", 0.0)),
-        gap_overhead_us=float(o.get("gap_overhead_us", 0.0)),
-        deps=[int(d) for d in o.get("deps", [])],
-        collective=o.get("collective"),
-    )
+# --- the JSON layout, checked on load ---------------------------------------------------------
+
+_SPAN = Row((FINITE, FINITE), "[start_us, end_us]")
+_COLLECTIVE = Fields(
+    required={"op": STRING},
+    optional={
+        "numel": COUNT,
+        "bytes": COUNT,
+        "dtype": Nullable(STRING),
+        "tensors": ListOf(
+            Fields(
+                required={"name": STRING},
+                optional={
+                    "variable": Nullable(STRING),
+                    "shape": Nullable(ListOf(Nullable(INTEGER))),
+                    "dtype": Nullable(STRING),
+                    "bytes": Nullable(COUNT),
+                    "timeline": Nullable(
+                        Fields(
+                            required={"op_us": _SPAN},
+                            optional={
+                                "response": INTEGER,
+                                "negotiate_us": Nullable(_SPAN),
+                                "phases_us": MapOf(_SPAN),
+                            },
+                        )
+                    ),
+                },
+            )
+        ),
+    },
+)
+_OP = Fields(
+    required={
+        "id": INTEGER,
+        "name": STRING,
+        "kind": Scalar(lambda v: v in OP_KINDS, f"one of {', '.join(OP_KINDS)}"),
+        "thread": STRING,
+        "start_us": FINITE,
+        "dur_us": AMOUNT,
+        "step": INTEGER,
+    },
+    optional={
+        "layer": Nullable(STRING),
+        "seq": Nullable(INTEGER),
+        "input_shapes": ListOf(ANY),
+        "input_dtypes": ListOf(ANY),
+        "bytes": INTEGER,
+        "overhead_us": FINITE,
+        "gap_overhead_us": FINITE,
+        "deps": ListOf(INTEGER),
+        "collective": Nullable(_COLLECTIVE),
+    },
+)
+_MEMORY_EVENT = Row((FINITE, INTEGER, INTEGER, INTEGER), "a list of 4: [time_us, address, bytes, op id]")
+_PROBE_COSTS = MapOf(  # by precision: probe_layer_costs / probe_pass_through_costs
+    Fields(required={"forward_us": NUMBER, "backward_us": NUMBER, "saved_bytes": NUMBER}, rest=NUMBER)
+)
+_SHAPE = ListOf(COUNT, expected="a shape (a list of integers >= 0)")
+_PRECISION_COSTS = Fields(
+    optional={
+        "precisions": ListOf(STRING),
+        "device": STRING,
+        "probe_s": NUMBER,
+        "casts": MapOf(
+            Fields(
+                required={"alpha_us_per_element": NUMBER, "beta_us": NUMBER},
+                optional={"r2": Nullable(NUMBER)},
+            )
+        ),
+        "layers": MapOf(
+            Fields(
+                required={
+                    "input_numel": COUNT,
+                    "output_numel": COUNT,
+                    "weight_numel": COUNT,
+                    "costs": _PROBE_COSTS,
+                },
+                optional={"input_shape": _SHAPE},
+            )
+        ),
+        "pass_through": MapOf(
+            Fields(required={"costs": _PROBE_COSTS}, optional={"input_shape": _SHAPE, "input_numel": COUNT})
+        ),
+        "op_types": Fields(
+            optional={
+                "ops": MapOf(STRING),
+                "low_ops": ListOf(STRING),
+                "edges": ListOf(Row((STRING, STRING, NUMBER), "[producer, consumer, bytes]")),
+                "costs": MapOf(Fields(optional={"ops": COUNT, "measured_ops": COUNT}, rest=Nullable(NUMBER))),
+                "casts": MapOf(Fields(required={"us_per_byte": NUMBER})),
+                "source": STRING,
+            }
+        ),
+    }
+)
+_TRACE = Fields(
+    required={
+        "rank": COUNT,
+        "world_size": Scalar(lambda v: INTEGER.test(v) and v > 0, "an integer > 0"),
+        "device": STRING,
+        "steps": ListOf(Fields(required={"index": INTEGER, "start_us": FINITE, "end_us": FINITE})),
+        "ops": ListOf(ANY),  # each op: `_OP`, in `_ops_from_json`
+    },
+    optional={
+        "framework": STRING,
+        "framework_version": STRING,
+        "host": STRING,
+        "clock_offset_us": FINITE,
+        "memory_events": ListOf(ANY),  # each: `_MEMORY_EVENT`, in `_check_memory_events`
+        "resident_bytes": MapOf(AMOUNT),
+        "saved_activation_bytes": MapOf(AMOUNT),
+        "precision": MapOf(Scalar(lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}")),
+        "precision_costs": _PRECISION_COSTS,
+        "layer_statistics": Fields(),  # `statistics_schema.check_statistics` where not empty
+        "layers": ListOf(
+            Fields(
+                required={"name": STRING, "type": STRING},
+                optional={"param_bytes": COUNT, "next": Nullable(STRING)},
+            )
+        ),
+        "measured": Fields(
+            optional={
+                "step_ms": ListOf(FINITE),
+                "peak_bytes": Nullable(AMOUNT),
+                "peak_source": Nullable(STRING),
+                "page_faults": ListOf(COUNT),
+                "page_size": COUNT,
+                "recorder_overhead_s": NUMBER,
+            }
+        ),
+        "profiler_overhead_us": MapOf(FINITE),
+        "fingerprint": Fields(),
+        "raw_trace": Nullable(STRING),
+        "communication": Fields(
+            optional={
+                "library": STRING,
+                "fusion_threshold_bytes": COUNT,
+                "cycle_time_ms": FINITE,
+                "from_env": ListOf(STRING),
+                "plan_in_effect": BOOLEAN,
+                "timeline": Nullable(STRING),
+                "timeline_note": STRING,
+            }
+        ),
+    },
+)
+_REQUIRED_FIELDS = ("rank", "world_size", "device", "steps", "ops")
+_OPTIONAL_FIELDS = [f.name for f in fields(Trace) if f.name not in _REQUIRED_FIELDS]  # taken as they are
+_OP_KIND_SET = frozenset(OP_KINDS)
+_OP_KEYS = frozenset(f.name for f in fields(Op))
 
 
-def _check_consistency(trace: Trace, source: str) -> None:
-    if not trace.steps:
-        raise QSyncInputError(f"{source}: the trace has no recorded steps")
-    ids = set()
-    step_indices = {s.index for s in trace.steps}
-    for op in trace.ops:
-        if op.kind not in OP_KINDS:
-            raise QSyncInputError(f"{source}: op {op.id} has unknown kind {op.kind!r}")
-        if not (math.isfinite(op.start_us) and math.isfinite(op.dur_us)) or op.dur_us < 0:
-            raise QSyncInputError(f"{source}: op {op.id} ({op.name}) has an invalid time")
-        if op.step not in step_indices:
-            raise QSyncInputError(f"{source}: op {op.id} ({op.name}) belongs to unrecorded step {op.step}")
-        ids.add(op.id)
-    if len(ids) != len(trace.ops):
+def _ops_from_json(items: list, steps: set[int], source: str) -> list[Op]:
+    """The ops of a trace's ``ops`` list, each checked against `_OP` and its step against ``steps``;
+    then ids unique and every dependency a known op.
+
+    A fast test of exact JSON types passes the usual op; only one that fails it (a field missing or
+    of another type, a non-finite time, a collective) goes through the precise check, which names
+    the first bad field."""
+    ops = []
+    kinds = _OP_KIND_SET
+    for i, o in enumerate(items):
+        try:
+            start, dur, layer, seq = o["start_us"], o["dur_us"], o["layer"], o["seq"]
+            deps, gap, overhead = o["deps"], o["gap_overhead_us"], o["overhead_us"]
+            usual = (
+                type(o["id"]) is int
+                and type(o["name"]) is str
+                and type(o["kind"]) is str
+                and o["kind"] in kinds
+                and type(o["thread"]) is str
+                and type(o["step"]) is int
+                and (type(start) is float and start - start == 0.0 or type(start) is int)
+                and (type(dur) is float and dur - dur == 0.0 or type(dur) is int)
+                and dur >= 0
+                and (layer is None or type(layer) is str)
+                and (seq is None or type(seq) is int)
+                and type(o["input_shapes"]) is list
+                and type(o["input_dtypes"]) is list
+                and type(o["bytes"]) is int
+                and (type(overhead) is float and overhead - overhead == 0.0 or type(overhead) is int)
+                and (type(gap) is float and gap - gap == 0.0 or type(gap) is int)
+                and type(deps) is list
+                and (not deps or all(type(d) is int for d in deps))
+                and o["collective"] is None
+            )
+        except (KeyError, TypeError):  # a field missing, or ``o`` not an object
+            usual = False
+        if not usual:
+            check_shape(o, _OP, source, ("ops", i))
+        try:
+            op = Op(**o)
+        except TypeError:  # keys this version does not know: left out
+            op = Op(**{key: value for key, value in o.items() if key in _OP_KEYS})
+        if op.step not in steps:
+            raise QSyncInputError(f"{source}: ops[{i}] ({op.name}) belongs to unrecorded step {op.step}")
+        ops.append(op)
+    ids = {op.id for op in ops}
+    if len(ids) != len(ops):
         raise QSyncInputError(f"{source}: op ids are not unique")
-    for op in trace.ops:
-        missing = [d for d in op.deps if d not in ids]
-        if missing:
-            raise QSyncInputError(f"{source}: op {op.id} depends on unknown op {missing[0]}")
+    for i, op in enumerate(ops):
+        for dep in op.deps:
+            if dep not in ids:
+                raise QSyncInputError(f"{source}: ops[{i}] (id {op.id}) depends on unknown op {dep}")
+    return ops
+
+
+def _check_memory_events(events: list, source: str) -> None:
+    """Each of ``events`` as `_MEMORY_EVENT` says (the usual event by a fast test of JSON types)."""
+    for i, e in enumerate(events):
+        if not (
+            type(e) is list
+            and len(e) == 4
+            and type(e[1]) is int
+            and type(e[2]) is int
+            and type(e[3]) is int
+            and (type(e[0]) is float and e[0] - e[0] == 0.0 or type(e[0]) is int)
+        ):
+            check_shape(e, _MEMORY_EVENT, source, ("memory_events", i))
 
 
 def clock_offsets_us(traces: Sequence[Trace]) -> list[float]:
@@ -273,24 +472,58 @@ def rank_trace_path(trace_dir: str | os.PathLike, rank: int) -> Path:
 
 
 def load_trace_dir(trace_dir: str | os.PathLike) -> list[Trace]:
-    """Load every rank's trace under ``trace_dir`` (a directory of ``rank<k>/trace.json``).
-
-    Checks that the set of ranks is complete and that all ranks agree on the world size.
-    """
+    """Load every rank's trace under ``trace_dir`` (a directory of ``rank<k>/trace.json``), checked
+    with `check_rank_traces`: one run's complete set of ranks."""
     trace_dir = Path(trace_dir)
     if not trace_dir.is_dir():
         raise QSyncInputError(f"{trace_dir}: no such trace directory")
-    files = sorted(trace_dir.glob(f"rank*/{TRACE_FILE}"))
+    files = sorted(
+        (path for path in trace_dir.glob(f"rank*/{TRACE_FILE}") if _RANK_DIR.fullmatch(path.parent.name)),
+        key=lambda path: int(path.parent.name[4:]),
+    )
     if not files and (trace_dir / TRACE_FILE).is_file():
-        files = [trace_dir / TRACE_FILE]
+        return check_rank_traces([Trace.load(trace_dir / TRACE_FILE)], str(trace_dir))
     if not files:
         raise QSyncInputError(f"{trace_dir}: no rank*/{TRACE_FILE} inside; is this a qsync trace directory?")
-    traces = sorted((Trace.load(f) for f in files), key=lambda t: t.rank)
+    traces = []
+    for path in files:
+        trace = Trace.load(path)
+        if trace.rank != int(path.parent.name[4:]):
+            raise QSyncInputError(f"{path}: holds the trace of rank {trace.rank}")
+        traces.append(trace)
+    return check_rank_traces(traces, str(trace_dir))
+
+
+_RANK_DIR = re.compile(r"rank[0-9]+")
+
+
+def check_rank_traces(traces: Sequence[Trace], source: str) -> list[Trace]:
+    """``traces`` by rank, once they are shown to be one run's, every rank once: the same world size,
+    ranks 0 to world size - 1, the same fingerprint. Raises QSyncInputError naming ``source``."""
+    traces = sorted(traces, key=lambda t: t.rank)
     world = traces[0].world_size
+    sizes = sorted({t.world_size for t in traces})
+    if len(sizes) > 1:
+        raise QSyncInputError(
+            f"{source}: ranks disagree on the world size ({', '.join(map(str, sizes))}): "
+            "traces of different runs?"
+        )
     ranks = [t.rank for t in traces]
-    if any(t.world_size != world for t in traces):
-        raise QSyncInputError(f"{trace_dir}: ranks disagree on the world size")
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise QSyncInputError(f"{source}: more than one trace of rank {twice[0]}: traces of different runs?")
     if ranks != list(range(world)):
         missing = sorted(set(range(world)) - set(ranks))
-        raise QSyncInputError(f"{trace_dir}: world size is {world} but traces of ranks {missing} are missing")
+        raise QSyncInputError(f"{source}: world size is {world} but traces of ranks {missing} are missing")
+    for trace in traces[1:]:
+        differ = sorted(
+            key
+            for key in traces[0].fingerprint.keys() | trace.fingerprint.keys()
+            if traces[0].fingerprint.get(key) != trace.fingerprint.get(key)
+        )
+        if differ:
+            raise QSyncInputError(
+                f"{source}: the traces of ranks 0 and {trace.rank} are of different runs "
+                f"(their fingerprints differ in {', '.join(differ)})"
+            )
     return traces

@@ -1,0 +1,111 @@
+"""What the tuning loop needs from a Lightning run (`qsync_callback.tuning_loop.Integration`): its
+ranks (the strategy's collectives), a torch recorder per window, the torch appliers, and Lightning's
+rank-zero log and logger."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_info
+
+from qsync_callback.appliers.torch_precision import precision_applier
+from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
+from qsync_callback.tuning_loop import Applier
+
+METRIC_PREFIX = "qsync/"
+
+
+class StrategyCollective:
+    """The trainer's ranks, through its strategy (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, trainer: pl.Trainer):
+        self.trainer = trainer
+        self.rank = trainer.global_rank
+        self.world_size = trainer.world_size
+
+    def all_true(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return bool(flag)
+        return bool(self.trainer.strategy.reduce_boolean_decision(bool(flag), all=True))
+
+    def gather_strings(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order (the strategy's all_gather of byte tensors)."""
+        if self.world_size == 1:
+            return [text]
+        strategy = self.trainer.strategy
+        device = strategy.root_device
+        data = torch.tensor(bytearray(text.encode()), dtype=torch.uint8, device=device)
+        sizes = strategy.all_gather(torch.tensor([data.numel()], device=device)).view(-1).tolist()
+        padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        gathered = strategy.all_gather(padded).cpu()
+        return [bytes(gathered[i, : sizes[i]].tolist()).decode() for i in range(len(sizes))]
+
+
+class LightningRun:
+    """One Lightning training run, as the tuning loop sees it; ``batch`` is the first step's."""
+
+    def __init__(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, precisions: tuple[str, ...]
+    ):
+        self.trainer = trainer
+        self.pl_module = pl_module
+        self.collective = StrategyCollective(trainer)
+        self.job = f"{type(pl_module).__module__}.{type(pl_module).__qualname__}"
+        self.precisions = precisions
+        self._batch_shapes = batch_shapes_of(batch)
+        self._fingerprint: dict[str, Any] = {}
+
+    def fingerprint(self) -> dict[str, Any]:
+        self._fingerprint = torch_fingerprint(
+            self.pl_module, self._batch_shapes, self.trainer.world_size, self.pl_module.device.type
+        )
+        return self._fingerprint
+
+    def new_recorder(
+        self, trace_dir: Path, warmup_steps: int, profile_steps: int, measure_steps: int, *, planning: bool
+    ) -> TorchRecorder:
+        device = self.pl_module.device
+        name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
+        return TorchRecorder(
+            self.pl_module,
+            self.trainer.optimizers,
+            trace_dir,
+            warmup_steps=warmup_steps,
+            profile_steps=profile_steps,
+            measure_steps=measure_steps,
+            ddp_module=self.trainer.strategy.model,
+            rank=self.trainer.global_rank,
+            world_size=self.trainer.world_size,
+            device=name,
+            fingerprint=self._fingerprint,
+            probe_precisions=self.precisions if planning else (),
+            layer_statistics=planning,
+        )
+
+    def appliers(self) -> Mapping[str, Applier]:
+        return {"precision": precision_applier(self.pl_module)}
+
+    def log(self, text: str) -> None:
+        rank_zero_info(text)
+
+    def log_metrics(self, report: Mapping[str, Any]) -> None:
+        if self.trainer.logger is not None:
+            self.trainer.logger.log_metrics(report_metrics(report), step=self.trainer.global_step)
+
+
+def report_metrics(report: Mapping[str, Any]) -> dict[str, float]:
+    """The report's headline figures, named for the logger (``qsync/...``)."""
+    figures = {
+        "measured_step_ms": report["measured"]["step_ms"],
+        "predicted_step_ms": report["predicted"]["step_ms"],
+        "measured_peak_bytes": report["measured"]["peak_bytes"],
+        "predicted_peak_bytes": report["predicted"]["peak_bytes"],
+        "step_ms_error_pct": report["error_pct"]["step_ms"],
+        "peak_bytes_error_pct": report["error_pct"]["peak_bytes"],
+    }
+    return {METRIC_PREFIX + k: float(v) for k, v in figures.items() if v is not None}

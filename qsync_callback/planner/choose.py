@@ -1,0 +1,49 @@
+"""Choose the plan for a recorded run: every planner whose lever is allowed and whose inputs the
+traces carry, under one set of `Constraints`.
+
+Today that is the per-layer precision planner (`precision.py`: traces recorded with per-layer
+probes and layer statistics), and for TensorFlow runs the op-type and gradient-groups planner
+(`tf_plans.py`: traces with op-type costs or Horovod's settings). A new plan kind adds its planner
+here, next to a predictor transform and an applier; never a branch in an integration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Constraints
+from qsync_callback.planner import PlanChoice
+from qsync_callback.planner.precision import plan_precision
+from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
+from qsync_callback.recorder.trace import Trace
+from qsync_callback.report import format_precision_plan
+
+
+def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Mapping[str, Any]) -> PlanChoice:
+    """The best plan for ``traces`` under ``constraints`` (a memory budget in bytes by now);
+    ``recorded`` is the recorded configuration's prediction (report["predicted"]), for the table.
+    Raises QSyncInputError when no allowed lever can be planned from these traces."""
+    if "precision" in constraints.levers and traces and traces[0].precision_costs.get("layers"):
+        choice, indicator = plan_precision(
+            traces,
+            constraints.precisions,
+            max_step_ms=constraints.max_step_ms,
+            memory_budget=constraints.memory_budget,
+            best_effort=constraints.best_effort,
+        )
+        choice.plan.constraints = constraints.to_dict()
+        table = format_precision_plan(choice, indicator, recorded, traces[0].layers)
+        return PlanChoice(choice.plan, choice.feasible, table)
+    if has_tf_candidates(traces):
+        return choose_tf_plan(traces, constraints)
+    if "precision" in constraints.levers:
+        raise QSyncInputError(
+            "the trace has no layer statistics and per-layer precision probes to plan from; record it "
+            "with QSyncCallback(mode='apply')"
+        )
+    raise QSyncInputError(
+        f"nothing to plan: the levers allowed ({', '.join(constraints.levers)}) have no planner for "
+        "what these traces recorded"
+    )

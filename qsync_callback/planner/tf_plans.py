@@ -1,0 +1,162 @@
+"""Choose the plan for a TensorFlow run: mixed precision by op type and Horovod's gradient groups,
+by predicted step time.
+
+The candidates are Plans, each priced by the predictor (`Predictor.predict`) on the recorded traces:
+
+- bf16, uniform: every op type TF's uniform bf16 rewrite ran at bf16 (the recorder's op-type
+  probe, ``precision_costs["op_types"]``), at bf16: TF's own choice, said per op type;
+- bf16 by op type: the op types whose bf16 time pays for its casts (`op_precision.py`; TF's deny
+  list, softmax and reductions stay fp32);
+- gradient groups (more than one process, traces with Horovod's timeline): the fastest predicted
+  grouping (`tensor_fusion.choose_groups`);
+- the op-type plan and the groups together.
+
+The lever "precision" (with "bf16" among the precisions) allows the bf16 plans, "buckets" the
+groups. The chosen plan is the fastest predicted one that meets the constraints (``max_step_ms``;
+``memory_budget`` on the predicted peak, which these plans, priced for time only, leave as
+recorded) if it is predicted more than `NO_DECISION_GAIN` faster than the recorded configuration;
+otherwise the recorded configuration (an empty plan): a smaller predicted difference is no decision.
+
+Not proposed: Horovod's fusion threshold and cycle time, which Horovod reads at ``hvd.init()``
+(the fastest predicted ones are shown with how to launch with them, `tensor_fusion.next_launch`);
+and XLA (a fused region over the whole step), which the predictor cannot price yet (a cost model
+for fused regions is issue 14); a given plan with one is still applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Constraints, Plan
+from qsync_callback.planner import PlanChoice
+from qsync_callback.planner.op_precision import (
+    LOW_PRECISION,
+    UNSAFE_OP_TYPES,
+    choose_op_precision,
+    measured_op_types,
+)
+from qsync_callback.planner.tensor_fusion import choose_groups, choose_settings, next_launch
+from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.predictor.tensor_fusion import can_price_fusion
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
+
+RECORDED = "recorded configuration"
+# a plan predicted less than this much faster than the recorded configuration is no decision (the
+# same share verify.py lets a plan be slower before it is rolled back)
+NO_DECISION_GAIN = 0.02
+
+
+def has_tf_candidates(traces: Sequence[Trace]) -> bool:
+    """Whether the traces carry what these candidates are priced on (op-type costs, or Horovod's
+    settings)."""
+    if not traces:
+        return False
+    return OP_TYPE_COSTS in traces[0].precision_costs or traces[0].communication.get("library") == "horovod"
+
+
+def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanChoice:
+    """The best plan for ``traces`` under ``constraints`` (a memory budget in bytes by now), see
+    the module docstring. Raises QSyncInputError when no candidate can be proposed, saying why."""
+    predictor = Predictor(traces)
+    fingerprint = traces[0].fingerprint
+    notes: list[str] = []
+    candidates = [(RECORDED, Plan.empty(fingerprint))]
+    op_types = _op_type_plans(predictor, constraints, notes)
+    groups = _groups_plan(predictor, constraints, notes)
+    candidates += op_types + ([groups] if groups else [])
+    if op_types and groups:
+        (name, bf16), grouped = op_types[-1], groups[1]
+        both = Plan(fingerprint=dict(fingerprint), op_precision=bf16.op_precision, buckets=grouped.buckets)
+        candidates.append((f"{name} + {groups[0]}", both))
+    if len(candidates) == 1:
+        raise QSyncInputError("no TF plan to propose: " + "; ".join(notes))
+    priced = _unique([(name, plan, predictor.predict(plan)) for name, plan in candidates])
+    recorded, feasible = priced[0], [c for c in priced if _meets(c[2], constraints)]
+    eligible = feasible or priced  # none meets the constraints: the closest, for best_effort
+    best = min(eligible, key=lambda c: c[2].step_ms)
+    if recorded in eligible and best[2].step_ms >= recorded[2].step_ms * (1 - NO_DECISION_GAIN):
+        best = recorded
+    plan = Plan.from_dict(best[1].to_dict())
+    plan.prediction = best[2].figures()
+    plan.constraints = constraints.to_dict()
+    return PlanChoice(plan, best in feasible, _table(priced, best[0], notes))
+
+
+def _op_type_plans(
+    predictor: Predictor, constraints: Constraints, notes: list[str]
+) -> list[tuple[str, Plan]]:
+    """The uniform and the op-type bf16 plans, where the lever and the traces allow them."""
+    if "precision" not in constraints.levers or LOW_PRECISION not in constraints.precisions:
+        notes.append("bf16 plans: not allowed (levers/precisions)")
+        return []
+    table = predictor.traces[0].precision_costs.get(OP_TYPE_COSTS, {})
+    if not table.get("costs"):
+        why = table.get("note") or "TF's bf16 rewrite changed no op of the step on this machine"
+        notes.append(f"bf16 plans: {why}")
+        return []
+    fingerprint = dict(predictor.traces[0].fingerprint)
+    uniform = dict.fromkeys(measured_op_types(predictor), LOW_PRECISION)
+    plans = [(f"bf16 uniform ({len(uniform)} op types)", Plan(fingerprint=fingerprint, op_precision=uniform))]
+    choice = choose_op_precision(predictor, Plan(fingerprint=fingerprint), UNSAFE_OP_TYPES)
+    low = sorted(t for t, p in choice.plan.op_precision.items() if p == LOW_PRECISION)
+    if low:
+        plans.append((f"bf16 op types ({', '.join(low)})", choice.plan))
+    return plans
+
+
+def _groups_plan(predictor: Predictor, constraints: Constraints, notes: list[str]) -> tuple[str, Plan] | None:
+    """The fastest predicted gradient grouping, where the lever and the traces allow it; the
+    fusion settings for the next launch go into ``notes``."""
+    if "buckets" not in constraints.levers:
+        notes.append("gradient groups: not allowed (levers)")
+        return None
+    why = can_price_fusion(predictor.traces)
+    if why is not None:
+        notes.append(f"gradient groups: {why}")
+        return None
+    settings = choose_settings(predictor)
+    if settings.prediction.step_ms < settings.baseline.step_ms:
+        best = settings.plan.communication
+        notes.append(
+            f"fusion threshold {best['fusion_threshold_bytes'] / 2**20:g} MiB and cycle time "
+            f"{best['cycle_time_ms']:g} ms predicted {settings.prediction.step_ms:.2f} ms (recorded "
+            f"settings {settings.baseline.step_ms:.2f}); Horovod reads them at hvd.init(): launch with "
+            f"{next_launch(best)}"
+        )
+    choice = choose_groups(predictor)
+    if choice is None:
+        notes.append("gradient groups: a single all-reduced gradient")
+        return None
+    return f"gradient groups ({len(choice.plan.buckets)})", choice.plan
+
+
+def _meets(prediction: Prediction, constraints: Constraints) -> bool:
+    fast = constraints.max_step_ms is None or prediction.step_ms <= constraints.max_step_ms
+    fits = constraints.memory_budget is None or prediction.peak_bytes <= constraints.memory_budget
+    return fast and fits
+
+
+def _unique(priced: list[tuple[str, Plan, Prediction]]) -> list[tuple[str, Plan, Prediction]]:
+    """The candidates without repeats of the same decisions (the first name kept)."""
+    out, seen = [], []
+    for name, plan, prediction in priced:
+        decisions = (plan.op_precision, plan.buckets)
+        if decisions not in seen:
+            seen.append(decisions)
+            out.append((name, plan, prediction))
+    return out
+
+
+def _table(priced: list[tuple[str, Plan, Prediction]], chosen: str, notes: list[str]) -> str:
+    recorded = priced[0][2].step_ms
+    lines = [
+        f"qsync TF plans ({len(priced)} priced by the predictor; XLA is not proposed: fused regions "
+        "cannot be priced yet)"
+    ]
+    for name, _, prediction in priced:
+        change = 100 * (prediction.step_ms / recorded - 1)
+        mark = "   <- chosen" if name == chosen else ""
+        lines.append(f"  {name[:60]:<60} {prediction.step_ms:8.2f} ms predicted {change:+6.1f}%{mark}")
+    lines += [f"  note: {note}" for note in notes]
+    return "\n".join(lines)

@@ -1,0 +1,261 @@
+"""Measure a TF train step per op type under TF's uniform bfloat16 rewrite: the costs that op-type
+precision plans (``Plan.op_precision``, TF's auto-mixed-precision unit) are priced on.
+
+`OpTypeProbe` runs `PROBE_CALLS` calls of the live step switched to TF's oneDNN bfloat16
+auto-mixed-precision rewrite with its default lists (the caller's ``switch`` re-traces the step and
+returns the undo), after the recorded window: the first call with TF's graph collection on, which
+yields the graph TF really runs (names, fused types, dtypes, data inputs, the rewrite's Cast ops);
+`SETTLE_CALLS` unprofiled (the first calls of a rewritten step are slower: TF and oneDNN build and
+cache its kernels, which would make bf16 look slow against the recorded fp32 steps); then
+`PROFILED_STEPS` under one ``tf.profiler`` session, each marked as a step. The calls always run,
+once each; a failure of the probe's own work switches the step back at once, and the table then
+only says why nothing was measured (``{"note": ...}``).
+
+`op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
+(schema in `recorder/trace.py`). The table's unit is TF's: an op type as its lists name it. The
+profile names ops after fusion (a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and
+Relu): such an op counts as its root type (MatMul). Tensor sizes come from the traced step
+function's static shapes. On a CPU without bfloat16 the rewrite changes no op, and the table has
+no costs.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import tensorflow as tf
+
+from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.recorder.trace import Trace
+from qsync_callback.recorder.xspace import STEP_NAME, convert_xspace, find_xspace, load_xspace
+
+LOW = "bf16"
+SETTLE_CALLS = 3  # after graph collection: oneDNN creates and caches the bf16 primitives, TF warms up
+PROFILED_STEPS = 3
+PROBE_CALLS = 1 + SETTLE_CALLS + PROFILED_STEPS
+_FIRST_PROFILED = 1 + SETTLE_CALLS
+_FUSED_ROOT = {
+    "_FusedMatMul": "MatMul",
+    "_FusedConv2D": "Conv2D",
+    "_FusedConv3D": "Conv3D",
+    "_FusedBatchMatMulV2": "BatchMatMulV2",
+    "_FusedDepthwiseConv2dNative": "DepthwiseConv2dNative",
+}
+_AMP_CAST = "-AutoMixedPrecision"
+
+
+class LiveStep(Protocol):
+    """The train step as its caller runs it: the function in force and the call in progress."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    groups: Any  # what the step passes to ``hvd.DistributedGradientTape(tape, groups=...)``
+
+
+class OpTypeProbe:
+    """The probe's calls, driven by the caller at each call's start and end (counted from 0)."""
+
+    def __init__(self, step: LiveStep, logdir: Path, switch: Callable[[], Callable[[], None]]):
+        self.step = step
+        self.logdir = logdir
+        self.switch = switch
+        self.note: str | None = None  # why nothing was measured
+        self._undo: Callable[[], None] | None = None
+        self._collecting = False
+        self._profiling = False
+        self._mark: Any = None
+        self._graph: Any = None  # the optimized GraphDef TF ran
+        self._shapes: dict[str, tuple[int, int]] = {}  # "op:index" -> (elements, 1 if float32)
+
+    def step_boundary(self, call: int) -> None:
+        if call == 0:
+            self._guard(self._begin)
+        elif call == _FIRST_PROFILED:
+            self._guard(self._start_profiler)
+        if self._profiling:
+            self._mark = tf.profiler.experimental.Trace(STEP_NAME, step_num=call, _r=1)
+            self._mark.__enter__()
+
+    def step_end(self, call: int) -> None:
+        self._end_mark()
+        if call == 0 and self._collecting:
+            self._guard(self._collected)
+        elif call == _FIRST_PROFILED + PROFILED_STEPS - 1:
+            self._guard(self._stop_profiler)
+
+    def table(self, trace: Trace) -> dict[str, Any]:
+        """Switch the step back, then the op-type table of ``trace`` (or why there is none)."""
+        self.close()
+        if self.note is None and self._graph is None:
+            self.note = "the probe's calls did not run"
+        if self.note is None:
+            try:
+                return op_type_table(trace, self.logdir, self._graph, self._shapes)
+            except Exception as exc:  # noqa: BLE001 - a probe that measured nothing is a note, not a failure
+                self.note = f"{type(exc).__name__}: {exc}"
+        return {"note": f"TF's uniform bf16 rewrite was not measured ({self.note})"}
+
+    def close(self) -> None:
+        """Stop measuring and switch the step back; safe at any time, more than once."""
+        self._end_mark()
+        if self._collecting:
+            from tensorflow.python.eager import context
+
+            self._collecting = False
+            context.disable_graph_collection()
+        if self._profiling:
+            self._profiling = False
+            try:
+                tf.profiler.experimental.stop()
+            except Exception as exc:  # noqa: BLE001
+                self.note = self.note or f"stopping the profiler: {type(exc).__name__}: {exc}"
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+    def _guard(self, work: Callable[[], None]) -> None:
+        if self.note is not None:
+            return
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - measuring must never break the step
+            self.note = f"{type(exc).__name__}: {exc}"
+            self.close()
+
+    def _begin(self) -> None:
+        from tensorflow.python.eager import context
+
+        self._undo = self.switch()
+        context.enable_graph_collection()
+        self._collecting = True
+
+    def _collected(self) -> None:
+        """The largest optimized graph TF collected (the step's; the others initialize variables),
+        and the static shapes of the traced step's tensors."""
+        from tensorflow.python.eager import context
+
+        metadata = context.export_run_metadata()
+        context.disable_graph_collection()
+        self._collecting = False
+        graphs = [f.post_optimization_graph for f in metadata.function_graphs] if metadata else []
+        self._graph = max(graphs, key=lambda g: len(g.node), default=None)
+        if self._graph is None:
+            raise ValueError("TF collected no graph of the rewritten step")
+        graph = self.step.fn.get_concrete_function(*self.step.args, **self.step.kwargs).graph
+        for op in graph.get_operations():
+            for i, out in enumerate(op.outputs):
+                if out.shape.is_fully_defined():
+                    numel = math.prod(out.shape.as_list())
+                    self._shapes[f"{op.name}:{i}"] = (numel, int(out.dtype == tf.float32))
+
+    def _start_profiler(self) -> None:
+        shutil.rmtree(self.logdir, ignore_errors=True)
+        tf.profiler.experimental.start(str(self.logdir))
+        self._profiling = True
+
+    def _stop_profiler(self) -> None:
+        self._profiling = False
+        tf.profiler.experimental.stop()
+
+    def _end_mark(self) -> None:
+        mark, self._mark = self._mark, None
+        if mark is not None:
+            mark.__exit__(None, None, None)
+
+
+def op_type(node: Any) -> str:
+    """The type TF's lists name a GraphDef node by: a fused op's root type, else its op."""
+    return _FUSED_ROOT.get(node.op, node.op)
+
+
+def _input(name: str) -> tuple[str, str] | None:
+    """(producer, "producer:index") of a GraphDef input; None for a control input."""
+    if name.startswith("^"):
+        return None
+    producer, _, index = name.partition(":")
+    return producer, f"{producer}:{index or 0}"
+
+
+def _per_step_us(names_durs: Sequence[tuple[str, float]], steps: int) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for name, dur in names_durs:
+        totals[name] = totals.get(name, 0.0) + dur / steps
+    return totals
+
+
+def op_type_table(
+    trace: Trace, logdir: Path, graph: Any, shapes: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    """``precision_costs["op_types"]`` (schema in `recorder/trace.py`) from the recorded fp32
+    ``trace``, the probe's profile (``logdir``), the optimized ``graph`` TF ran and the traced
+    step's tensor ``shapes``."""
+    converted = convert_xspace(load_xspace(find_xspace(logdir)))
+    bf16_us = _per_step_us([(op.name, op.dur_us) for op in converted["ops"]], len(converted["steps"]))
+    fp32_us = _per_step_us([(op.name, op.dur_us) for op in trace.ops if op.kind != "comm"], len(trace.steps))
+    nodes = {n.name: n for n in graph.node}
+    casts = {name: n for name, n in nodes.items() if n.op == "Cast" and name.endswith(_AMP_CAST)}
+
+    def source(name: str) -> tuple[str, str] | None:
+        """The producer a (resolved) input comes from, through the rewrite's casts."""
+        resolved = _input(name)
+        while resolved is not None and resolved[0] in casts:
+            resolved = _input(casts[resolved[0]].input[0])
+        return resolved
+
+    ops = {name: op_type(nodes[name]) for name in fp32_us if name in nodes and name not in casts}
+    bf16 = tf.bfloat16.as_datatype_enum
+    low_ops = {
+        name
+        for name, node in nodes.items()
+        if name not in casts and "T" in node.attr and node.attr["T"].type == bf16
+    }
+    ends = ops.keys() | low_ops  # an edge is kept when one of its ends is one of these
+    edges = []
+    for name, node in nodes.items():
+        if name in casts:
+            continue
+        for raw in node.input:
+            found = source(raw)
+            if found is None or not {found[0], name} & ends:
+                continue
+            numel, is_float = shapes.get(found[1], (0, 0))
+            if is_float and numel:
+                edges.append([found[0], name, 4 * numel])
+    costs: dict[str, dict[str, Any]] = {}
+    for name, kind in ops.items():
+        entry = costs.setdefault(kind, {"ops": 0, "measured_ops": 0, "fp32_us": 0.0, "bf16_us": 0.0})
+        entry["ops"] += 1
+        if "T" in nodes[name].attr and nodes[name].attr["T"].type == bf16 and name in bf16_us:
+            entry["measured_ops"] += 1
+            entry["fp32_us"] += fp32_us[name]
+            entry["bf16_us"] += bf16_us[name]
+    costs = {kind: c for kind, c in costs.items() if c["measured_ops"]}
+    cast_costs: dict[str, dict[str, float]] = {}
+    for name, node in casts.items():
+        found = source(node.input[0])
+        numel = shapes.get(found[1], (0, 0))[0] if found else 0
+        if name not in bf16_us or not numel:
+            continue
+        pair = f"{FULL_PRECISION}->{LOW}" if node.attr["DstT"].type == bf16 else f"{LOW}->{FULL_PRECISION}"
+        entry = cast_costs.setdefault(pair, {"us": 0.0, "bytes": 0, "casts": 0})
+        entry["us"] += bf16_us[name]
+        entry["bytes"] += 4 * numel
+        entry["casts"] += 1
+    for entry in cast_costs.values():
+        entry["us_per_byte"] = entry["us"] / entry["bytes"]
+    return {
+        "ops": ops,
+        "low_ops": sorted(low_ops),
+        "edges": edges,
+        "costs": costs,
+        "casts": cast_costs,
+        "source": (
+            f"rank {trace.rank}: fp32 from its {len(trace.steps)} recorded steps, bf16 and the rewrite's "
+            f"casts from {len(converted['steps'])} profiled steps of TF's uniform bf16 rewrite"
+        ),
+    }

@@ -1,0 +1,367 @@
+"""Record a window of a live TensorFlow train step (Horovod's or not) into a normalized trace.
+
+The caller calls `TFRecorder.step_boundary()` right before each call of the train step and
+`step_end()` right after it returns. A call is timed on the wall clock from its boundary (or from
+the ranks' meeting after it, `restart_step_clock`) to its return. Calls are counted from 0 in the
+window:
+
+- calls before ``warmup_steps`` run untouched and are timed (the first `COLD_STEPS` are not: they
+  trace the function), except the last, which runs under a profiler session that is thrown away (a
+  session's first profiled call is slow);
+- call ``warmup_steps`` settles after that session and is not timed;
+- then ``profile_steps`` calls are recorded, every other call, each in a ``tf.profiler`` session of
+  its own with a ``qsync::step`` mark around it; the unprofiled calls between them are timed, so
+  that measured and recorded calls see the same conditions of the machine (see
+  `qsync_callback.recorder.torch_recorder`);
+- at the boundary after the last recorded call each session's XSpace is converted
+  (`recorder/xspace.py`) into the trace; the raw profiles stay beside it in ``profile/`` (a
+  TensorBoard log directory, one run per recorded call);
+- ``measure_steps`` more calls are timed (the measured step time is their median, with the others
+  timed before);
+- for planning, the op-type probe (`recorder/tf_op_types.py`) then runs its calls of TF's uniform
+  bf16 rewrite, and its table goes into the trace (``precision_costs["op_types"]``).
+
+Sessions and ranks: the recorder makes no collective call of its own; the caller's ranks meet
+right after each boundary that opens a session (`meet_after`), and `restart_step_clock` then puts a
+``qsync::clock_sync`` mark into the profile. A profile's times count from its session's start: the
+mark's wall-clock time puts every session of every rank on this host's clock, and the first kept
+session's mark (all ranks had just left the meeting) is the common zero across hosts. The ranks
+meet again right before each boundary that closes a session (`meet_before`): the meeting queues
+behind the step's last collective in Horovod's thread, so the session holds it; and once more right
+after a recorded call's session closed, so that the timed call after it starts together on all
+ranks (stopping a session takes each rank its own time).
+
+With more than one process: Horovod's timeline (when the caller gives one) runs during each
+recorded call, and its records go into the collective ops of rank 0's trace; the collectives'
+tensors, sizes, dtypes and variables are read from the step's concrete function graph at the first
+recorded call (`recorder/tf_collectives.py`; a step that is no ``tf.function`` leaves them to the
+timeline). Resident bytes: the model's weights and the optimizer's variables, counted when the
+window opens; the measured peak is not known (TF reports allocator peaks for GPUs only).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import tensorflow as tf
+
+from qsync_callback.recorder.horovod_timeline import TensorRecord
+from qsync_callback.recorder.kineto import CLOCK_SYNC
+from qsync_callback.recorder.tf_collectives import attach_timeline, graph_collectives
+from qsync_callback.recorder.tf_op_types import PROBE_CALLS, LiveStep, OpTypeProbe
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, Op, Step, Trace, rank_trace_path
+from qsync_callback.recorder.xspace import (
+    OPTIMIZER_SCOPES,
+    STEP_NAME,
+    convert_xspace,
+    find_xspace,
+    load_xspace,
+)
+
+COLD_STEPS = 2
+PROFILE_DIR = "profile"
+WARMUP_RUN = "warmup"
+PROBE_RUN = "bf16_probe"
+PEAK_SOURCE = "not measured: TensorFlow reports allocator peaks for GPUs only"
+
+
+class Timeline(Protocol):
+    """Horovod's timeline for the recorded calls (`integrations/horovod_tf/fusion.py`)."""
+
+    def start(self, step: int, write: bool) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def records(self) -> list[TensorRecord]: ...
+
+    def describe(self, rank_dir: Path) -> dict[str, Any]: ...
+
+
+class TFRecorder:
+    """One recorded window of ``step`` (see the module docstring). ``communication`` is the
+    collective library's settings in effect (the trace adds the step's groups and the timeline);
+    ``switch_to_bf16``, when given, makes this a planning window: it switches the step to TF's
+    uniform bf16 rewrite and returns the undo, for the op-type probe."""
+
+    def __init__(
+        self,
+        step: LiveStep,
+        trace_dir: Path,
+        *,
+        warmup_steps: int,
+        profile_steps: int,
+        measure_steps: int,
+        model: Any,
+        optimizer: Any,
+        layers: Sequence[Mapping[str, Any]],
+        fingerprint: Mapping[str, Any],
+        rank: int = 0,
+        world_size: int = 1,
+        communication: Mapping[str, Any] | None = None,
+        timeline: Timeline | None = None,
+        switch_to_bf16: Callable[[], Callable[[], None]] | None = None,
+    ):
+        self.step = step
+        self.trace_dir = Path(trace_dir)
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.measure_steps = measure_steps
+        self.model = model
+        self.optimizer = optimizer
+        self.layers = [dict(layer) for layer in layers]
+        self.fingerprint = dict(fingerprint)
+        self.rank = rank
+        self.world_size = world_size
+        self.communication = dict(communication or {})
+        self.timeline = timeline
+        self.trace: Trace | None = None
+        self.step_ms: list[float] = []  # the timed (unprofiled) calls
+        self._probe = None
+        if switch_to_bf16 is not None:
+            self._probe = OpTypeProbe(step, self._profile_dir() / PROBE_RUN, switch_to_bf16)
+        self._calls = 0  # boundaries so far
+        self._clock = 0.0
+        self._session: Path | None = None
+        self._opened = False  # a session opened at this boundary: its clock mark is due
+        self._mark: Any = None  # the recorded call's step mark, while it runs
+        self._failure: Exception | None = None  # of `restart_step_clock`, raised by `step_end`
+        self._sessions: list[tuple[Path, float]] = []  # kept sessions and their clock marks (us)
+        self._mark_us = 0.0
+        self._resident: dict[str, int] = {}
+        self._collectives: dict[str, list[dict[str, Any]]] = {}
+
+    # ----------------------------------------------------------------- schedule
+
+    @property
+    def recorded_steps(self) -> list[int]:
+        """The calls recorded under the profiler: every other call from ``warmup_steps + 1``."""
+        return [self.warmup_steps + 1 + 2 * j for j in range(self.profile_steps)]
+
+    @property
+    def meet_after(self) -> set[int]:
+        """Boundaries that open a session (the warm-up one, each recorded call's), and those that
+        close a recorded call's (so that the timed call after it starts together on all ranks)."""
+        return {self.warmup_steps - 1, *self.recorded_steps, *(k + 1 for k in self.recorded_steps)}
+
+    @property
+    def meet_before(self) -> set[int]:
+        """Boundaries that close a session."""
+        return {self.warmup_steps, *(k + 1 for k in self.recorded_steps)}
+
+    @property
+    def _probe_start(self) -> int:
+        return self.recorded_steps[-1] + self.measure_steps + 1
+
+    @property
+    def done_step(self) -> int:
+        """The boundary at which the window is complete: its measured calls (and probe) have run."""
+        return self._probe_start + (PROBE_CALLS if self._probe is not None else 0)
+
+    def _timed(self, call: int) -> bool:
+        if call < self.warmup_steps - 1:
+            return call >= COLD_STEPS
+        last = self.recorded_steps[-1]
+        return self.warmup_steps < call <= last + self.measure_steps and call not in self.recorded_steps
+
+    # ----------------------------------------------------------------- hooks
+
+    def step_boundary(self) -> None:
+        call = self._calls
+        self._calls += 1
+        if call == self.warmup_steps - 1:
+            self._prepare_window()
+            self._start_session(self._profile_dir() / WARMUP_RUN)
+        elif call == self.warmup_steps:
+            self._stop_session(keep=False)
+        elif call - 1 in self.recorded_steps:
+            self._stop_session(keep=True)
+            if call - 1 == self.recorded_steps[-1]:
+                self.trace = self._convert()
+        if call in self.recorded_steps:
+            if call == self.recorded_steps[0] and self.world_size > 1:
+                self._read_collectives()
+            self._start_session(self._profile_dir() / f"step{call}")
+        if self._probe is not None and call >= self._probe_start:
+            if call == self.done_step:
+                self.trace.precision_costs[OP_TYPE_COSTS] = self._probe.table(self.trace)
+            else:
+                self._probe.step_boundary(call - self._probe_start)
+        self._clock = time.perf_counter()
+
+    def restart_step_clock(self) -> None:
+        """The ranks have just met: a session opened at this boundary gets its clock mark now (and a
+        recorded call its timeline and step mark), and the call's clock starts now. A failure here
+        is raised by `step_end`, where the caller's fail-safe sees it."""
+        try:
+            self._mark_session()
+        except Exception as exc:  # noqa: BLE001 - raised again in step_end
+            self._failure = exc
+        self._clock = time.perf_counter()
+
+    def _mark_session(self) -> None:
+        if self._opened:
+            self._opened = False
+            before = time.time_ns()
+            with tf.profiler.experimental.Trace(CLOCK_SYNC):
+                pass
+            self._mark_us = (before + time.time_ns()) / 2e3
+            call = self._calls - 1
+            if call in self.recorded_steps:
+                if self.timeline is not None:
+                    self.timeline.start(call, write=self.rank == 0)
+                self._mark = tf.profiler.experimental.Trace(STEP_NAME, step_num=call, _r=1)
+                self._mark.__enter__()
+
+    def step_end(self) -> None:
+        elapsed_ms = (time.perf_counter() - self._clock) * 1e3
+        call = self._calls - 1
+        self._end_mark()
+        if self._failure is not None:
+            raise self._failure
+        if self._timed(call):
+            self.step_ms.append(elapsed_ms)
+        if self._probe is not None and self._probe_start <= call < self.done_step:
+            self._probe.step_end(call - self._probe_start)
+
+    def save(self) -> None:
+        """Write the trace with the timed calls (``measured.step_ms``)."""
+        self.trace.measured["step_ms"] = list(self.step_ms)
+        self.trace.save(rank_trace_path(self.trace_dir, self.rank))
+
+    def close(self) -> None:
+        """Stop profiling (a session's profile is dropped) and switch a probed step back; safe at
+        any time, more than once."""
+        self._end_mark()
+        if self.timeline is not None:
+            self.timeline.stop()
+        if self._probe is not None:
+            self._probe.close()
+        if self._session is not None:
+            self._session = None
+            tf.profiler.experimental.stop(save=False)
+
+    # ----------------------------------------------------------------- the window
+
+    def _profile_dir(self) -> Path:
+        return rank_trace_path(self.trace_dir, self.rank).parent / PROFILE_DIR
+
+    def _prepare_window(self) -> None:
+        """Clear this rank's old profiles and count the bytes held across steps."""
+        shutil.rmtree(self._profile_dir(), ignore_errors=True)
+        self._profile_dir().mkdir(parents=True, exist_ok=True)
+        self._resident = resident_bytes(self.model, self.optimizer)
+
+    def _read_collectives(self) -> None:
+        """The step's all-reduced tensors from its graph; a step that is no ``tf.function`` (or a
+        graph that cannot be read) leaves them to Horovod's timeline, on rank 0."""
+        variables = self.model.trainable_variables if self.model is not None else []
+        try:
+            self._collectives = graph_collectives(
+                self.step.fn, self.step.args, self.step.kwargs, variables, self.step.groups
+            )
+        except Exception:  # noqa: BLE001 - optional structure: the timeline still gives rank 0's sizes
+            self._collectives = {}
+
+    def _start_session(self, logdir: Path) -> None:
+        tf.profiler.experimental.start(str(logdir))
+        self._session = logdir
+        self._opened = True
+
+    def _stop_session(self, keep: bool) -> None:
+        """Stop the profiler (Horovod's timeline first); keep the session's profile or remove it."""
+        if self.timeline is not None:
+            self.timeline.stop()
+        session, self._session = self._session, None
+        tf.profiler.experimental.stop()
+        if keep:
+            self._sessions.append((session, self._mark_us))
+        else:
+            shutil.rmtree(session, ignore_errors=True)
+
+    def _end_mark(self) -> None:
+        mark, self._mark = self._mark, None
+        if mark is not None:
+            mark.__exit__(None, None, None)
+
+    def _convert(self) -> Trace:
+        """One normalized trace of the recorded sessions (one step each, op ids made unique)."""
+        scopes = list(OPTIMIZER_SCOPES)
+        if getattr(self.optimizer, "name", None):
+            scopes.append(self.optimizer.name)
+        steps, ops = [], []
+        for session, mark_us in self._sessions:
+            space = load_xspace(find_xspace(session))
+            converted = convert_xspace(space, self.layers, scopes, collective_tensors=self._collectives)
+            if converted["clock_sync_us"] is None:
+                raise ValueError(f"{session}: the profile lost its clock mark")
+            shift = mark_us - converted["clock_sync_us"]
+            steps.extend(Step(s.index, s.start_us + shift, s.end_us + shift) for s in converted["steps"])
+            ops.extend(_shifted(converted["ops"], len(ops), shift))
+        return Trace(
+            rank=self.rank,
+            world_size=self.world_size,
+            device="gpu" if tf.config.list_physical_devices("GPU") else "cpu",
+            steps=steps,
+            ops=ops,
+            framework="tensorflow",
+            framework_version=tf.__version__,
+            host=socket.gethostname(),
+            clock_offset_us=-self._sessions[0][1],
+            resident_bytes=self._resident,
+            layers=self.layers,
+            measured={"peak_bytes": None, "peak_source": PEAK_SOURCE},
+            fingerprint=self.fingerprint,
+            raw_trace=PROFILE_DIR,
+            communication=self._communication(ops),
+        )
+
+    def _communication(self, ops: list[Op]) -> dict[str, Any]:
+        """The settings in effect, the step's groups, and the timeline (its records go into
+        ``ops``, on rank 0)."""
+        groups = self.step.groups
+        if isinstance(groups, list):
+            groups = [[v.name for v in group] for group in groups]
+        out = {**self.communication, "groups": groups}
+        if self.timeline is not None:
+            if self.rank == 0:
+                attach_timeline(ops, self.timeline.records())
+            out.update(self.timeline.describe(self._profile_dir().parent))
+        return out
+
+
+def _shifted(ops: Iterable[Op], first_id: int, shift_us: float) -> list[Op]:
+    """``ops`` with ids (and their deps) counted from ``first_id`` and times moved by ``shift_us``."""
+    out = []
+    for op in ops:
+        op.id += first_id
+        op.deps = [d + first_id for d in op.deps]
+        op.start_us += shift_us
+        out.append(op)
+    return out
+
+
+def _variable_bytes(variables: Iterable[Any]) -> int:
+    seen, total = set(), 0
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            total += math.prod(v.shape) * v.dtype.size
+    return int(total)
+
+
+def resident_bytes(model: Any, optimizer: Any) -> dict[str, int]:
+    """Bytes held across steps: trainable weights, other weights, optimizer variables (when known)."""
+    resident: dict[str, int] = {}
+    if model is not None:
+        resident["parameters"] = _variable_bytes(model.trainable_weights)
+        resident["buffers"] = _variable_bytes(model.non_trainable_weights)
+    variables = getattr(optimizer, "variables", None)
+    if variables is not None:
+        resident["optimizer_state"] = _variable_bytes(variables() if callable(variables) else variables)
+    return resident
