@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -239,3 +241,19 @@ def test_probe_refuses_what_it_cannot_run():
         probe_layer_costs(nn.Linear(4, 4), (2, 4), precisions=["tf32"])
     with pytest.raises(TypeError, match="Linear, Conv1d or Conv2d"):
         probe_layer_costs(nn.ReLU(), (2, 4))
+
+
+def test_counting_saved_bytes_keeps_nothing_alive():
+    """A ReLU saves its own output: a graph that kept it would be a cycle nobody frees."""
+    relu = nn.ReLU()
+    outputs = []
+
+    def forward(x):
+        out = relu(x)
+        outputs.append(weakref.ref(out))
+        return out
+
+    x = torch.randn(256, 256, requires_grad=True)
+    assert costs._saved_bytes(relu, x, forward) == 256 * 256 * 4
+    gc.collect()
+    assert outputs and outputs[0]() is None

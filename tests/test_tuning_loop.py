@@ -38,7 +38,7 @@ def test_a_kept_plan_is_found_only_under_the_constraints_it_was_chosen_under(tmp
 
 
 def test_a_plan_kept_under_fp32_only_is_not_applied_under_a_memory_budget(tmp_path, caplog):
-    _fit(_apply_callback(tmp_path, precisions=("fp32",)), max_steps=20)
+    _fit(_apply_callback(tmp_path, precisions=("fp32",), memory_budget=None), max_steps=20)
     assert Plan.load(tmp_path / "q" / "plan.json").is_empty  # nothing but fp32 was allowed
     with caplog.at_level(logging.INFO):
         model = _fit(_apply_callback(tmp_path, out="q2"))

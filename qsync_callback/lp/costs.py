@@ -390,13 +390,15 @@ def _saved_bytes(
     skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> int:
+        # keep the size, not the tensor: no backward runs here, and a graph holding its own output
+        # (ReLU saves its result) would be a reference cycle that is never freed
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return storage.nbytes()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda nbytes: nbytes):
         out = (forward or module)(x)
     del out
     return sum(seen.values())

@@ -17,7 +17,9 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "steps": [{"index": 7, "start_us": ..., "end_us": ...}, ...],
       "ops": [Op, ...],                 # see `Op`
       "memory_events": [[ts_us, addr, bytes, op_id], ...],   # bytes < 0 is a free; op_id -1: none
-      "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...},
+      "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...,
+                         "gradient_buckets": ..., "other": ...},   # "other": every other live tensor
+                                                                  # at the window's start
       "saved_activation_bytes": {"net.0": ..., ...},   # saved for backward in one step, by layer
       "precision": {"net.0": "bf16", ...},   # the precision each layer ran at (absent: fp32)
       "precision_costs": {...},         # per-layer probes at each precision and the fitted casts
