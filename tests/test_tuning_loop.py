@@ -130,6 +130,27 @@ def test_a_failure_during_verification_restores_the_recorded_configuration(tmp_p
     assert qsync.plan is None and qsync.state_dict()["plan"] is None
 
 
+class InfiniteUnderLowPrecision(GeluNet):
+    """Its loss stops being finite as soon as any layer runs below fp32."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        low = any(precision != "fp32" for precision in _lp_precisions(self).values())
+        return loss * float("inf") if low else loss
+
+
+def test_a_plan_whose_loss_stops_being_finite_is_rolled_back_on_every_count(tmp_path):
+    qsync = _apply_callback(tmp_path, plan_cache=tmp_path / "cache")
+    model = InfiniteUnderLowPrecision()
+    _fit(qsync, model=model, max_steps=30)
+    verification = json.loads((tmp_path / "q" / "verification.json").read_text())
+    assert verification["plan"]["precision"], "the 90% budget needs a layer below fp32"
+    assert verification["decision"] == "roll back"
+    assert verification["reason"] == "the loss stopped being finite"
+    assert _lp_precisions(model) == {} and qsync.plan is None and qsync.state_dict()["plan"] is None
+    assert Plan.load(tmp_path / "q" / "plan.json").is_empty  # the recorded configuration is kept
+
+
 # ----------------------------------------------------------------- a step is an optimizer step
 
 

@@ -377,8 +377,9 @@ def exact_precision(
     memory_budget: int | None = None,
     max_plans: int = 4096,
 ) -> PrecisionChoice:
-    """The least-indicator feasible plan over every combination, each priced by the predictor.
-    Refuses instances with more than ``max_plans`` combinations (ValueError)."""
+    """The least-indicator feasible plan over every combination, each priced by the predictor
+    (where none is feasible, the least damaging of the least violating ones). Refuses instances
+    with more than ``max_plans`` combinations (ValueError)."""
     pricer = _Pricer(predictor)
     candidates = candidate_precisions(predictor, precisions)
     names = list(candidates)
@@ -386,7 +387,7 @@ def exact_precision(
     if count > max_plans:
         raise ValueError(f"{count} combinations is more than max_plans={max_plans}")
     best: tuple[float, dict[str, str], Prediction] | None = None
-    least_violating: tuple[float, dict[str, str], Prediction] | None = None
+    least_violating: tuple[tuple[float, float], dict[str, str], Prediction] | None = None
     for combo in itertools.product(*(candidates[n] for n in names)):
         choice = dict(zip(names, combo, strict=True))
         priced = pricer(choice)
@@ -394,8 +395,8 @@ def exact_precision(
         damage = _indicator_sum(choice, indicator)
         if violation == 0 and (best is None or damage < best[0]):
             best = (damage, choice, priced)
-        if least_violating is None or violation < least_violating[0]:
-            least_violating = (violation, choice, priced)
+        if least_violating is None or (violation, damage) < least_violating[0]:
+            least_violating = ((violation, damage), choice, priced)  # the least damaging of them
     feasible = best is not None
     _, choice, prediction = best if feasible else least_violating
     return pricer.choice(choice, prediction, indicator, max_step_ms, memory_budget, feasible)

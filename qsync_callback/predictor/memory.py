@@ -71,8 +71,8 @@ class MemoryPrediction:
 
 
 def _category(birth: Op | None, death: Op | None) -> str:
-    if birth is None:
-        return "resident"
+    if birth is None:  # born in the step outside every op (a free of a block born before it is "resident")
+        return "other"
     if birth.kind == "forward":
         if death is not None and death.kind == "backward":
             return "activations"
