@@ -37,3 +37,19 @@ def mlp_and_step(
         return finish(loss) if finish is not None else loss
 
     return model, optimizer, train_step
+
+
+def cpu_runs_bf16() -> bool:
+    """Whether TF's oneDNN bfloat16 rewrite runs on this CPU, from the CPU's own flags (AVX512F or
+    AVX-NE-CONVERT, what TF checks), not from anything the project measures."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = {
+                flag for line in cpuinfo if line.startswith("flags") for flag in line.split(":", 1)[1].split()
+            }
+    except OSError:
+        return False
+    return bool(flags & {"avx512f", "avx_ne_convert"})
+
+
+NO_BF16_CPU = "this CPU has neither avx512f nor avx_ne_convert: TF's oneDNN bfloat16 rewrite does not run"

@@ -23,7 +23,7 @@ from qsync_callback.plan import Plan
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.verify import SLOWER_TOLERANCE
 
-from keras_steps import mlp_and_step
+from keras_steps import NO_BF16_CPU, cpu_runs_bf16, mlp_and_step
 from tf_launch import EXAMPLE, run_horovod, run_python
 
 WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 2}
@@ -106,8 +106,9 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     assert "qsync TF plans" in stdout and "XLA is not proposed" in stdout
     (trace,) = load_trace_dir(tmp_path / "trace")  # the planning window measured TF's bf16 rewrite
     table = trace.precision_costs["op_types"]
-    if not table.get("costs"):
-        pytest.skip(f"this CPU runs nothing at bfloat16 ({table})")
+    if not cpu_runs_bf16():
+        pytest.skip(NO_BF16_CPU)
+    assert table.get("costs"), f"the probe measured nothing at bf16 on a CPU that runs it: {table}"
     assert table["costs"]["MatMul"]["measured_ops"] > 0
     assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"}
     kept = Plan.load(tmp_path / "plan.json")

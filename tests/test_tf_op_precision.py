@@ -33,7 +33,7 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import keras_layers
 
-from keras_steps import mlp_and_step
+from keras_steps import NO_BF16_CPU, cpu_runs_bf16, mlp_and_step
 from tf_launch import EXAMPLE, run_python
 from tracebuilder import op, trace
 
@@ -162,10 +162,10 @@ def test_the_env_lists_steer_tfs_rewrite_and_are_put_back(tmp_path, monkeypatch)
     """TF's own rewrite (Grappler, as the step's next trace would run it) follows the env: ReluGrad
     kept at fp32, MatMul at bf16; afterwards the env and the option are as they were, a variable the
     user had set included."""
+    if not cpu_runs_bf16():
+        pytest.skip(NO_BF16_CPU)
     _, step, args = _relu_mlp_step()
     default = bf16_op_counts(step, args, {})
-    if not default:
-        pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
     assert default.get("ReluGrad", 0) > 0 and default.get("MatMul", 0) > 0
     monkeypatch.setenv(ENV_PREFIX + "CLEARLIST_REMOVE", "Snapshot")  # the user's own setting
     before = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
@@ -207,10 +207,11 @@ def first_call(tmp_path, amp_state):
     """A Keras MLP's step (traced once) and a function that runs its first call through a new
     recorder, from the same weights: ``first_call(**recorder_options) -> (recorder, loss, warnings)``;
     also the run's fingerprint and its fp32 loss. Skips on a CPU without bfloat16."""
+    if not cpu_runs_bf16():
+        pytest.skip(NO_BF16_CPU)
     hvd.init()
     model, step, args = _relu_mlp_step()
-    if not bf16_op_counts(step, args, {}):
-        pytest.skip("this CPU has no bfloat16: TF's rewrite changes nothing")
+    assert bf16_op_counts(step, args, {}), "TF's bf16 rewrite changed nothing on a CPU that runs it"
     fingerprint = tf_fingerprint(keras_layers(model), batch_shapes_of((args, {})), 8, 1)
     weights = model.get_weights()
     fp32 = float(step(*args))
@@ -288,14 +289,15 @@ def test_the_examples_planning_window_measures_tfs_bf16_rewrite_per_op_type(tmp_
     """One process of the example's MLP in mode "apply": the planning window measures TF's uniform
     bf16 rewrite per op type into the trace; the planner's candidates are priced from it, and the
     chosen plan's prediction is the predictor's figure for it on that trace."""
+    if not cpu_runs_bf16():
+        pytest.skip(NO_BF16_CPU)
     out = tmp_path / "qsync"
     args = [str(EXAMPLE), "--mode", "apply", "--output-dir", str(out)]
     args += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "2"]
     run = run_python(args, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     (trace,) = load_trace_dir(out / "trace")
     table = trace.precision_costs["op_types"]
-    if not table.get("costs"):
-        pytest.skip(f"this CPU runs nothing at bfloat16 ({table})")
+    assert table.get("costs"), f"the probe measured nothing at bf16 on a CPU that runs it: {table}"
     assert table["costs"]["MatMul"]["ops"] > 0 and table["costs"]["MatMul"]["bf16_us"] > 0
     assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"} and table["low_ops"]
     assert "bf16 uniform (" in run.stdout and "predicted" in run.stdout
