@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from qsync_callback import QSyncCallback
 from qsync_callback.recorder.trace import load_trace_dir
 
+from report_checks import assert_prediction_replays_the_recorded_steps
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lightning.py"
 
 
@@ -62,16 +64,16 @@ def _fit(tmp_path, callback, max_steps=20, model=None, logger=False):
     return trainer
 
 
-def _check_report(report, world_size):
+def _check_report(report, world_size, trace_dir):
     assert report["world_size"] == world_size and report["device"] == "cpu"
     measured, predicted = report["measured"], report["predicted"]
     assert measured["step_ms"] > 0 and predicted["step_ms"] > 0
-    # sane, not accurate: accuracy is measured by benchmarks/prediction_accuracy.py
-    assert 0.1 < predicted["step_ms"] / measured["step_ms"] < 10
+    # accuracy against the measured steps is benchmarks/prediction_accuracy.py's
+    assert_prediction_replays_the_recorded_steps(report, load_trace_dir(trace_dir))
     assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.05)
-    assert report["error_pct"]["step_ms"] >= 0
     assert report["ops"] and report["ops"][0]["ms_per_step"] > 0
     assert set(predicted["critical_path_share"]) == {"compute", "communication", "host"}
+    assert sum(predicted["critical_path_share"].values()) == pytest.approx(1)
 
 
 def test_one_process_reports_and_logs(tmp_path):
@@ -81,7 +83,7 @@ def test_one_process_reports_and_logs(tmp_path):
     assert trainer.global_step == 20
     out = Path(logger.log_dir) / "qsync"
     report = json.loads((out / "report.json").read_text())
-    _check_report(report, 1)
+    _check_report(report, 1, out / "trace")
     assert callback.report["predicted"]["step_ms"] == report["predicted"]["step_ms"]
     raw = json.loads((out / "trace" / "rank0" / "kineto.json").read_text())
     assert "traceEvents" in raw
@@ -172,7 +174,7 @@ def test_two_processes_under_ddp(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "qsync report" in result.stdout + result.stderr
     report = json.loads((out / "report.json").read_text())
-    _check_report(report, 2)
+    _check_report(report, 2, out / "trace")
     traces = load_trace_dir(out / "trace")
     assert [t.rank for t in traces] == [0, 1]
     for trace in traces:
@@ -183,4 +185,3 @@ def test_two_processes_under_ddp(tmp_path):
         assert all(c.deps for c in comms)
         waiters = [op for op in trace.ops if any(d in {c.id for c in comms} for d in op.deps)]
         assert waiters, "every step's main thread waits for its all-reduce"
-    assert report["predicted"]["critical_path_share"]["communication"] >= 0

@@ -324,15 +324,17 @@ def test_the_ops_that_end_a_tensor_are_kept():
         [24, 0x9, 800, 0, BWD],
     ]
     t = _trace(1, events, resident={"parameters": 800, "gradients": 800})
-    # a second backward op, listed first but starting later
+    backward = t.ops[1]
+    # more backward ops starting later, listed before and after the first
     t.ops.insert(0, Op(3, "backward_late", "backward", "main", 30, 5, step=0))
+    t.ops.append(Op(4, "backward_later", "backward", "main", 35, 5, step=0))
     lives = tensor_lifetimes(t)
     old = next(life for life in lives if life.addr == 0xA and life.birth_us == 1)
-    assert old.death_op is t.ops[2] and old.category == "activations" and old.inactive_us == 10
+    assert old.death_op is backward and old.category == "activations" and old.inactive_us == 10
     freed = next(life for life in lives if life.addr == 0x1)
-    assert freed.death_op is t.ops[2] and freed.bytes == 300
+    assert freed.death_op is backward and freed.bytes == 300
     (unseen,) = [life for life in lives if life.addr == -1]
-    assert unseen.death_op is t.ops[2] and unseen.death_us == 20 and unseen.bytes == 800
+    assert unseen.death_op is backward and unseen.death_us == 20 and unseen.bytes == 800
 
 
 def test_a_single_missing_byte_is_restored():
