@@ -36,6 +36,19 @@ def _spread_pct(samples: Sequence[float]) -> float | None:
     return 100.0 * (deciles[-1] - deciles[0]) / statistics.median(samples)
 
 
+def median_noise_pct(samples: Sequence[float]) -> float | None:
+    """How far the median of ``samples`` may be from the machine's typical step by chance: the
+    half-width of its 95% band (2 standard errors of a median, 1.2533 sigma / sqrt(n), with sigma
+    from the interquartile range, IQR / 1.349, so that a few slow outliers do not inflate it), in
+    percent of the median. Two medians whose difference is within their combined noise cannot be
+    told apart. None under 3 samples."""
+    if len(samples) < 3:
+        return None
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    sigma = (q3 - q1) / 1.349
+    return 100.0 * 2 * 1.2533 * sigma / len(samples) ** 0.5 / statistics.median(samples)
+
+
 def error_pct(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or not measured:
         return None
@@ -61,6 +74,7 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
             "step_ms": measured_step,
             "step_ms_samples": len(samples),
             "step_ms_spread_pct": _spread_pct(samples),
+            "step_ms_noise_pct": median_noise_pct(samples),
             "peak_bytes": measured_peak,
             "peak_source": traces[0].measured.get("peak_source"),
             "page_faults_per_step": statistics.median(faults) if faults else None,
@@ -90,6 +104,11 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} ms"
 
 
+def _noise(noise_pct: float | None) -> str:
+    """"+-1.2% " after a measured median (the 95% band of the median, `median_noise_pct`)."""
+    return "" if noise_pct is None else f"+-{noise_pct:.1f}% "
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}%"
 
@@ -101,9 +120,9 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
     lines = [
         f"qsync report: {report['framework']} on {report['device']}, world size {report['world_size']}, "
         f"recorded steps {report['recorded_steps']}",
-        f"  step time   measured {_ms(measured['step_ms'])} (median of {measured['step_ms_samples']}, "
-        f"spread {_pct(measured['step_ms_spread_pct'])})   predicted {_ms(predicted['step_ms'])}   "
-        f"error {_pct(error['step_ms'])}",
+        f"  step time   measured {_ms(measured['step_ms'])} {_noise(measured.get('step_ms_noise_pct'))}"
+        f"(median of {measured['step_ms_samples']}, spread {_pct(measured['step_ms_spread_pct'])})   "
+        f"predicted {_ms(predicted['step_ms'])}   error {_pct(error['step_ms'])}",
         f"  peak memory measured {format_bytes(measured['peak_bytes'])}   "
         f"predicted {format_bytes(predicted['peak_bytes'])}   error {_pct(error['peak_bytes'])}",
         "  critical path: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
@@ -115,6 +134,12 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         lines.append(
             f"    {row['ms_per_step']:8.3f}  {100 * row['share']:5.1f}%  {row['calls_per_step']:6.1f}x  "
             f"{row['kind']:<8} {row['name'][:70]}"
+        )
+    noise = measured.get("step_ms_noise_pct")
+    if noise is not None and error["step_ms"] is not None and error["step_ms"] <= noise:
+        lines.append(
+            f"  note: the step-time error ({_pct(error['step_ms'])}) is within the noise of the measured "
+            f"median (+-{noise:.1f}%): this run cannot tell the prediction from the measurement"
         )
     faults = measured.get("page_faults_per_step")
     if faults and faults >= NOISY_PAGE_FAULTS:

@@ -1,14 +1,22 @@
 """Verify an applied plan: measured against predicted, and whether to keep it or roll back.
 
-After a plan is applied the run is recorded again. The plan is kept unless:
+After a plan is applied the run is recorded again, and the plan's measured step time (the median
+of the slowest rank's unprofiled steps) is compared with the baseline's. A difference is a
+difference only beyond the noise of the two medians (`report.median_noise_pct`, combined): a
+decision on less than that is no decision. The plan is:
 
-- the loss stopped being finite on any rank; or
-- the run got more than ``SLOWER_TOLERANCE`` (2%) slower than the measured baseline, except when
-  the plan was needed to fit a memory budget the baseline was predicted to exceed: such a plan may
-  cost time, and it is the better one if its measured peak is below the baseline's (the report
-  says whether it is within the budget too).
+- rolled back if the loss stopped being finite on any rank;
+- when it was needed to fit a memory budget the baseline was predicted to exceed: kept if its
+  measured peak is below the baseline's (it may cost time; the report says whether it is within
+  the budget too), else rolled back;
+- rolled back if it is slower than the baseline by more than ``SLOWER_TOLERANCE`` (2%) and more
+  than the noise;
+- kept if it is faster by more than the noise;
+- otherwise the run could not tell, and it keeps the cheaper configuration: the plan if its
+  measured peak is below the baseline's (less memory, not measurably slower), else the recorded
+  configuration (no change). The reason says so, with the figures.
 
-Rolling back means returning to the best measured configuration; with one plan tried, the baseline.
+Rolling back means returning to the last kept configuration.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report, error_pct
 
 SLOWER_TOLERANCE = 0.02
+KEEP, ROLL_BACK = "keep", "roll back"
+
+
+def combined_noise_pct(*noise_pcts: float | None) -> float:
+    """The noise of a difference of medians, from each median's (`median_noise_pct`; None: 0)."""
+    return sum((n or 0.0) ** 2 for n in noise_pcts) ** 0.5
 
 
 def verify_plan(
@@ -36,34 +50,52 @@ def verify_plan(
     measured = build_report(traces)["measured"]
     predicted = plan.prediction or {}
     baseline_ms = baseline["measured"]["step_ms"]
+    peak, baseline_peak = measured["peak_bytes"], baseline["measured"]["peak_bytes"]
+    lower_peak = peak is not None and baseline_peak is not None and peak < baseline_peak
+    noise = combined_noise_pct(
+        baseline["measured"].get("step_ms_noise_pct"), measured.get("step_ms_noise_pct")
+    )
     for_memory = memory_budget is not None and baseline["predicted"]["peak_bytes"] > memory_budget
+    change = 100 * (measured["step_ms"] / baseline_ms - 1) if baseline_ms and measured["step_ms"] else None
     if not loss_finite:
-        decision, reason = "roll back", "the loss stopped being finite"
+        decision, reason = ROLL_BACK, "the loss stopped being finite"
     elif for_memory:
-        peak, baseline_peak = measured["peak_bytes"], baseline["measured"]["peak_bytes"]
-        lower = peak is not None and baseline_peak is not None and peak < baseline_peak
         fits = peak is not None and peak <= memory_budget
-        decision = "keep" if lower else "roll back"
+        decision = KEEP if lower_peak else ROLL_BACK
         reason = (
-            f"needed for the memory budget: measured peak {'below' if lower else 'not below'} the "
+            f"needed for the memory budget: measured peak {'below' if lower_peak else 'not below'} the "
             f"baseline's, {'within' if fits else 'over'} the budget"
         )
-    elif baseline_ms and measured["step_ms"] and measured["step_ms"] > baseline_ms * (1 + SLOWER_TOLERANCE):
-        slower = 100 * (measured["step_ms"] / baseline_ms - 1)
-        decision, reason = "roll back", f"{slower:.1f}% slower than the baseline"
+    elif change is None:
+        decision, reason = KEEP, "no step time measured to compare"
+    elif change > max(100 * SLOWER_TOLERANCE, noise):
+        decision, reason = ROLL_BACK, f"{change:.1f}% slower than the baseline (noise +-{noise:.1f}%)"
+    elif change < -noise:
+        decision, reason = KEEP, f"{-change:.1f}% faster than the baseline (noise +-{noise:.1f}%)"
     else:
-        decision, reason = "keep", "not slower than the baseline"
+        decision = KEEP if lower_peak else ROLL_BACK
+        cheaper = "the plan, which uses less memory" if lower_peak else "the recorded configuration"
+        reason = (
+            f"could not tell: {change:+.1f}% against the baseline is within the noise (+-{noise:.1f}%, "
+            f"or the {100 * SLOWER_TOLERANCE:.0f}% allowed); keeping the cheaper configuration, {cheaper}"
+        )
     return {
         "decision": decision,
         "reason": reason,
         "baseline_step_ms": baseline_ms,
-        "baseline_peak_bytes": baseline["measured"]["peak_bytes"],
+        "baseline_peak_bytes": baseline_peak,
+        "step_ms_change_pct": change,
+        "noise_pct": noise,
         "memory_budget": memory_budget,
-        "measured": {"step_ms": measured["step_ms"], "peak_bytes": measured["peak_bytes"]},
+        "measured": {
+            "step_ms": measured["step_ms"],
+            "step_ms_noise_pct": measured.get("step_ms_noise_pct"),
+            "peak_bytes": peak,
+        },
         "predicted": {"step_ms": predicted.get("step_ms"), "peak_bytes": predicted.get("peak_bytes")},
         "error_pct": {
             "step_ms": error_pct(predicted.get("step_ms"), measured["step_ms"]),
-            "peak_bytes": error_pct(predicted.get("peak_bytes"), measured["peak_bytes"]),
+            "peak_bytes": error_pct(predicted.get("peak_bytes"), peak),
         },
         "plan": plan.to_dict(),
     }

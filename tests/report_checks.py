@@ -11,11 +11,21 @@ from qsync_callback.recorder.trace import Trace
 
 
 def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], traces: Sequence[Trace]) -> None:
-    """The replay reproduces each recorded step less the profiler's own share, so the predicted step
-    lies between the shortest recorded step (less a fifth, far more than that share) and the longest.
+    """The replay reproduces each recorded step (from the first rank's start to the last rank's end)
+    less the profiler's own share, so the predicted step is at most the longest recorded step and,
+    on one rank, at least the shortest less a fifth (far more than that share).
     The measured steps are not involved: the machine's speed does not move this, a broken graph or
     replay does. Also: the step-time error is what the two figures say."""
-    walls = [(step.end_us - step.start_us) / 1e3 for trace in traces for step in trace.steps]
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for trace in traces:  # a step of the run spans its ranks, on their common clock
+        for step in trace.steps:
+            start, end = step.start_us + trace.clock_offset_us, step.end_us + trace.clock_offset_us
+            starts[step.index] = min(starts.get(step.index, start), start)
+            ends[step.index] = max(ends.get(step.index, end), end)
+    walls = [(ends[index] - starts[index]) / 1e3 for index in starts]
     predicted, measured = report["predicted"]["step_ms"], report["measured"]["step_ms"]
-    assert 0.8 * min(walls) <= predicted <= 1.01 * max(walls), (predicted, walls)
+    assert predicted <= 1.01 * max(walls), (predicted, walls)
+    if len(traces) == 1:  # with several ranks the replay also recomputes the waits recorded in ops
+        assert 0.8 * min(walls) <= predicted, (predicted, walls)
     assert report["error_pct"]["step_ms"] == pytest.approx(100 * abs(predicted - measured) / measured)

@@ -78,7 +78,7 @@ def streams(draw):
     return steps, events, resident
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(streams())
 def test_liveness_peak_matches_a_plain_sweep(stream):
     steps, events, resident_bytes = stream
@@ -95,7 +95,7 @@ def test_liveness_peak_matches_a_plain_sweep(stream):
     assert sum(memory.breakdown.values()) == memory.peak_bytes
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(streams())
 def test_every_event_in_a_step_is_a_birth_or_a_death_in_its_step(stream):
     """Each allocation in a step is one life's birth, with its bytes; each free is one life's death

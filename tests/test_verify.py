@@ -1,0 +1,96 @@
+"""verify.py's one rule: keep or roll back on differences beyond the measured noise, else keep the
+cheaper configuration; and the noise of a median it rests on."""
+
+import random
+import statistics
+
+import pytest
+
+from qsync_callback.plan import Plan
+from qsync_callback.report import build_report, median_noise_pct
+from qsync_callback.verify import KEEP, ROLL_BACK, verify_plan
+
+from tracebuilder import op, trace
+
+PLAN = Plan(precision={"fc": "bf16"}, prediction={"step_ms": 9.0, "peak_bytes": 1000})
+
+
+def _run(step_ms, peak_bytes=1000):
+    """A one-rank recording whose unprofiled steps took ``step_ms`` and whose peak was ``peak_bytes``."""
+    return trace(
+        [op(0, "aten::mm", "forward", "main", 0.0, 100.0)],
+        step_end=120.0,
+        measured={"step_ms": list(step_ms), "peak_bytes": peak_bytes},
+        resident_bytes={"parameters": peak_bytes},  # the predicted peak, too
+    )
+
+
+def _samples(median, spread_pct, n=10, seed=0):
+    """``n`` steps around ``median`` spread uniformly over ``spread_pct`` percent of it."""
+    rng = random.Random(seed)
+    half = median * spread_pct / 200
+    values = [median + rng.uniform(-half, half) for _ in range(n)]
+    shift = median - statistics.median(values)
+    return [v + shift for v in values]
+
+
+def _verify(baseline_ms, plan_ms, *, baseline_peak=1000, plan_peak=1000, loss_finite=True, budget=None):
+    baseline = build_report([_run(baseline_ms, baseline_peak)])
+    return verify_plan(
+        PLAN, baseline, [_run(plan_ms, plan_peak)], loss_finite=loss_finite, memory_budget=budget
+    )
+
+
+def test_the_noise_of_a_median_shrinks_with_samples_and_grows_with_spread():
+    assert median_noise_pct([10.0, 10.0]) is None
+    assert median_noise_pct([10.0] * 9) == 0.0
+    tight, wide = median_noise_pct(_samples(10, 4, n=20)), median_noise_pct(_samples(10, 40, n=20))
+    assert 0 < tight < wide
+    assert median_noise_pct(_samples(10, 40, n=80, seed=1)) < median_noise_pct(_samples(10, 40, n=10, seed=1))
+    # one slow outlier does not make a steady run noisy
+    assert median_noise_pct([10.0] * 9 + [30.0]) == 0.0
+
+
+def test_a_slowdown_beyond_the_noise_is_rolled_back():
+    result = _verify(_samples(10, 2), _samples(10.5, 2))
+    assert result["decision"] == ROLL_BACK and result["reason"].startswith("5.0% slower")
+    assert result["step_ms_change_pct"] == pytest.approx(5.0)
+
+
+def test_a_speedup_beyond_the_noise_is_kept():
+    result = _verify(_samples(10, 2), _samples(9, 2))
+    assert result["decision"] == KEEP and result["reason"].startswith("10.0% faster")
+
+
+def test_the_same_slowdown_in_a_noisy_run_is_no_decision_and_keeps_the_recorded_configuration():
+    result = _verify(_samples(10, 60), _samples(10.5, 60))
+    assert result["noise_pct"] > 5
+    assert result["decision"] == ROLL_BACK and result["reason"].startswith("could not tell")
+    assert "the recorded configuration" in result["reason"]
+
+
+def test_no_decision_keeps_a_plan_that_uses_less_memory():
+    result = _verify(_samples(10, 60), _samples(10.5, 60), plan_peak=900)
+    assert result["decision"] == KEEP and "uses less memory" in result["reason"]
+
+
+def test_within_the_tolerance_a_quiet_run_cannot_tell_either():
+    """1% slower on a quiet machine: beyond the noise, within the 2% a plan may cost."""
+    result = _verify([10.0] * 10, [10.1] * 10)
+    assert result["noise_pct"] == 0.0 and result["decision"] == ROLL_BACK
+    assert result["reason"].startswith("could not tell: +1.0%")
+
+
+def test_identical_runs_reach_the_same_decision():
+    first = _verify(_samples(10, 30, seed=3), _samples(10.2, 30, seed=4))
+    again = _verify(_samples(10, 30, seed=3), _samples(10.2, 30, seed=4))
+    assert first == again
+
+
+def test_a_memory_plan_is_decided_on_memory_and_a_non_finite_loss_always_rolls_back():
+    slower_but_smaller = _verify(_samples(10, 2), _samples(12, 2), plan_peak=900, budget=950)
+    assert slower_but_smaller["decision"] == KEEP and "within the budget" in slower_but_smaller["reason"]
+    not_smaller = _verify(_samples(10, 2), _samples(9, 2), plan_peak=1000, budget=950)
+    assert not_smaller["decision"] == ROLL_BACK
+    infinite = _verify(_samples(10, 2), _samples(5, 2), loss_finite=False)
+    assert infinite["decision"] == ROLL_BACK and infinite["reason"] == "the loss stopped being finite"
