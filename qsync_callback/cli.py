@@ -3,7 +3,9 @@
     qsync report  TRACE_DIR [--json] [--top N]     measured vs predicted, per-op statistics
     qsync predict TRACE_DIR [--plan PLAN] [--json]  the prediction for a plan (default: as recorded)
     qsync plan    TRACE_DIR [--memory-budget 6GB] [--max-step-ms MS] [--precisions fp32,bf16,...]
-                  [--best-effort] [--out PLAN]      choose a per-layer precision plan
+                  [--levers precision,...] [--best-effort] [--out PLAN]
+                                                    choose a plan (`planner/choose.py`), under the
+                                                    same constraints the callback takes
 
 ``qsync plan`` needs a trace recorded with ``QSyncCallback(mode="apply")`` (it carries the
 per-precision probes and the indicator's statistics).
