@@ -321,12 +321,13 @@ class TuningLoop:
         """At step 0: find (rank 0) and apply (every rank) a start plan. Returns True when the loop is
         done: mode "apply" with a plan applied, or a failure."""
         collective = self._integration.collective
-        found, source = "", ""
-        if collective.rank == 0:
-            found, source = self._safe.run(self._find_start_plan) or ("", "")
-        found = (self._exchange(found) or [""])[0]
+        sent = ""
+        if collective.rank == 0:  # the plan's JSON and where it came from, for every rank to act on
+            sent = json.dumps(self._safe.run(self._find_start_plan) or ("", ""))
+        received = (self._exchange(sent) or [""])[0]
         if not self._agree():
             return True
+        found, source = json.loads(received)
         if not found:
             return False
         plan = Plan.from_json(found, source="rank 0's plan")
