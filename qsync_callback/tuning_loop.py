@@ -225,7 +225,6 @@ class TuningLoop:
         self._fingerprint: dict[str, Any] = {}
         self._constraints = settings.constraints
         self._undo_candidate: Undo | None = None
-        self._undo_kept: Undo | None = None
         self._loss_finite = True
         self._resume_plan: Plan | None = None
 
@@ -510,7 +509,7 @@ class TuningLoop:
             reasons = self._exchange(error) or [error]
             return next((r for r in reasons if r), "another rank could not apply it")
         if to_keep:
-            self.plan, self._undo_kept = plan, undo
+            self.plan = plan  # kept for the rest of the run: its undo is not needed
         else:
             self.candidate, self._undo_candidate = plan, undo
             self._loss_finite = True
@@ -524,7 +523,7 @@ class TuningLoop:
         decision = (self._exchange(decision) or [""])[0]
         kept = self.candidate if decision == "keep" else None
         if kept is not None:
-            self.plan, self._undo_kept = kept, self._undo_candidate
+            self.plan = kept
             self.candidate, self._undo_candidate = None, None
         else:
             self._roll_back()

@@ -1,0 +1,158 @@
+"""The global graph of hand-written two-rank steps: clocks that differ between hosts, collectives
+joined by name (launched in different orders) or by position (repeated or differing names), the
+collectives' queue in order of their start, and a rank's step sentinels. Times are microseconds on
+the common clock unless said otherwise."""
+
+import pytest
+
+from qsync_callback.predictor.graph import build_global_graph, build_step_graph, end_node, start_node
+from qsync_callback.predictor.replay import replay
+
+from tracebuilder import op, trace
+
+COLLECTIVE = {"op": "all_reduce", "numel": 10, "bytes": 40}
+
+
+def _shifted(ops, step_end: float, rank: int, offset: float, **extra):
+    """A rank's trace whose clock reads ``offset`` us behind the common clock, on its own host."""
+    for o in ops:
+        o.start_us -= offset
+    t = trace(
+        ops, step_end=step_end, rank=rank, world_size=2, host=f"h{rank}", clock_offset_us=offset, **extra
+    )
+    t.steps[0].start_us -= offset
+    t.steps[0].end_us -= offset
+    return t
+
+
+def _timeline_rank(rank: int, offset: float, records: bool):
+    """backward 0-100 launches all-reduce ``a`` (100-260 as this rank saw it), the update 270-300
+    waits for it. With ``records``, Horovod's timeline on this rank says ``a`` ran 160-260 (on this
+    rank's clock)."""
+    tensor = {"name": "a", "variable": "w/a:0", "shape": [250], "dtype": "float32", "bytes": 1000}
+    if records:
+        span = [160 - offset, 260 - offset]
+        tensor["timeline"] = {"response": 0, "op_us": span, "negotiate_us": [100 - offset, span[0] - 10]}
+    collective = {"op": "all_reduce", "bytes": 1000, "tensors": [tensor]}
+    ops = [
+        op(0, "gradient_tape/b", "backward", "main", 0, 100),
+        op(1, "Allreduce/a", "comm", "comm:1", 100, 160, deps=[0], collective=collective),
+        op(2, "SGD/update", "update", "main", 270, 30, deps=[1]),
+    ]
+    return _shifted(ops, 300, rank, offset, communication={"library": "horovod"})
+
+
+def test_ranks_with_different_clocks_meet_on_the_common_clock():
+    """Rank 1's clock runs 1000 us behind and carries the timeline: its sentinels and the response's
+    span are put on the common clock by adding its offset."""
+    traces = [_timeline_rank(0, 0.0, records=False), _timeline_rank(1, 1000.0, records=True)]
+    graph = build_global_graph(traces, 0)
+    for rank in (0, 1):
+        assert graph.nodes[start_node(rank)]["recorded_start"] == pytest.approx(0)
+        assert graph.nodes[end_node(rank)]["recorded_start"] == pytest.approx(300)
+        assert graph.nodes[f"r{rank}/2"]["recorded_start"] == pytest.approx(270)
+    comm = graph.nodes["comm/0"]
+    assert (comm["recorded_start"], comm["dur"], comm["gap"]) == pytest.approx((160, 100, 60))
+    assert replay(graph).step_us == pytest.approx(300)
+
+
+def _named_rank(rank: int, launches: dict[str, tuple[float, float]], names: dict[str, str] | None = None):
+    """backward ops launch one all-reduce each (name -> (start, end) as this rank saw it, each on its
+    own comm thread); the update at 200-210 waits for all of them. Op ids: launches 0.., collectives
+    10.., update 20."""
+    names = names or {}
+    ops, waits = [], []
+    for i, (key, (start, end)) in enumerate(launches.items()):
+        ops.append(op(i, f"grad_{key}", "backward", "main", 5 * i, 5))
+        name = names.get(key, f"Allreduce/{key}")
+        ops.append(
+            op(10 + i, name, "comm", f"comm:{i}", start, end - start, deps=[i], collective=dict(COLLECTIVE))
+        )
+        waits.append(10 + i)
+    ops.append(op(20, "update", "update", "main", 200, 10, deps=waits))
+    return trace(ops, step_end=210, rank=rank, world_size=2)
+
+
+def _comms(graph) -> dict[str, dict]:
+    return {n: a for n, a in graph.nodes(data=True) if a["kind"] == "comm"}
+
+
+def test_collectives_launched_in_different_orders_are_joined_by_name_and_queued_by_start():
+    """Rank 0 launches a (10-80) then b (20-150); rank 1 b (30-150) then a (50-80). Joined by name:
+    a spans 50-80 (last launch to first completion), b 30-150. comm/k is rank 0's k-th; the
+    collectives' queue is in order of start (b before a), not of end or number."""
+    traces = [
+        _named_rank(0, {"a": (10, 80), "b": (20, 150)}),
+        _named_rank(1, {"b": (30, 150), "a": (50, 80)}),
+    ]
+    graph = build_global_graph(traces, 0)
+    comms = _comms(graph)
+    assert sorted(comms) == ["comm/0", "comm/1"]
+    a, b = comms["comm/0"], comms["comm/1"]
+    assert [p["key"] for p in a["parts"]] == ["a"] and [p["key"] for p in b["parts"]] == ["b"]
+    # rank 0's a was launched by its op 0, rank 1's by its op 1 (it launched b first)
+    assert a["parts"][0]["launch"] == ["r0/0", "r1/1"] and b["parts"][0]["launch"] == ["r0/1", "r1/0"]
+    assert (a["recorded_start"], a["dur"]) == pytest.approx((50, 30))
+    assert (b["recorded_start"], b["dur"]) == pytest.approx((30, 120))
+    assert graph.has_edge("comm/1", "comm/0") and not graph.has_edge("comm/0", "comm/1")
+
+
+def test_repeated_names_are_joined_by_position_in_order_of_start():
+    """Both ranks call every collective "gloo:all_reduce". Rank 0's op 11 starts first (10) but ends
+    last; rank 1 starts its op 10 first. The k-th by start of each rank are one collective: (r0/11,
+    r1/10) and (r0/10, r1/11), not the pairs by op id or by end."""
+    r0 = _named_rank(
+        0, {"x": (20, 50), "y": (10, 100)}, names={"x": "gloo:all_reduce", "y": "gloo:all_reduce"}
+    )
+    r1 = _named_rank(
+        1, {"x": (10, 40), "y": (20, 60)}, names={"x": "gloo:all_reduce", "y": "gloo:all_reduce"}
+    )
+    graph = build_global_graph([r0, r1], 0)
+    comms = _comms(graph)
+    assert sorted(comms) == ["comm/0", "comm/1"]
+    assert comms["comm/0"]["parts"][0]["launch"] == ["r0/1", "r1/0"]
+    assert comms["comm/1"]["parts"][0]["launch"] == ["r0/0", "r1/1"]
+    # comm/0: launched 10 and 10, seen done at 100 and 40; comm/1: 20 and 20, done at 50 and 60
+    assert (comms["comm/0"]["recorded_start"], comms["comm/0"]["dur"]) == pytest.approx((10, 30))
+    assert (comms["comm/1"]["recorded_start"], comms["comm/1"]["dur"]) == pytest.approx((20, 30))
+    assert graph.has_edge("comm/0", "comm/1")
+
+
+def test_ranks_naming_a_collective_differently_are_joined_by_position_and_named_after_rank_0():
+    """Rank 0 has one more collective (z) than rank 1: the first two of each are joined, the third
+    is left on rank 0's graph as it was recorded."""
+    r0 = _named_rank(0, {"x": (10, 50), "z": (30, 60)}, names={"x": "rank0/all_reduce"})
+    r1 = _named_rank(1, {"x": (20, 40)}, names={"x": "rank1/allreduce"})
+    graph = build_global_graph([r0, r1], 0)
+    comms = _comms(graph)
+    assert sorted(comms) == ["comm/0", "r0/11"]
+    assert comms["comm/0"]["name"] == "rank0/all_reduce"
+    assert [p["key"] for p in comms["comm/0"]["parts"]] == ["all_reduce"]
+    assert comms["comm/0"]["parts"][0]["launch"] == ["r0/0", "r1/0"]
+
+
+def test_the_main_queue_hangs_off_the_step_start_even_when_its_first_op_waits_for_another_thread():
+    """TF's executor thread runs op 0 (0-10); the main thread's first op (10-30) waits for it. Both
+    queues start at the step start."""
+    ops = [op(0, "matmul", "forward", "tid:7", 0, 10), op(1, "loss", "forward", "main", 10, 20, deps=[0])]
+    graph = build_step_graph(trace(ops, step_end=30), 0)
+    assert set(graph.successors(start_node(0))) == {"r0/0", "r0/1"}
+    assert set(graph.predecessors(end_node(0))) == {"r0/0", "r0/1"}
+    assert not graph.has_edge(start_node(0), end_node(0))
+
+
+def test_a_step_that_waited_for_no_compute_op_ends_after_its_start():
+    """The only compute op ends after the step's end (40): the end sentinel follows the start sentinel."""
+    ops = [op(0, "late", "forward", "main", 10, 50)]
+    graph = build_step_graph(trace(ops, step_end=40), 0)
+    assert list(graph.predecessors(end_node(0))) == [start_node(0)]
+    assert graph.edges[start_node(0), end_node(0)]["kind"] == "order"
+    assert replay(graph).step_us == pytest.approx(40)  # the end sentinel keeps its recorded gap
+
+
+def test_a_single_rank_graph_keeps_its_recorded_times():
+    ops = [op(0, "a", "forward", "main", 5, 10), op(1, "b", "backward", "main", 25, 20)]
+    graph = build_step_graph(trace(ops, step_end=50), 0)
+    starts = {n: a["recorded_start"] for n, a in graph.nodes(data=True)}
+    assert starts == {start_node(0): 0, "r0/0": 5, "r0/1": 25, end_node(0): 50}
+    assert (graph.nodes["r0/0"]["gap"], graph.nodes["r0/1"]["gap"]) == (5, 10)
