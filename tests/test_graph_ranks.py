@@ -95,6 +95,7 @@ def test_collectives_launched_in_different_orders_are_joined_by_name_and_queued_
     assert (a["recorded_start"], a["dur"]) == pytest.approx((50, 30))
     assert (b["recorded_start"], b["dur"]) == pytest.approx((30, 120))
     assert graph.has_edge("comm/1", "comm/0") and not graph.has_edge("comm/0", "comm/1")
+    assert graph.edges["comm/1", "comm/0"]["kind"] == "order"
 
 
 def test_repeated_names_are_joined_by_position_in_order_of_start():
@@ -156,3 +157,141 @@ def test_a_single_rank_graph_keeps_its_recorded_times():
     starts = {n: a["recorded_start"] for n, a in graph.nodes(data=True)}
     assert starts == {start_node(0): 0, "r0/0": 5, "r0/1": 25, end_node(0): 50}
     assert (graph.nodes["r0/0"]["gap"], graph.nodes["r0/1"]["gap"]) == (5, 10)
+
+
+def _attrs_rank(rank: int, tensor_bytes: int | None = 1000):
+    """main: backward 0-100 (layer fc, 64 bytes) launches the all-reduce (comm:1, 100-250), the
+    update 260-300 waits for it; TF's executor thread tid:3 runs two ops (0-20, 20-50) that wait for
+    nothing. The op's collective says 999 bytes, its one tensor ``tensor_bytes``."""
+    tensor = {"name": "a", "variable": "w/a:0", "shape": [250], "dtype": "float32", "bytes": tensor_bytes}
+    ops = [
+        op(0, "grad", "backward", "main", 0, 100, layer="fc", bytes=64),
+        op(
+            1,
+            "Allreduce/a",
+            "comm",
+            "comm:1",
+            100,
+            150,
+            deps=[0],
+            collective={"op": "all_reduce", "bytes": 999, "tensors": [tensor]},
+        ),
+        op(2, "update", "update", "main", 260, 40, deps=[1]),
+        op(3, "matmul", "forward", "tid:3", 0, 20),
+        op(4, "relu", "forward", "tid:3", 20, 30),
+    ]
+    return trace(ops, step_end=300, rank=rank, world_size=2)
+
+
+def test_the_global_graphs_attributes_and_edge_kinds():
+    graph = build_global_graph([_attrs_rank(0), _attrs_rank(1)], 0)
+    assert graph.graph == {"step": 0, "ranks": [0, 1]}
+    edges = {(u, v): kind for u, v, kind in graph.edges(data="kind")}
+    expected = {("comm/0", "r0/2"): "dep", ("comm/0", "r1/2"): "dep"}
+    for r in (0, 1):
+        expected.update(
+            {
+                (f"r{r}/start", f"r{r}/0"): "order",  # the main thread always starts at the step start
+                (f"r{r}/start", f"r{r}/3"): "order",  # another thread's first op waits for nothing
+                (f"r{r}/0", f"r{r}/2"): "order",
+                (f"r{r}/3", f"r{r}/4"): "order",
+                (f"r{r}/0", "comm/0"): "dep",
+                (f"r{r}/2", f"r{r}/end"): "order",
+                (f"r{r}/4", f"r{r}/end"): "dep",
+            }
+        )
+    assert edges == expected
+    sentinel = {"dur": 0.0, "gap": 0.0, "queue": "r1/main", "rank": 1, "layer": None, "bytes": 0}
+    sentinel.update({"collective": None, "op_id": None, "kind": "sentinel"})
+    assert graph.nodes["r1/start"] == {**sentinel, "name": "step start", "recorded_start": 0.0}
+    assert graph.nodes["r1/end"] == {**sentinel, "name": "step end", "recorded_start": 300.0}
+    assert graph.nodes["r1/0"] == {
+        "name": "grad",
+        "kind": "backward",
+        "queue": "r1/main",
+        "dur": 100.0,
+        "gap": 0.0,
+        "rank": 1,
+        "layer": "fc",
+        "bytes": 64,
+        "collective": None,
+        "op_id": 0,
+        "recorded_start": 0.0,
+    }
+    assert graph.nodes["r1/4"]["queue"] == "r1/tid:3"
+    tensor = {"name": "a", "variable": "w/a:0", "shape": [250], "dtype": "float32", "bytes": 1000}
+    assert graph.nodes["comm/0"] == {
+        "name": "Allreduce/a",
+        "kind": "comm",
+        "queue": "comm",
+        "dur": 150.0,
+        "gap": 0.0,
+        "rank": None,
+        "layer": None,
+        "bytes": 0,
+        "collective": {"op": "all_reduce", "bytes": 1000, "tensors": [tensor]},
+        "op_id": 1,
+        "recorded_start": 100.0,
+        "parts": [
+            {"key": "a", "tensors": [tensor], "launch": ["r0/0", "r1/0"], "consumers": ["r0/2", "r1/2"]}
+        ],
+    }
+
+
+def test_a_collective_with_no_tensor_list_keeps_its_record_and_empty_parts():
+    traces = [_named_rank(0, {"a": (10, 50)}), _named_rank(1, {"a": (20, 60)})]
+    graph = build_global_graph(traces, 0)
+    assert graph.nodes["comm/0"]["parts"] == [
+        {"key": "a", "tensors": [], "launch": ["r0/0", "r1/0"], "consumers": ["r0/20", "r1/20"]}
+    ]
+    assert graph.nodes["comm/0"]["collective"] == COLLECTIVE
+
+
+def test_a_tensor_of_unknown_size_adds_no_bytes_to_its_collective():
+    graph = build_global_graph([_attrs_rank(0, None), _attrs_rank(1, None)], 0)
+    assert graph.nodes["comm/0"]["collective"]["bytes"] == 0
+
+
+def test_a_single_ranks_graph_names_its_step_and_rank():
+    graph = build_step_graph(_attrs_rank(1), 0)
+    assert graph.graph == {"step": 0, "ranks": [1]}
+
+
+# predictor/replay.py: the timeline's rows and the critical path's shares
+
+
+def _fork_step():
+    """main: a (0-10) launches an all-reduce c (10-40 on comm:1) and runs b (10-30); d (40-50)
+    waits for both. Node names sort r0/0, r0/1, r0/2, r0/3; starts sort a, c/b (both 10), d."""
+    ops = [
+        op(0, "a", "forward", "main", 0, 10, layer="fc"),
+        op(3, "c", "comm", "comm:1", 10, 30, deps=[0], collective=dict(COLLECTIVE)),
+        op(1, "b", "backward", "main", 10, 20),
+        op(2, "d", "update", "main", 40, 10, deps=[3]),
+    ]
+    return build_step_graph(trace(ops, step_end=50), 0)
+
+
+def test_the_timeline_has_a_row_per_op_in_order_of_replayed_start():
+    graph = _fork_step()
+    graph.nodes["r0/0"]["dur"] = 20  # a 0-20: b 20-40 and c (shortened to 5) 20-25; d after b, 40-50
+    graph.nodes["r0/3"]["dur"] = 5
+    rows = replay(graph).timeline(graph)
+    keys = ("node", "name", "kind", "queue", "layer", "start_us", "end_us")
+    assert [tuple(r[k] for k in keys) for r in rows[:1]] == [("r0/0", "a", "forward", "r0/main", "fc", 0, 20)]
+    assert {tuple(r[k] for k in keys) for r in rows[1:3]} == {
+        ("r0/1", "b", "backward", "r0/main", None, 20, 40),
+        ("r0/3", "c", "comm", "r0/comm:1", None, 20, 25),
+    }
+    assert [tuple(r[k] for k in keys) for r in rows[3:]] == [("r0/2", "d", "update", "r0/main", None, 40, 50)]
+    assert all(set(r) == set(keys) for r in rows)
+
+
+def test_the_critical_share_splits_the_path_into_compute_communication_and_host():
+    graph = _fork_step()
+    graph.nodes["r0/3"]["dur"] = 100  # c 10-110 is now on the critical path: a, c, d
+    result = replay(graph)
+    share = result.critical_share
+    assert set(share) == {"compute", "communication", "host"}
+    assert sum(share.values()) == pytest.approx(1)
+    assert share["compute"] == pytest.approx(20 / 120) and share["communication"] == pytest.approx(100 / 120)
