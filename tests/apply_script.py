@@ -1,4 +1,5 @@
-"""Run by test_precision_apply.py as its own program: mode "apply" under DDP on 2 CPU processes.
+"""Run by the tests as its own program: mode "apply" under DDP on 2 CPU processes, with the plan
+cache in the directory given as the second argument (none without one).
 
 Each rank writes ``rank<k>.json`` with the precisions its model ends with, whether every loss was
 finite, and how many steps it ran."""
@@ -24,7 +25,7 @@ def main() -> None:
         devices=2,
         strategy="ddp",
         max_steps=30,
-        callbacks=[_apply_callback(out, plan_cache=False)],
+        callbacks=[_apply_callback(out, plan_cache=Path(sys.argv[2]) if len(sys.argv) > 2 else False)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

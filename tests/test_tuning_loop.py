@@ -4,7 +4,11 @@ under, what survives a rollback or a failure, what a step is, and argument check
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -18,6 +22,7 @@ from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.tuning_loop import apply_plan
 
 JOB = f"{GeluNet.__module__}.GeluNet"
+APPLY_SCRIPT = Path(__file__).resolve().parent / "apply_script.py"
 
 
 def _fingerprint(batch_size=512):
@@ -66,6 +71,35 @@ def test_a_cached_plan_that_cannot_be_applied_is_dropped_and_the_run_plans_afres
     assert "the kept plan cannot be applied here" in caplog.text and "dropped" in caplog.text
     kept = Plan.load(path)  # replaced by the plan this run chose and verified
     assert "net.1" not in kept.precision and _lp_precisions(model) == kept.precision
+
+
+def test_two_ranks_drop_a_cached_plan_that_cannot_be_applied_together(tmp_path):
+    """DDP over gloo: only rank 0 reads the cache; both ranks learn the plan came from it, fail to
+    apply it alike, and plan afresh together (a rank that stepped aside alone would hang the other)."""
+    constraints = Constraints.from_arguments(
+        memory_budget="90%", max_step_time=60.0, precisions=("fp32", "bf16", "int8")
+    ).to_dict()
+    fingerprint = {**_fingerprint(), "world_size": 2}
+    path = store_plan(
+        Plan(fingerprint=fingerprint, precision={"net.1": "bf16"}, constraints=constraints),
+        JOB,
+        tmp_path / "cache",
+    )
+    result = subprocess.run(
+        [sys.executable, str(APPLY_SCRIPT), str(tmp_path), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the kept plan cannot be applied here" in result.stdout + result.stderr
+    assert "steps aside" not in result.stdout + result.stderr
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] == 30
+    assert per_rank[0]["precisions"] == per_rank[1]["precisions"]
+    assert "net.1" not in Plan.load(path).precision  # replaced by the plan this run kept
 
 
 def test_a_stale_kept_plan_says_what_changed(tmp_path, caplog):
