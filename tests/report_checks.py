@@ -12,8 +12,9 @@ from qsync_callback.recorder.trace import Trace
 
 def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], traces: Sequence[Trace]) -> None:
     """The replay reproduces each recorded step (from the first rank's start to the last rank's end)
-    less the profiler's own share, so the predicted step is at most the longest recorded step and,
-    on one rank, at least the shortest less a fifth (far more than that share).
+    less the profiler's own share, so on one rank the predicted step lies between the shortest
+    recorded step less a fifth (far more than that share) and the longest; with several ranks it is
+    at most a quarter over the longest (clock alignment and modelled collectives).
     The measured steps are not involved: the machine's speed does not move this, a broken graph or
     replay does. Also: the step-time error is what the two figures say."""
     starts: dict[int, float] = {}
@@ -25,7 +26,8 @@ def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], trac
             ends[step.index] = max(ends.get(step.index, end), end)
     walls = [(ends[index] - starts[index]) / 1e3 for index in starts]
     predicted, measured = report["predicted"]["step_ms"], report["measured"]["step_ms"]
-    assert predicted <= 1.01 * max(walls), (predicted, walls)
-    if len(traces) == 1:  # with several ranks the replay also recomputes the waits recorded in ops
-        assert 0.8 * min(walls) <= predicted, (predicted, walls)
+    if len(traces) == 1:
+        assert 0.8 * min(walls) <= predicted <= 1.01 * max(walls), (predicted, walls)
+    else:  # the replay recomputes the waits recorded in ops, and joins the ranks' clocks and collectives
+        assert predicted <= 1.25 * max(walls), (predicted, walls)
     assert report["error_pct"]["step_ms"] == pytest.approx(100 * abs(predicted - measured) / measured)

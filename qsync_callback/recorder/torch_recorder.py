@@ -351,12 +351,11 @@ class TorchRecorder:
             self._statistics_data = self._statistics.to_dict()
 
     def prepare_window(self) -> None:
-        """Time the calibration loops without the profiler and count resident bytes (done at the
-        window's opening if not called before; a distributed caller calls it first, so that a
-        failure here can be agreed on before the ranks meet at the clock-sync barrier)."""
-        if not self._plain_loops:
+        """Count the bytes resident when the window opens, once (done at the window's opening if not
+        called before; a distributed caller has it done a step earlier, so that a failure here can be
+        agreed on before the ranks meet at the clock-sync barrier)."""
+        if not self._resident:
             start = time.perf_counter()
-            self._plain_loops = calibration_loop_times(with_layer_hooks=False)
             # a full collection: tensors in unreachable cycles (an earlier run's model in the same
             # process, say) await the next one and would count as resident for the whole window
             gc.collect()
@@ -366,7 +365,10 @@ class TorchRecorder:
             self.overhead_s += time.perf_counter() - start
 
     def _open_window(self) -> None:
-        """The first session: clock sync, the calibration's profiled half, and the warm-up step."""
+        """The calibration loops timed without the profiler, then the first session: clock sync, the
+        calibration's profiled half, and the warm-up step. The two halves run back to back: the
+        machine's speed drifts within seconds, and the cost per event is their difference."""
+        self._plain_loops = calibration_loop_times(with_layer_hooks=False)
         self._start_session()
         with torch.profiler.record_function(CLOCK_SYNC):
             pass
