@@ -59,8 +59,10 @@ def test_fork_that_overlaps_hides_communication_behind_compute():
     assert result.critical_share["communication"] > 0.8
 
 
-def _rank(rank: int, launch_end: float, offset: float):
-    """backward overlapping an all-reduce: launch at launch_end, compute until 100, wait at 100."""
+def _rank(rank: int, launch_end: float, offset: float, seen_done: float = 150, tail: float | None = None):
+    """backward overlapping an all-reduce: launch at launch_end, compute until 100, wait at 100; the
+    rank sees the all-reduce done at ``seen_done`` and copies the bucket back, then (``tail``) runs
+    that many us of update: ranks given different ones end at different times."""
     ops = [
         op(0, "grad_a", "backward", "main", 0, launch_end),
         op(1, "grad_b", "backward", "main", launch_end, 100 - launch_end),
@@ -70,17 +72,19 @@ def _rank(rank: int, launch_end: float, offset: float):
             "comm",
             "comm:9",
             launch_end,
-            150 - launch_end,
+            seen_done - launch_end,
             deps=[0],
             collective={"op": "all_reduce", "numel": 10, "bytes": 40},
         ),
-        op(3, "copy_bucket_to_grad", "other", "main", 150, 10, deps=[2]),
+        op(3, "copy_bucket_to_grad", "other", "main", seen_done, 10, deps=[2]),
     ]
+    if tail is not None:
+        ops.append(op(4, "sgd", "update", "main", seen_done + 10, tail))
     for o in ops:
         o.start_us -= offset
-    t = trace(ops, step_end=160, rank=rank, world_size=2, clock_offset_us=offset)
+    end = seen_done + 10 + (tail or 0)
+    t = trace(ops, step_end=end - offset, rank=rank, world_size=2, clock_offset_us=offset)
     t.steps[0].start_us -= offset
-    t.steps[0].end_us -= offset
     return t
 
 
@@ -126,39 +130,12 @@ def test_timeline_lists_every_op_with_its_replayed_times():
     ]
 
 
-def _rank_ending(rank: int, launch_end: float, seen_done: float, tail: float, offset: float):
-    """`_rank`'s step, but this rank saw the all-reduce done at ``seen_done`` and runs ``tail`` us
-    of update after copying the bucket back: ranks that end at different times."""
-    ops = [
-        op(0, "grad_a", "backward", "main", 0, launch_end),
-        op(1, "grad_b", "backward", "main", launch_end, 100 - launch_end),
-        op(
-            2,
-            "gloo:all_reduce",
-            "comm",
-            "comm:9",
-            launch_end,
-            seen_done - launch_end,
-            deps=[0],
-            collective={"op": "all_reduce", "numel": 10, "bytes": 40},
-        ),
-        op(3, "copy_bucket_to_grad", "other", "main", seen_done, 10, deps=[2]),
-        op(4, "sgd", "update", "main", seen_done + 10, tail),
-    ]
-    for o in ops:
-        o.start_us -= offset
-    end = seen_done + 10 + tail
-    t = trace(ops, step_end=end - offset, rank=rank, world_size=2, clock_offset_us=offset)
-    t.steps[0].start_us -= offset
-    return t
-
-
 def test_the_step_ends_with_the_last_rank_and_a_collective_when_the_first_saw_it_done():
     """Rank 0 sees the all-reduce done at 150 and updates for 60 us (ends at 220); rank 1 launched
     it later (40), saw it done at 165 and ends at 185. The collective spans the last launch to the
     first completion (40-150); rank 1's 15 us after it is its own. Replayed, each rank ends when it
     did, and the step when the last one did."""
-    traces = [_rank_ending(0, 20, 150, 60, 0.0), _rank_ending(1, 40, 165, 10, 1000.0)]
+    traces = [_rank(0, 20, 0.0, 150, 60), _rank(1, 40, 1000.0, 165, 10)]
     graph = build_global_graph(traces, 0)
     assert graph.nodes["comm/0"]["dur"] == pytest.approx(110)
     result = replay(graph)
