@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import environment, launch, stderr_tail, warn_without_tcmalloc, write_results
+from runs import environment, launch, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import (
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args.worker, args.worker_dir, args.worker_mode, args.worker_plan, precisions)
         return 0
-    warn_without_tcmalloc()
+    say_allocator()
     args.out.mkdir(parents=True, exist_ok=True)
     results = [
         measure_plans(

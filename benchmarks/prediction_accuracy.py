@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import environment, launch, stderr_tail, warn_without_tcmalloc, write_results
+from runs import environment, launch, say_allocator, stderr_tail, write_results
 
 from qsync_callback.recorder.torch_recorder import window_close_step
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(
         steps={"warmup": WARMUP_STEPS, "profile": PROFILE_STEPS, "measure": MEASURE_STEPS, "max": MAX_STEPS}
     )
-    warn_without_tcmalloc()
+    say_allocator()
 
     rows: list[dict[str, Any]] = []
     failures: list[str] = []

@@ -18,20 +18,35 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 STDERR_TAIL_LINES = 40
 
 
+TCMALLOC_OPT_IN = "QSYNC_BENCH_TCMALLOC"
+
+
+def tcmalloc_requested() -> bool:
+    """Whether runs preload tcmalloc: only when ``QSYNC_BENCH_TCMALLOC=1`` is set and it is
+    installed. Users do not preload it, so the figures are measured without it by default."""
+    return os.environ.get(TCMALLOC_OPT_IN) == "1" and TCMALLOC.exists()
+
+
 def subprocess_env() -> dict[str, str]:
-    """The environment of a run: tcmalloc preloaded when present (see README)."""
+    """The environment of a run: tcmalloc preloaded only when requested (`tcmalloc_requested`)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    if TCMALLOC.exists():
+    if tcmalloc_requested():
         preload = env.get("LD_PRELOAD", "")
         if str(TCMALLOC) not in preload.split(":"):
             env["LD_PRELOAD"] = f"{TCMALLOC}:{preload}" if preload else str(TCMALLOC)
     return env
 
 
-def warn_without_tcmalloc() -> None:
-    if not TCMALLOC.exists():
-        print(f"warning: {TCMALLOC} not found; runs use glibc malloc (noisier step times)", file=sys.stderr)
+def say_allocator() -> None:
+    """Print which allocator the runs use (glibc malloc unless tcmalloc is requested)."""
+    if tcmalloc_requested():
+        print(f"[benchmark] runs preload {TCMALLOC} ({TCMALLOC_OPT_IN}=1)", file=sys.stderr)
+    else:
+        print(
+            f"[benchmark] runs use glibc malloc, as users do ({TCMALLOC_OPT_IN}=1 preloads tcmalloc)",
+            file=sys.stderr,
+        )
 
 
 def launch(script: Path, args: list[str], run_dir: Path, timeout_s: float) -> tuple[int, float]:
@@ -97,7 +112,7 @@ def environment(**extra: Any) -> dict[str, Any]:
         "pytorch_lightning": pl.__version__,
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
-        "tcmalloc": str(TCMALLOC) if TCMALLOC.exists() else None,
+        "tcmalloc": str(TCMALLOC) if tcmalloc_requested() else None,
         "load_avg_at_start": os.getloadavg(),
         **extra,
     }
