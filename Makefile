@@ -5,7 +5,7 @@ CMAKE ?= /usr/bin/cmake
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup example test lint bench mutants
+.PHONY: setup example test lint bench bench-quick mutants
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,38 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q
 
+# Benchmarks (benchmarks/README.md). `make bench` runs every one at its full settings into
+# benchmarks/results, then rewrites the README's marked tables from them (numbers to publish: an
+# idle machine, a committed tree). `make bench-quick` runs every one with --quick (a smoke pass,
+# under 10 minutes on 2 cores) into benchmarks/results/quick and writes the README with those tables
+# to benchmarks/results/quick/README.md, leaving the README itself alone. A benchmark that fails
+# leaves its table as it was, the others go on, and the target exits non-zero at the end.
+# `make bench BENCHMARKS="models planning_time"` runs only those. The .venv's bin goes first on
+# PATH for the Horovod ones (`horovodrun`, as the tests run it).
+BENCHMARKS := models indicator_check callback_overhead planning_time training_quality \
+	prediction_accuracy precision_plans horovod_tf_accuracy horovod_timeline_cost horovod_tf_plans
+BENCH_OUT := benchmarks/results
+BENCH_QUICK_OUT := $(BENCH_OUT)/quick
+
+# $(1): results folder, $(2): extra arguments of every benchmark, $(3): readme_tables.py's own
+define run_benchmarks
+	@failed=""; all=$$(date +%s); for b in $(BENCHMARKS); do \
+		echo "== python benchmarks/$$b.py $(2) --out $(1)"; \
+		rm -f $(1)/$$b.md $(1)/$$b.json; start=$$(date +%s); \
+		PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/python benchmarks/$$b.py $(2) --out $(1) \
+			|| failed="$$failed $$b"; \
+		echo "== $$b: $$(( $$(date +%s) - start )) s"; \
+	done; \
+	$(VENV)/bin/python benchmarks/readme_tables.py --results $(1) $(3) || failed="$$failed readme_tables"; \
+	echo "== all: $$(( $$(date +%s) - all )) s"; \
+	if [ -n "$$failed" ]; then echo "FAILED:$$failed"; exit 1; fi
+endef
+
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/prediction_accuracy.py
-	$(VENV)/bin/python benchmarks/callback_overhead.py
+	$(call run_benchmarks,$(BENCH_OUT),,)
+
+bench-quick: $(STAMP)
+	$(call run_benchmarks,$(BENCH_QUICK_OUT),--quick,--output $(BENCH_QUICK_OUT)/README.md)
 
 # Mutation testing ([tool.mutmut] in pyproject.toml: which files, against which fast tests); from
 # scratch each time, so that no result cached before a change of code or tests is counted. Scores and

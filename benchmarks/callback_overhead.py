@@ -3,9 +3,11 @@
 Runs a short real ``Trainer.fit`` of the MLP with the callback (warmup 2, profile 1, measure 1) and a
 step timer, then calls the finished callback's ``on_train_batch_start`` a few thousand times and
 compares the per-call cost with the MLP's median step time (steps after the callback finished).
-Writes ``<out>/callback_overhead.md``.
+Writes ``<out>/callback_overhead.md`` and ``.json`` (with the environment). Runs with glibc malloc,
+as users do, unless ``QSYNC_BENCH_TCMALLOC=1`` (then it restarts itself with tcmalloc preloaded).
+``--quick``: a smoke pass, 5 steps after the callback and 3 blocks of 1000 calls.
 
-    python benchmarks/callback_overhead.py [--out benchmarks/results]
+    python benchmarks/callback_overhead.py [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 from models import get_model, timed_fit
-from runs import subprocess_env
+from runs import TCMALLOC, bench_environment, say_allocator, subprocess_env, tcmalloc_requested, write_results
 
 from qsync_callback.integrations.lightning import QSyncCallback
 from qsync_callback.recorder.torch_recorder import window_close_step
@@ -29,13 +31,15 @@ from qsync_callback.recorder.torch_recorder import window_close_step
 WARMUP, PROFILE, MEASURE = 2, 1, 1
 STEPS_AFTER = 30  # timed steps after the callback has finished
 CALLS, BLOCKS = 5000, 7
+QUICK_STEPS_AFTER, QUICK_CALLS, QUICK_BLOCKS = 5, 1000, 3
 
 
 def _reexec_with_tcmalloc() -> None:
-    """Restart this script with tcmalloc preloaded (see README), once, if it is installed."""
-    env = subprocess_env()
-    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    """Restart this script, once, with tcmalloc preloaded when `runs.tcmalloc_requested` (as
+    ``runs.launch`` starts the other benchmarks' runs); else run on, with glibc malloc."""
+    if not tcmalloc_requested() or str(TCMALLOC) in os.environ.get("LD_PRELOAD", "").split(":"):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], subprocess_env())
 
 
 def allocator() -> str:
@@ -58,8 +62,11 @@ def time_call(fn: Callable[[], Any], calls: int = CALLS, blocks: int = BLOCKS) -
     return statistics.median(per_call)
 
 
-def measure(out: Path) -> dict[str, Any]:
-    """Fit the MLP with the callback, then time the finished callback's per-step hook."""
+def measure(
+    out: Path, steps_after: int = STEPS_AFTER, calls: int = CALLS, blocks: int = BLOCKS
+) -> dict[str, Any]:
+    """Fit the MLP with the callback, then time the finished callback's per-step hook (``blocks``
+    blocks of ``calls`` calls) and the ``steps_after`` steps after it finished."""
     callback = QSyncCallback(
         mode="report",
         warmup_steps=WARMUP,
@@ -69,7 +76,7 @@ def measure(out: Path) -> dict[str, Any]:
     )
     # 0-based step at whose start the callback finishes: MEASURE steps after the window closes
     finished_at = window_close_step(WARMUP, PROFILE) + MEASURE
-    trainer, timer, module, loader = timed_fit(get_model("mlp"), finished_at + 1 + STEPS_AFTER, [callback])
+    trainer, timer, module, loader = timed_fit(get_model("mlp"), finished_at + 1 + steps_after, [callback])
     if callback.report is None:
         raise SystemExit("the callback produced no report; see the warnings above")
 
@@ -78,10 +85,12 @@ def measure(out: Path) -> dict[str, Any]:
     after = timer.step_ms[finished_at:]
     step_ms = statistics.median(after)
     batch = next(iter(loader))
-    qsync_us = time_call(lambda: callback.on_train_batch_start(trainer, module, batch, 0))
+    qsync_us = time_call(lambda: callback.on_train_batch_start(trainer, module, batch, 0), calls, blocks)
     bare = pl.Callback()
-    bare_us = time_call(lambda: bare.on_train_batch_start(trainer, module, batch, 0))
+    bare_us = time_call(lambda: bare.on_train_batch_start(trainer, module, batch, 0), calls, blocks)
     return {
+        "calls": calls,
+        "blocks": blocks,
         "step_ms": step_ms,
         "steps_timed": len(after),
         "hook_us": qsync_us,
@@ -104,28 +113,32 @@ def markdown(r: dict[str, Any]) -> str:
             f"| a bare pl.Callback.on_train_batch_start, for reference | {r['bare_hook_us']:.3f} us |",
             f"| difference to the bare hook | {r['extra_us']:.3f} us |",
             "",
-            f"Hook cost: median over {BLOCKS} blocks of {CALLS} calls on the finished callback of a real "
-            f"Trainer.fit (warmup {WARMUP}, profile {PROFILE}, measure {MEASURE}); "
+            f"Hook cost: median over {r['blocks']} blocks of {r['calls']} calls on the finished "
+            f"callback of a real Trainer.fit (warmup {WARMUP}, profile {PROFILE}, measure {MEASURE}); "
             f"allocator: {r['allocator']}.",
         ]
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure, print and write ``<out>/callback_overhead.md``."""
+    """Measure, print and write ``<out>/callback_overhead.md`` and ``.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke pass: 5 steps, 3 blocks of 1000 calls")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = measure(args.out)
-    text = markdown(result)
-    (args.out / "callback_overhead.md").write_text(text + "\n")
-    print(text)
+    say_allocator()
+    settings = {"warmup": WARMUP, "profile": PROFILE, "measure": MEASURE, "quick": args.quick}
+    env = bench_environment(**settings)
+    if args.quick:
+        result = measure(args.out, QUICK_STEPS_AFTER, QUICK_CALLS, QUICK_BLOCKS)
+    else:
+        result = measure(args.out)
+    write_results(args.out, "callback_overhead", markdown(result), {"environment": env, **result})
     print(
         f"\nper-step cost when not recording: {result['hook_us']:.3f} us "
         f"= {result['hook_pct_of_step']:.5f}% of a {result['step_ms']:.1f} ms step"
     )
-    print(f"written to {args.out / 'callback_overhead.md'}")
     return 0
 
 

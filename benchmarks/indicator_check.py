@@ -16,20 +16,22 @@ Models (small, so that fp16 matmuls, slow on CPU, stay cheap):
 - ``mlp``: 5 Linear layers (64 -> 256 -> 256 -> 256 -> 256 -> 10, ReLU), batch 64. Labels from a
   random teacher network. A few input features are scaled by ``--outlier-scale`` (unnormalized
   features), which gives the first layer a wide input range;
+- ``mlp_plain``: the same MLP, batches and seeds without the outlier features (scale 1), so that the
+  int8 ranking is seen without its easiest case;
 - ``cnn``: 3 Conv2d (3 -> 16 -> 32 -> 32, 3x3, ReLU; strides 1, 2, 2) + global pool + Linear, on 3x16x16
   images, batch 64. Convolutions have no int8.
 
-Writes ``<out>/indicator_check.json`` (every row, the gathered statistics, the environment) and
-prints a markdown report.
+Writes ``<out>/indicator_check.md`` (the report) and ``<out>/indicator_check.json`` (every row,
+the gathered statistics, the environment). ``--quick``: a smoke pass, the mlp, one seed of 5 steps.
+
+    python benchmarks/indicator_check.py [--models mlp,mlp_plain,cnn] [--seeds 0,1,2,3,4,5] [--quick]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from runs import bench_environment, write_results
 from torch import nn
 
 from qsync_callback.lp import set_precision, swap_to_lp
@@ -100,10 +103,17 @@ def cnn_data(steps: int, gen: torch.Generator, outlier_scale: float) -> Batches:
     return batches
 
 
+def mlp_plain_data(steps: int, gen: torch.Generator, outlier_scale: float) -> Batches:
+    """The mlp's batches without outlier features, whatever ``--outlier-scale`` says."""
+    return mlp_data(steps, gen, 1.0)
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator, float], Batches]]] = {
     "mlp": (build_mlp, mlp_data),
+    "mlp_plain": (build_mlp, mlp_plain_data),
     "cnn": (build_cnn, cnn_data),
 }
+QUICK = {"models": "mlp", "seeds": "0", "steps": 5, "warmup": 2}
 
 
 def train(
@@ -295,20 +305,28 @@ def markdown(rows: list[dict[str, Any]], corr: list[dict[str, Any]], args: argpa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
+    parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--seeds", default="0,1,2,3,4,5", help="comma-separated seeds")
     parser.add_argument("--steps", type=int, default=40, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps the statistics are gathered over")
     parser.add_argument(
         "--outlier-scale", type=float, default=10.0, help="scale of the mlp's outlier features"
     )
-    parser.add_argument("--out", default="benchmarks/results", help="directory for indicator_check.json")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke pass: mlp (unless --models), seed 0, 5 steps, warm-up 2"
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.models = args.models or QUICK["models"]
+        args.seeds, args.steps, args.warmup = QUICK["seeds"], QUICK["steps"], QUICK["warmup"]
+    args.models = args.models or ",".join(MODELS)
     args.seeds = [int(s) for s in args.seeds.split(",")]
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    env = bench_environment(threads=torch.get_num_threads(), quick=args.quick)
     start = time.perf_counter()
     rows, gathered = [], []
     for model in models:
@@ -317,31 +335,16 @@ def main(argv: list[str] | None = None) -> int:
             rows += seed_rows
             gathered.append({"model": model, "seed": seed, "statistics": stats})
     corr = correlations(rows)
-    report = markdown(rows, corr, args)
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "wall_s": time.perf_counter() - start,
+    env["wall_s"] = time.perf_counter() - start
+    raw = {
+        "args": {**vars(args), "out": str(args.out)},
+        "environment": env,
+        "correlations": corr,
+        "rows": rows,
+        "statistics": gathered,
     }
-    (out / "indicator_check.json").write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "environment": env,
-                "correlations": corr,
-                "rows": rows,
-                "statistics": gathered,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {out / 'indicator_check.json'} ({env['wall_s']:.0f} s)")
+    write_results(args.out, "indicator_check", markdown(rows, corr, args), raw)
+    print(f"({env['wall_s']:.0f} s)")
     return 0
 
 

@@ -1,8 +1,12 @@
-"""Three small LightningModules on synthetic data, for the qsync benchmarks.
+"""Small LightningModules of seven families on synthetic data, for the qsync benchmarks.
 
-Each model has a name ("mlp", "cnn", "transformer") and a DataLoader factory whose data is drawn
-from a fixed seed (nothing is downloaded). Sizes are chosen so that one training step takes
-roughly 30-300 ms on a 2-core CPU with one process (see benchmarks/README.md).
+Each model has a name and a DataLoader factory whose data is drawn from a fixed seed (nothing is
+downloaded). The first three ("mlp", "cnn", "transformer") are the ones the predictor was developed
+on; the other four are families it was not tuned for, written the way users write them: "gru"
+(embedding + GRU classifier), "resnet" (batch-norm residual CNN with skip connections), "attention"
+(a decoder built by hand from ``nn.Linear`` and ``scaled_dot_product_attention``) and "embedding"
+(a recommendation-style model: several embedding tables and a small MLP). Sizes are chosen so that
+one training step takes roughly 30-300 ms on a 2-core CPU with one process (see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -124,6 +128,163 @@ class Transformer(Classifier):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class GRUClassifier(Classifier):
+    """Embedding -> 2-layer batch-first GRU -> last hidden state -> Linear; Adam."""
+
+    def __init__(self, vocab: int = 5000, d_embed: int = 64, hidden: int = 128, lr: float = 1e-3):
+        super().__init__(lr)
+        self.embed = nn.Embedding(vocab, d_embed)
+        self.rnn = nn.GRU(d_embed, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, NUM_CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(tokens))
+        return self.head(out[:, -1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class ResidualBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the input (projected by a 1x1 conv when the shape changes), ReLU."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet(Classifier):
+    """A small ResNet on 3x32x32 images: stem, four residual blocks (two downsampling), pool, Linear;
+    SGD with momentum and weight decay."""
+
+    def __init__(self, width: int = 16, lr: float = 0.05):
+        super().__init__(lr)
+        self.net = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            ResidualBlock(width, width, 1),
+            ResidualBlock(width, 2 * width, 2),  # 16x16
+            ResidualBlock(2 * width, 4 * width, 2),  # 8x8
+            ResidualBlock(4 * width, 4 * width, 1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4 * width, NUM_CLASSES),
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention from ``nn.Linear`` projections and
+    ``scaled_dot_product_attention``."""
+
+    def __init__(self, d_model: int, nhead: int):
+        super().__init__()
+        self.nhead = nhead
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.nhead, d // self.nhead).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm decoder block: x + attn(ln(x)), then x + mlp(ln(x)) with GELU."""
+
+    def __init__(self, d_model: int, nhead: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, nhead)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class Decoder(Classifier):
+    """A decoder-only language model written by hand (token and position embeddings, three
+    `DecoderBlock`s, final LayerNorm, tied-free LM head), trained on next-token prediction; AdamW."""
+
+    def __init__(
+        self, vocab: int = 2000, d_model: int = 128, nhead: int = 4, layers: int = 3, seq_len: int = 64
+    ):
+        super().__init__(lr=3e-4)
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(DecoderBlock(d_model, nhead) for _ in range(layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok(tokens) + self.pos(positions)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.ln(h))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, _ = batch
+        logits = self(tokens[:, :-1])
+        return self.loss(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class EmbeddingModel(Classifier):
+    """Recommendation-style: 8 categorical features, each looked up in its own embedding table and
+    the results concatenated with 16 dense features, then a 3-layer MLP; Adagrad, as such models
+    are often trained."""
+
+    def __init__(self, tables: int = 8, rows: int = 5000, dim: int = 64, dense: int = 16, lr: float = 0.05):
+        super().__init__(lr)
+        self.tables = nn.ModuleList(nn.Embedding(rows, dim) for _ in range(tables))
+        self.mlp = nn.Sequential(
+            nn.Linear(tables * dim + dense, 512),
+            nn.ReLU(),
+            nn.Linear(512, 256),
+            nn.ReLU(),
+            nn.Linear(256, NUM_CLASSES),
+        )
+        self.num_tables = tables
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, dense = x[:, : self.num_tables].long(), x[:, self.num_tables :]
+        looked_up = [table(ids[:, i]) for i, table in enumerate(self.tables)]
+        return self.mlp(torch.cat([*looked_up, dense], dim=1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(self.parameters(), lr=self.lr)
+
+
+def _recommendation_rows(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 categorical ids (as floats) then 16 dense features per row, and labels."""
+    ids = torch.randint(0, 5000, (n, 8), generator=gen).float()
+    return torch.cat([ids, torch.randn(n, 16, generator=gen)], dim=1), _labels(n, gen)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A benchmark model: how to build it and its synthetic data."""
@@ -154,7 +315,19 @@ MODELS: dict[str, ModelSpec] = {
         32,
         lambda n, g: (torch.randint(0, 2000, (n, 64), generator=g), _labels(n, g)),
     ),
+    "gru": ModelSpec(
+        "gru", GRUClassifier, 32, lambda n, g: (torch.randint(0, 5000, (n, 32), generator=g), _labels(n, g))
+    ),
+    "resnet": ModelSpec(
+        "resnet", ResNet, 64, lambda n, g: (torch.randn(n, 3, 32, 32, generator=g), _labels(n, g))
+    ),
+    "attention": ModelSpec(
+        "attention", Decoder, 16, lambda n, g: (torch.randint(0, 2000, (n, 65), generator=g), _labels(n, g))
+    ),
+    "embedding": ModelSpec("embedding", EmbeddingModel, 512, _recommendation_rows),
 }
+
+TUNED_MODELS = ("mlp", "cnn", "transformer")  # the predictor was developed on these
 
 
 def get_model(name: str) -> ModelSpec:
@@ -210,21 +383,75 @@ def time_steps(name: str, steps: int = 30, skip: int = 5) -> list[float]:
     return timer.step_ms[skip:]
 
 
-def main() -> None:
-    """Print each model's median step time (used to choose the sizes above)."""
+QUICK_STEPS, QUICK_SKIP = 5, 2
+
+
+def steps_table(rows: list[dict], threads: int) -> str:
+    """The per-model step times as a markdown table."""
+    lines = [
+        "| model | batch | params M | median step ms | min ms | max ms | steps timed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['params'] / 1e6:.2f} | {r['median_ms']:.1f} | "
+            f"{r['min_ms']:.1f} | {r['max_ms']:.1f} | {len(r['step_ms'])} |"
+        )
+    lines += [
+        "",
+        f"One process, plain `Trainer.fit` on CPU, {threads} torch threads; the first "
+        f"{rows[0]['skipped'] if rows else 0} steps of each run are not timed.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time each model's steps (used to choose the sizes above); print and write
+    ``<out>/models.md`` and ``.json``. ``--quick``: a smoke pass, every model for 5 steps."""
+    from pathlib import Path
+
+    from runs import bench_environment, write_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=30)
-    args = parser.parse_args()
-    for name in args.models.split(","):
-        ms = time_steps(name, args.steps)
-        params = sum(p.numel() for p in get_model(name).build().parameters())
-        print(
-            f"{name:<12} batch {get_model(name).batch_size:4d}  params {params / 1e6:6.2f} M  "
-            f"step median {statistics.median(ms):7.1f} ms  min {min(ms):7.1f}  max {max(ms):7.1f}  "
-            f"({len(ms)} steps, {torch.get_num_threads()} threads)"
+    parser.add_argument("--skip", type=int, default=5, help="first steps of each run not timed")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke pass: {QUICK_STEPS} steps of each model, skip {QUICK_SKIP}",
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.skip = QUICK_STEPS, QUICK_SKIP
+    names = [n for n in args.models.split(",") if n]
+    for name in names:
+        get_model(name)  # fail fast on a bad name
+    env = bench_environment(steps=args.steps, skip=args.skip, quick=args.quick)
+    rows = []
+    for name in names:
+        ms = time_steps(name, args.steps, args.skip)
+        spec = get_model(name)
+        rows.append(
+            {
+                "model": name,
+                "batch": spec.batch_size,
+                "params": sum(p.numel() for p in spec.build().parameters()),
+                "median_ms": statistics.median(ms),
+                "min_ms": min(ms),
+                "max_ms": max(ms),
+                "skipped": args.skip,
+                "step_ms": ms,
+            }
         )
+        print(f"{name}: median {rows[-1]['median_ms']:.1f} ms over {len(ms)} steps", flush=True)
+    threads = torch.get_num_threads()
+    write_results(
+        args.out, "models", steps_table(rows, threads), {"environment": env, "threads": threads, "rows": rows}
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,8 +15,11 @@ run does). Finally the exact search prices every combination (when there are at 
 ``--exact-limit``) and the greedy's summed indicator is compared with the optimum under the same
 constraints.
 
-    python benchmarks/precision_plans.py [--models mlp,cnn,transformer] [--precisions fp32,bf16,int8]
-        [--repeats 1] [--recordings 1] [--out benchmarks/results]
+    python benchmarks/precision_plans.py [--models mlp,cnn,...] [--procs 1,2] [--precisions fp32,bf16,int8]
+        [--plans fp32,uniform,speed,memory,random] [--repeats 1] [--recordings 1] [--quick]
+        [--out benchmarks/results]
+
+``--procs 2`` records and runs every plan under Lightning DDP with 2 CPU processes (gloo).
 
 fp16 is left out by default: on this CPU a 1024x1024 fp16 matmul takes about 185x the fp32 time;
 pass it in ``--precisions`` to include it.
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import environment, launch, say_allocator, stderr_tail, write_results
+from runs import bench_environment, launch, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import (
@@ -52,9 +55,12 @@ WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 TARGET_PCT = 5.0
 RANDOM_PLANS = 2
+PLAN_KINDS = ("fp32", "uniform", "speed", "memory", "random")
 
 
-def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None, precisions: list[str]) -> None:
+def run_worker(
+    model: str, procs: int, run_dir: Path, mode: str, plan: Path | None, precisions: list[str]
+) -> None:
     """One training run (in a subprocess): the recording (mode "apply") or one plan (mode "report")."""
     from qsync_callback.integrations.lightning import QSyncCallback
 
@@ -69,7 +75,7 @@ def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None, precisio
         plan=plan,
         plan_cache=False,
     )
-    timed_fit(get_model(model), MAX_STEPS, [callback])
+    timed_fit(get_model(model), MAX_STEPS, [callback], procs)
 
 
 def _random_plan(candidates: dict[str, list[str]], seed: int) -> dict[str, str]:
@@ -77,29 +83,43 @@ def _random_plan(candidates: dict[str, list[str]], seed: int) -> dict[str, str]:
     return {name: rng.choice(options) for name, options in candidates.items()}
 
 
-def candidate_plans(predictor: Predictor, precisions: list[str]) -> list[tuple[str, dict[str, str]]]:
-    """The plans to measure, by name (layer -> precision)."""
+def candidate_plans(
+    predictor: Predictor, precisions: list[str], kinds: tuple[str, ...] = PLAN_KINDS
+) -> list[tuple[str, dict[str, str]]]:
+    """The plans to measure, by name (layer -> precision), of the ``kinds`` asked (`PLAN_KINDS`)."""
     candidates = candidate_precisions(predictor, precisions)
     indicator = sensitivity(predictor.traces[0].layer_statistics, precisions)
-    plans = [("fp32 (LP modules)", {name: FULL_PRECISION for name in candidates})]
+    plans = []
+    if "fp32" in kinds:
+        plans.append(("fp32 (LP modules)", {name: FULL_PRECISION for name in candidates}))
     for p in precisions:
-        if p != FULL_PRECISION:
+        if p != FULL_PRECISION and "uniform" in kinds:
             uniform = {name: p for name, options in candidates.items() if p in options}
             if uniform:
                 plans.append((f"{p} where it runs", uniform))
-    speed = allocate_precision(predictor, indicator, precisions)
-    plans.append(("allocator: speed (fastest + 5%)", speed.plan.precision))
-    # a budget halfway between the recorded peak and the least any plan reaches
+    if "speed" in kinds:
+        speed = allocate_precision(predictor, indicator, precisions)
+        plans.append(("allocator: speed (fastest + 5%)", speed.plan.precision))
+    if "memory" in kinds:
+        plans += _memory_plan(predictor, indicator, precisions)
+    if "random" in kinds:
+        plans += [(f"random mixed {i + 1}", _random_plan(candidates, seed=i)) for i in range(RANDOM_PLANS)]
+    return plans
+
+
+def _memory_plan(
+    predictor: Predictor, indicator: dict, precisions: list[str]
+) -> list[tuple[str, dict[str, str]]]:
+    """The allocator's plan for a budget halfway between the recorded peak and the least any plan
+    reaches (none if no plan lowers the peak)."""
     recorded = predictor.predict().peak_bytes
     least = least_memory_plan(predictor, precisions)[1].peak_bytes
-    if least < recorded:
-        budget = (least + recorded) // 2
-        memory = allocate_precision(predictor, indicator, precisions, memory_budget=budget)
-        plans.append((f"allocator: memory <= {budget / recorded:.1%} of recorded", memory.plan.precision))
-    else:
+    if least >= recorded:
         print("[benchmark] no plan lowers the predicted peak: no memory plan", file=sys.stderr)
-    plans += [(f"random mixed {i + 1}", _random_plan(candidates, seed=i)) for i in range(RANDOM_PLANS)]
-    return plans
+        return []
+    budget = (least + recorded) // 2
+    memory = allocate_precision(predictor, indicator, precisions, memory_budget=budget)
+    return [(f"allocator: memory <= {budget / recorded:.1%} of recorded", memory.plan.precision)]
 
 
 def greedy_gap(predictor: Predictor, precisions: list[str], limit: int) -> dict[str, Any]:
@@ -141,16 +161,26 @@ def _run_plan(script: Path, args: list[str], run_dir: Path, timeout: float) -> d
 
 
 def measure_plans(
-    model: str, out: Path, precisions: list[str], timeout: float, limit: int, repeats: int, recordings: int
+    model: str,
+    procs: int,
+    out: Path,
+    precisions: list[str],
+    kinds: tuple[str, ...],
+    timeout: float,
+    limit: int,
+    repeats: int,
+    recordings: int,
 ) -> dict[str, Any]:
-    """Record ``model`` ``recordings`` times, then run every candidate plan (chosen on the first
-    recording) ``repeats`` times; compare the median of the runs' measured step times (and their
-    largest peak) with the median of the predictions made from each recording; returns the rows."""
+    """Record ``model`` on ``procs`` processes ``recordings`` times, then run every candidate plan of
+    ``kinds`` (chosen on the first recording) ``repeats`` times; compare the median of the runs'
+    measured step times (and their largest peak) with the median of the predictions made from each
+    recording; returns the rows."""
     script = Path(__file__).resolve()
-    common = ["--worker", model, "--precisions", ",".join(precisions)]
+    common = ["--worker", model, "--worker-procs", str(procs), "--precisions", ",".join(precisions)]
+    label = f"{model}-p{procs}"
     predictors = []
     for k in range(recordings):
-        base_dir = out / "precision_runs" / f"{model}-record-r{k}"
+        base_dir = out / "precision_runs" / f"{label}-record-r{k}"
         rc, _ = launch(
             script, [*common, "--worker-dir", str(base_dir), "--worker-mode", "apply"], base_dir, timeout
         )
@@ -160,19 +190,19 @@ def measure_plans(
     predictor = predictors[0]
     traces = predictor.traces
     rows = []
-    for i, (name, precision) in enumerate(candidate_plans(predictor, precisions)):
+    for i, (name, precision) in enumerate(candidate_plans(predictor, precisions, kinds)):
         plan = Plan(fingerprint=traces[0].fingerprint, precision=precision)
         predictions = [
             p.predict(Plan(fingerprint=p.traces[0].fingerprint, precision=precision)) for p in predictors
         ]
         predicted_ms = statistics.median(p.step_ms for p in predictions)
         predicted_peak = statistics.median(p.peak_bytes for p in predictions)
-        plan_file = out / "precision_runs" / f"{model}-plan{i}.json"
+        plan_file = out / "precision_runs" / f"{label}-plan{i}.json"
         plan.save(plan_file)
-        print(f"[benchmark] {model}: {name} ...", file=sys.stderr, flush=True)
+        print(f"[benchmark] {label}: {name} ...", file=sys.stderr, flush=True)
         args = [*common, "--worker-mode", "report", "--worker-plan", str(plan_file)]
         runs = [
-            _run_plan(script, args, out / "precision_runs" / f"{model}-plan{i}-r{k}", timeout)
+            _run_plan(script, args, out / "precision_runs" / f"{label}-plan{i}-r{k}", timeout)
             for k in range(repeats)
         ]
         runs = [run for run in runs if run is not None]
@@ -197,9 +227,10 @@ def measure_plans(
                 "peak_error_pct": _error(predicted_peak, measured_peak),
             }
         )
-    recorded = json.loads((out / "precision_runs" / f"{model}-record-r0" / "report.json").read_text())
+    recorded = json.loads((out / "precision_runs" / f"{label}-record-r0" / "report.json").read_text())
     return {
         "model": model,
+        "procs": procs,
         "recorded_step_ms": recorded["measured"]["step_ms"],
         "probe_s": traces[0].precision_costs.get("probe_s"),
         "rows": rows,
@@ -220,22 +251,23 @@ def _mix(precision: dict[str, str]) -> str:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | plan | layers | predicted ms (recordings) | measured ms (runs; spread in a run) | "
+        "| model | procs | plan | layers | predicted ms (recordings) | measured ms (runs; spread in a run) | "
         "step error | predicted peak MiB | measured peak MiB | peak error |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     step_errors, peak_errors = [], []
     for result in results:
         for row in result["rows"]:
             if row.get("failed"):
                 lines.append(
-                    f"| {result['model']} | {row['plan']} | {_mix(row['precision'])} | FAILED | | | | | |"
+                    f"| {result['model']} | {result['procs']} | {row['plan']} | {_mix(row['precision'])} | "
+                    "FAILED | | | | | |"
                 )
                 continue
             step_errors.append(abs(row["step_error_pct"]))
             peak_errors.append(abs(row["peak_error_pct"]))
             lines.append(
-                f"| {result['model']} | {row['plan']} | {_mix(row['precision'])} | "
+                f"| {result['model']} | {result['procs']} | {row['plan']} | {_mix(row['precision'])} | "
                 f"{row['predicted_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['predicted_runs_ms'])}) | "
                 f"{row['measured_step_ms']:.1f} "
@@ -255,13 +287,15 @@ def markdown(results: list[dict[str, Any]]) -> str:
         ]
     lines += [
         "",
-        "| model | combinations | greedy indicator | exact indicator | plans priced (greedy / exact) |",
+        "| model | procs | combinations | greedy indicator | exact indicator | plans priced (greedy / exact) "
+        "|",
     ]
-    lines.append("|---|---:|---:|---:|---|")
+    lines.append("|---|---:|---:|---:|---:|---|")
     for result in results:
         gap = result["greedy_gap"]
         lines.append(
-            f"| {result['model']} | {gap['combinations']} | {gap['greedy_indicator']:.3g} | "
+            f"| {result['model']} | {result['procs']} | {gap['combinations']} | "
+            f"{gap['greedy_indicator']:.3g} | "
             f"{_f(gap['exact_indicator'], '.3g')} | "
             f"{gap['greedy_plans_priced']} / {gap.get('exact_plans_priced', 'n/a')} |"
         )
@@ -271,7 +305,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--procs", default="1", help="comma-separated process counts")
     parser.add_argument("--precisions", default="fp32,bf16,int8")
+    parser.add_argument("--plans", default=",".join(PLAN_KINDS), help="comma-separated plan kinds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: mlp, 1 process, fp32 and bf16, uniform and speed plans",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--repeats", type=int, default=1, help="runs per plan (median of their medians)")
@@ -283,22 +324,45 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-procs", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker-mode", default="report", help=argparse.SUPPRESS)
     parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if args.worker:
-        run_worker(args.worker, args.worker_dir, args.worker_mode, args.worker_plan, precisions)
+        run_worker(
+            args.worker, args.worker_procs, args.worker_dir, args.worker_mode, args.worker_plan, precisions
+        )
         return 0
+    models, procs_list = args.models.split(","), [int(p) for p in args.procs.split(",")]
+    kinds = tuple(k.strip() for k in args.plans.split(",") if k.strip())
+    if args.quick:
+        models, procs_list, precisions, kinds = ["mlp"], [1], ["fp32", "bf16"], ("uniform", "speed")
+        args.repeats = args.recordings = 1
+    unknown = set(kinds) - set(PLAN_KINDS)
+    if unknown:
+        parser.error(f"unknown plan kinds {sorted(unknown)}; choose from {', '.join(PLAN_KINDS)}")
+    for name in models:
+        get_model(name)  # fail fast on a bad name
     say_allocator()
     args.out.mkdir(parents=True, exist_ok=True)
+    env = bench_environment(precisions=precisions, plans=list(kinds))
     results = [
         measure_plans(
-            name, args.out, precisions, args.timeout, args.exact_limit, args.repeats, args.recordings
+            name,
+            procs,
+            args.out,
+            precisions,
+            kinds,
+            args.timeout,
+            args.exact_limit,
+            args.repeats,
+            args.recordings,
         )
-        for name in args.models.split(",")
+        for name in models
+        for procs in procs_list
     ]
-    raw = {"environment": environment(precisions=precisions), "results": results}
+    raw = {"environment": env, "results": results}
     write_results(args.out, "precision_plans", markdown(results), raw)
     failed = any(row.get("failed") for result in results for row in result["rows"])
     return 1 if failed else 0

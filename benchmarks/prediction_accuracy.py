@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import environment, launch, say_allocator, stderr_tail, write_results
+from runs import bench_environment, launch, say_allocator, stderr_tail, write_results
 
 from qsync_callback.recorder.torch_recorder import window_close_step
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         get_model(name)  # fail fast on a bad name
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(
+    env = bench_environment(
         steps={"warmup": WARMUP_STEPS, "profile": PROFILE_STEPS, "measure": MEASURE_STEPS, "max": MAX_STEPS}
     )
     say_allocator()

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parent.parent
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 STDERR_TAIL_LINES = 40
 
@@ -116,3 +119,63 @@ def environment(**extra: Any) -> dict[str, Any]:
         "load_avg_at_start": os.getloadavg(),
         **extra,
     }
+
+
+def git_commit(root: Path = REPO) -> str | None:
+    """The commit checked out in ``root`` (its HEAD), read from ``.git`` without running git (no
+    lock taken, no git needed); None outside a checkout or if HEAD cannot be resolved. Uncommitted
+    changes are not seen: numbers to publish come from a clean tree."""
+    git = root / ".git"
+    try:
+        if git.is_file():  # a worktree or submodule: "gitdir: <path>"
+            line = git.read_text().strip()
+            if not line.startswith("gitdir:"):
+                return None
+            git = (root / line.split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head or None
+        ref = head.split(":", 1)[1].strip()
+        common = git
+        if (git / "commondir").is_file():
+            common = (git / (git / "commondir").read_text().strip()).resolve()
+        for base in dict.fromkeys([git, common]):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip() or None
+        packed = common / "packed-refs"
+        if packed.is_file():
+            for line in packed.read_text().splitlines():
+                sha, _, name = line.partition(" ")
+                if name.strip() == ref and not line.startswith(("#", "^")):
+                    return sha
+    except OSError:
+        return None
+    return None
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """How this benchmark was started, as one shell line: ``python`` and ``argv`` (default
+    ``sys.argv``), the script's path relative to the repository when it lies inside it."""
+    args = list(sys.argv if argv is None else argv)
+    if args:
+        script = Path(args[0]).resolve()
+        if script.is_relative_to(REPO):
+            args[0] = str(script.relative_to(REPO))
+    return shlex.join(["python", *args])
+
+
+def provenance() -> dict[str, Any]:
+    """When, at which commit and by which command the numbers were made: the date (UTC), the
+    checked-out commit (`git_commit`) and the command (`command_line`)."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": command_line(),
+    }
+
+
+def bench_environment(**extra: Any) -> dict[str, Any]:
+    """`environment` and `provenance` together: what a benchmark saves beside its table, and what
+    ``benchmarks/readme_tables.py`` names under it in the README. Call it when the runs start (its
+    load average is taken then)."""
+    return {**environment(**extra), **provenance()}

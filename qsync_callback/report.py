@@ -86,6 +86,7 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
             "peak_bytes": error_pct(prediction.peak_bytes, measured_peak),
         },
         "profiler_overhead_us": traces[0].profiler_overhead_us,
+        "profiler_share": traces[slowest if slowest is not None else 0].measured.get("profiler_share"),
         "ops": op_statistics(traces)[:top],
         "layers": layer_statistics(traces),
         "plan": plan.to_dict() if plan is not None else None,
@@ -105,7 +106,7 @@ def _ms(value: float | None) -> str:
 
 
 def _noise(noise_pct: float | None) -> str:
-    """"+-1.2% " after a measured median (the 95% band of the median, `median_noise_pct`)."""
+    """ "+-1.2% " after a measured median (the 95% band of the median, `median_noise_pct`)."""
     return "" if noise_pct is None else f"+-{noise_pct:.1f}% "
 
 
@@ -134,6 +135,14 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         lines.append(
             f"    {row['ms_per_step']:8.3f}  {100 * row['share']:5.1f}%  {row['calls_per_step']:6.1f}x  "
             f"{row['kind']:<8} {row['name'][:70]}"
+        )
+    profiler = report.get("profiler_share")
+    if profiler and profiler.get("in_step_ms") is not None:
+        lines.append(
+            f"  note: recording added {profiler['in_step_ms']:.2f} ms to a step (against its unprofiled "
+            f"neighbours; {profiler['loops_share_ms']:.2f} ms of it per recorded event): the prediction "
+            "removes that much, so for the configuration recorded it is calibrated on this run and its "
+            "error checks the replay; a plan's prediction re-costs the ops it changes"
         )
     noise = measured.get("step_ms_noise_pct")
     if noise is not None and error["step_ms"] is not None and error["step_ms"] <= noise:

@@ -175,8 +175,11 @@ def test_each_recorded_step_replays_as_its_wall_time_less_the_profilers_share(tm
     assert len(traces[0].steps) == 3
     for position, step in enumerate(traces[0].steps):
         wall = step.end_us - step.start_us
-        profiler = sum(o.overhead_us + o.gap_overhead_us for o in traces[0].ops if o.step == step.index)
+        trace = traces[0]
+        ops = [o for o in trace.ops if o.step == step.index]
+        profiler = sum(o.dur_us - trace.own_us(o) + trace.gap_overhead_us(o) for o in ops)
         replayed = replay(build_global_graph(traces, position)).step_us
         # the step as recorded, less no more than the profiler's own calibrated share (how large
-        # that share is depends on the machine's load: benchmarks/prediction_accuracy.py reports it)
+        # that share is depends on the machine's load: benchmarks/prediction_accuracy.py reports it;
+        # Trace.own_us and Trace.gap_overhead_us are what the graph subtracts)
         assert wall - profiler - 1e-5 * wall <= replayed <= wall * (1 + 1e-9)

@@ -11,7 +11,7 @@ waited for and that waited for it), so that a what-if can regroup them (`tensor_
 Node attributes:
 
 - ``queue``: where it runs, ``"r<rank>/<thread>"``; ops on one queue run one at a time, in order;
-- ``dur``: microseconds, the recorded duration less the profiler's own share (``overhead_us``);
+- ``dur``: microseconds, the recorded duration less the profiler's own share (`Trace.own_us`);
 - ``gap``: microseconds the queue sat idle before the op once everything it waits for was done
   (host work between ops: Python, the dispatcher), less the profiler's share;
 - ``kind``, ``name``, ``layer``, ``rank``, ``bytes``, ``collective``, ``op_id``.
@@ -80,8 +80,8 @@ def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float
             name=op.name,
             kind=op.kind,
             queue=f"r{rank}/{op.thread}",
-            dur=max(0.0, op.dur_us - op.overhead_us),
-            gap_overhead=op.gap_overhead_us,
+            dur=trace.own_us(op),
+            gap_overhead=trace.gap_overhead_us(op),
             rank=rank,
             layer=op.layer,
             bytes=op.bytes,

@@ -23,7 +23,7 @@ def op_statistics(traces: Sequence[Trace]) -> list[dict]:
     for trace in traces:
         for op in trace.ops:
             key = (op.name, op.kind)
-            total_us[key] += max(0.0, op.dur_us - op.overhead_us)
+            total_us[key] += trace.own_us(op)
             calls[key] += 1
     per_step = _per_step(traces)
     whole = sum(total_us.values()) or 1.0
@@ -52,7 +52,7 @@ def layer_statistics(traces: Sequence[Trace]) -> list[dict]:
                 continue
             target = forward if op.kind == "forward" else backward if op.kind == "backward" else None
             if target is not None:
-                target[op.layer] += max(0.0, op.dur_us - op.overhead_us)
+                target[op.layer] += trace.own_us(op)
     per_step = _per_step(traces)
     order = [layer["name"] for layer in traces[0].layers] if traces else []
     names = [n for n in order if n in forward or n in backward]

@@ -18,12 +18,23 @@ events per iteration times the cost of one event of that kind; the three loops g
 equations for the three costs (about 0.4 us per op, under 0.1 us per memory event and about 2 us
 per hooked layer here).
 
-In a whole training step the profiler costs more per event than in these hot loops: 0.5 to 0.8 us
-(CNN and MLP steps under Lightning, about 1400 events each, profiled against unprofiled steps), and
-a hooked layer about 20 us (from the trace of a real forward against one without hooks), as the
-interpreter runs cold between large ops. A tiny linear layer's forward and backward as the op loop
-measured 0.4 to 0.7 us per event from run to run: no steadier a stand-in for a real step. What is
-left, 0.3 to 0.8 ms per such step (0.6 to 1.5 %), the prediction still carries.
+In a whole training step recording costs more than these hot loops say: the interpreter runs cold
+between large ops, the profiler's buffers grow, and the recorder's own hooks (layer ranges, the
+storage watch of `live_memory.py`) run. A tiny linear layer's forward and backward as the op loop
+measured 0.4 to 0.7 us per event from run to run, and whole steps of the benchmark models cost 2 to
+8 times the loops' figure: no loop is a steady stand-in for a real step. Nor is a neighbour: the
+unprofiled step after a profiler session takes thousands of page faults more under glibc malloc
+(the session's buffers are handed back to the system, and the step takes pages again), and the
+allocator's thresholds, raised by the profiler's large blocks, make the steps after the window
+take none where those before it took thousands.
+
+So the loops give what an op, a memory event and a layer range cost each, and the run's measured
+steps give the rest (`calibrate_on_steps`): the recorded steps' median less the unprofiled steps'
+median (the measured step time's own samples) is what recording added to a step, and what that
+shows beyond the loops' share is a slowdown of the step's ops, removed from each op in proportion to
+its time. The replay of the recorded configuration then matches the measured step time by
+construction (its error checks the replay, not the profiler's cost), and a plan's prediction is the
+measured step with the ops the plan changes re-costed: a real prediction, judged by verify.
 
 Timing the profiled half inside the recording's own profiler session (before its first step, in
 a ``qsync::calibration`` range) costs no extra profiler start and stop. The normalized trace keeps
@@ -33,8 +44,9 @@ run without the profiler.
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +54,7 @@ import torch
 from qsync_callback.quiet_profiler import quiet_kineto
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX
 from qsync_callback.recorder.layer_ranges import LayerRanges
+from qsync_callback.recorder.trace import Trace
 
 EVENT_KINDS = ("op", "memory", "range")
 _LOOPS = 100
@@ -131,3 +144,41 @@ def overhead_per_event(
             break
         kept.pop(int(solved.argmin()))
     return {kind: round(float(c), 3) for kind, c in zip(EVENT_KINDS, costs, strict=True)}
+
+
+def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, float | None]:
+    """What recording added to ``trace``'s recorded steps beyond the loops' per-event costs, for
+    ``trace.measured["profiler_share"]`` (which `Trace.own_us` and `Trace.gap_overhead_us` apply).
+
+    ``in_step_ms``: the recorded steps' median time less the median of ``plain_ms`` (the unprofiled
+    steps' times, the measured step time's samples); ``loops_share_ms``: the median over recorded
+    steps of the ops' ``overhead_us`` and ``gap_overhead_us`` (the loops' costs per event). If the
+    steps show more, ``slowdown`` is the rest over the ops' own time (their time less the loops'
+    share, collectives not counted, median over steps), and every op but a collective runs that
+    fraction shorter without the profiler; if less, ``scale`` (below 1) shrinks the loops' shares
+    to it. Without unprofiled steps, or without a loops' share, nothing changes (1 and 0)."""
+    loops_us: dict[int, float] = {step.index: 0.0 for step in trace.steps}
+    own_us: dict[int, float] = dict.fromkeys(loops_us, 0.0)
+    for op in trace.ops:
+        if op.step in loops_us:
+            loops_us[op.step] += op.overhead_us + op.gap_overhead_us
+            if op.collective is None:
+                own_us[op.step] += max(0.0, op.dur_us - op.overhead_us)
+    profiled_ms = [(step.end_us - step.start_us) / 1e3 for step in trace.steps]
+    loops_ms = statistics.median(loops_us.values()) / 1e3 if loops_us else 0.0
+    own_ms = statistics.median(own_us.values()) / 1e3 if own_us else 0.0
+    figures: dict[str, float | None] = {
+        "in_step_ms": None,
+        "loops_share_ms": loops_ms,
+        "scale": 1.0,
+        "slowdown": 0.0,
+    }
+    if not profiled_ms or not plain_ms:
+        return figures
+    in_step = statistics.median(profiled_ms) - statistics.median(plain_ms)
+    figures["in_step_ms"] = in_step
+    if in_step < loops_ms:
+        figures["scale"] = max(0.0, in_step) / loops_ms
+    elif own_ms > 0:
+        figures["slowdown"] = min(1.0, (in_step - loops_ms) / own_ms)
+    return figures

@@ -74,6 +74,7 @@ from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
 from qsync_callback.recorder.overhead import (
+    calibrate_on_steps,
     calibration_loop_times,
     overhead_per_event,
     profiler_kwargs,
@@ -434,7 +435,7 @@ class TorchRecorder:
             gc.enable()
         if self.probe_precisions:
             self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
-        self.save()
+        self._write()
         gc.collect(1)
         return self.trace
 
@@ -488,7 +489,14 @@ class TorchRecorder:
         return trace
 
     def save(self) -> None:
-        """Write the normalized trace (with the unprofiled step times measured so far)."""
+        """Write the normalized trace with the unprofiled step times measured so far, its profiler
+        shares calibrated on them (once: at the first save after the window closed, when the loop
+        has measured the steps after it; `overhead.calibrate_on_steps`)."""
+        if self.trace is not None and "profiler_share" not in self.trace.measured and self.unprofiled_ms:
+            self.trace.measured["profiler_share"] = calibrate_on_steps(self.trace, self.unprofiled_ms)
+        self._write()
+
+    def _write(self) -> None:
         if self.trace is not None:
             self.trace.measured["step_ms"] = list(self.unprofiled_ms)
             self.trace.measured["page_faults"] = list(self.unprofiled_page_faults)

@@ -29,7 +29,12 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "layer_statistics": {...},        # per-layer value statistics for the precision indicator
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024, "next": "net.1"}, ...],
                                         # "next": the next child of its nn.Sequential, or null
-      "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "..."},
+      "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "...",
+                   "profiler_share": {"in_step_ms": ..., "loops_share_ms": ..., "scale": ...,
+                                      "slowdown": ...}},
+                                        # what recording added to a step beyond the loops' costs,
+                                        # from the recorded against the unprofiled steps
+                                        # (`overhead.calibrate_on_steps`, `Trace.own_us`)
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
       "communication": {...},           # the collective library's settings in effect, and where its
                                         # own record is (Horovod: fusion threshold, cycle time,
@@ -179,6 +184,20 @@ class Trace:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     raw_trace: str | None = None
     communication: dict[str, Any] = field(default_factory=dict)
+
+    def own_us(self, op: Op) -> float:
+        """``op``'s duration without the profiler: less its events' cost at the loops' per-event
+        costs (``op.overhead_us``), scaled and less the steps' slowdown as the recorded steps against
+        the unprofiled ones say (``measured["profiler_share"]``, `overhead.calibrate_on_steps`)."""
+        share = self.measured.get("profiler_share") or {}
+        own = max(0.0, op.dur_us - share.get("scale", 1.0) * op.overhead_us)
+        return own if op.collective is not None else own * (1.0 - share.get("slowdown", 0.0))
+
+    def gap_overhead_us(self, op: Op) -> float:
+        """The part of the idle time before ``op`` that recording added (``op.gap_overhead_us``,
+        scaled as `own_us` says)."""
+        share = self.measured.get("profiler_share") or {}
+        return share.get("scale", 1.0) * op.gap_overhead_us
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the ops and steps are shallow copies (their fields are plain JSON values)."""
@@ -363,6 +382,13 @@ _TRACE = Fields(
                 "page_faults": ListOf(COUNT),
                 "page_size": COUNT,
                 "recorder_overhead_s": NUMBER,
+                "profiler_share": Fields(
+                    optional={
+                        "in_step_ms": Nullable(FINITE),
+                        "loops_share_ms": Nullable(FINITE),
+                        "scale": FINITE,
+                    }
+                ),
             }
         ),
         "profiler_overhead_us": MapOf(FINITE),

@@ -1,0 +1,100 @@
+"""What recording adds to a step, measured against the run's unprofiled steps (`overhead.py`)."""
+
+import pytest
+
+from qsync_callback.predictor.graph import build_step_graph
+from qsync_callback.predictor.replay import replay
+from qsync_callback.recorder.overhead import calibrate_on_steps
+from qsync_callback.recorder.trace import Op, Step, Trace
+
+
+def _recorded(steps: list[int], op_us: float, overhead_us: float, gap_overhead_us: float) -> Trace:
+    """One op a step on the main thread, 10 us after its step's start, and a collective."""
+    ops, trace_steps = [], []
+    for k in steps:
+        start = 1000.0 * k
+        trace_steps.append(Step(k, start, start + 10 + op_us + 5))
+        ops.append(
+            Op(
+                id=len(ops),
+                name="aten::mm",
+                kind="forward",
+                thread="main",
+                start_us=start + 10,
+                dur_us=op_us,
+                step=k,
+                overhead_us=overhead_us,
+                gap_overhead_us=gap_overhead_us,
+            )
+        )
+        ops.append(
+            Op(
+                id=len(ops),
+                name="gloo:all_reduce",
+                kind="comm",
+                thread="comm:0",
+                start_us=start + 10,
+                dur_us=op_us,
+                step=k,
+                collective={"op": "all_reduce", "numel": 4, "bytes": 16},
+            )
+        )
+    return Trace(
+        rank=0,
+        world_size=1,
+        device="cpu",
+        steps=trace_steps,
+        ops=ops,
+        profiler_overhead_us={"op": 0.5, "memory": 0.1, "range": 2.0},
+    )
+
+
+def _ops(trace: Trace) -> tuple[list[Op], list[Op]]:
+    return [op for op in trace.ops if op.collective is None], [op for op in trace.ops if op.collective]
+
+
+def test_what_the_steps_show_beyond_the_loops_slows_each_op_in_proportion():
+    # recorded steps last 10 + 500 + 5 = 515 us; unprofiled ones 475 us (median): recording added 40 us,
+    # the loops account for 10 + 5 of it, the rest (25 us) is 25/490 of the ops' own 500 - 10 us
+    trace = _recorded([1, 3], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
+    figures = calibrate_on_steps(trace, [0.470, 0.475, 0.490])
+    assert figures == pytest.approx(
+        {"in_step_ms": 0.040, "loops_share_ms": 0.015, "scale": 1.0, "slowdown": 25 / 490}
+    )
+    trace.measured["profiler_share"] = figures
+    mm, collectives = _ops(trace)
+    assert [trace.own_us(op) for op in mm] == pytest.approx([490 - 25, 490 - 25])
+    assert [trace.gap_overhead_us(op) for op in mm] == pytest.approx([5.0, 5.0])
+    assert [trace.own_us(op) for op in collectives] == pytest.approx([500.0, 500.0])
+    # the replay of a recorded step is then the unprofiled steps' time
+    main_only = Trace(rank=0, world_size=1, device="cpu", steps=trace.steps[:1], ops=mm[:1])
+    main_only.measured["profiler_share"] = figures
+    assert replay(build_step_graph(main_only, 1)).step_us == pytest.approx(475.0)
+
+
+def test_steps_that_show_less_than_the_loops_scale_the_loops_down():
+    trace = _recorded([1, 3], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
+    trace.measured["profiler_share"] = calibrate_on_steps(trace, [0.509, 0.400, 0.600])  # 6 us of 15
+    assert trace.measured["profiler_share"]["scale"] == pytest.approx(0.4)
+    assert trace.measured["profiler_share"]["slowdown"] == 0.0
+    mm, _ = _ops(trace)
+    assert [trace.own_us(op) for op in mm] == pytest.approx([496.0, 496.0])
+    assert [trace.gap_overhead_us(op) for op in mm] == pytest.approx([2.0, 2.0])
+    # none at all when the recorded steps ran faster than the unprofiled ones (noise larger than the cost)
+    assert calibrate_on_steps(trace, [0.600])["scale"] == 0.0
+
+
+def test_without_unprofiled_steps_or_a_share_the_loops_costs_stay():
+    trace = _recorded([1, 3], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
+    figures = calibrate_on_steps(trace, [])
+    assert figures == {"in_step_ms": None, "loops_share_ms": 0.015, "scale": 1.0, "slowdown": 0.0}
+    trace.measured["profiler_share"] = figures
+    assert trace.own_us(trace.ops[0]) == 490.0
+    # no loops' share at all (no event counted): what the steps show is all slowdown
+    trace = _recorded([1], op_us=500.0, overhead_us=0.0, gap_overhead_us=0.0)
+    assert calibrate_on_steps(trace, [0.3]) == pytest.approx(
+        {"in_step_ms": 0.215, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.215 / 0.5}
+    )
+    # a trace without the figures (a TF trace, an older one) takes the loops' costs as they are
+    trace = _recorded([1], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
+    assert (trace.own_us(trace.ops[0]), trace.gap_overhead_us(trace.ops[0])) == (490.0, 5.0)
