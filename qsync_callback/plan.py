@@ -113,7 +113,6 @@ class Constraints:
         return {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(self).items()}
 
 
-
 _FIELDS = (
     "fingerprint",
     "precision",

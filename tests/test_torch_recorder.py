@@ -201,11 +201,11 @@ def test_overhead_is_calibrated_and_removed(recorded):
         "range": {"range": iterations},
     }
     # a per-event cost in the right unit never exceeds the duration of an op: (almost) none is cut to 0
-    # (a per-loop cost charged per event, the old unit, clipped about half of them; a machine whose
-    # speed drifts between the plain and the profiled loops can inflate the right unit's cost by up
-    # to half, which clips up to about a tenth)
+    # (a per-loop cost charged per event, the old unit, clipped about half of them; loops timed at
+    # two moments of a drifting machine, before the recorded and unrecorded halves ran in turns,
+    # clipped up to 28%)
     main = [op for op in trace.ops if op.thread == "main"]
-    assert sum(0 < op.dur_us <= op.overhead_us for op in main) < 0.15 * len(main)
+    assert sum(0 < op.dur_us <= op.overhead_us for op in main) < 0.05 * len(main)
     prediction = predict(load_trace_dir(recorded[0]))
     recorded_ms = [s.dur_us / 1e3 for s in trace.steps]
     assert prediction.step_ms < max(recorded_ms)
@@ -213,16 +213,15 @@ def test_overhead_is_calibrated_and_removed(recorded):
 
 def test_overhead_per_event_divides_each_loop_among_its_events():
     iterations = overhead._LOOPS * overhead._REPEATS
-    plain = {"op": 1e-6, "memory": 1e-6, "range": 1e-6}
     # extra microseconds per iteration: 5 op events and 4 memory events (an add of a Python
     # scalar), those plus 2 memory events, one layer range
-    profiled = {"op": 3.4e-6, "memory": 3.6e-6, "range": 3e-6}
+    extra = {"op": 2.4e-6, "memory": 2.6e-6, "range": 2e-6}
     counts = {
         "op": {"op": 5 * iterations, "memory": 4 * iterations},
         "memory": {"op": 5 * iterations, "memory": 6 * iterations},
         "range": {"range": iterations},
     }
-    costs = overhead.overhead_per_event(plain, profiled, counts)
+    costs = overhead.overhead_per_event(extra, counts)
     assert costs == {"op": pytest.approx(0.4), "memory": pytest.approx(0.1), "range": pytest.approx(2.0)}
 
 

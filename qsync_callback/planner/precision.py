@@ -144,7 +144,7 @@ class _Moves:
         self._pricer = pricer
         self._partners = link_partners(pricer.predictor.traces[0].layers, list(candidates))
         self._estimates: dict[frozenset, Prediction] = {}
-        self.base = self._estimate({})
+        self._estimate({})  # the recording's estimate, which every single move is compared with
         self.alone = {
             (name, p): self.held(name, p) for name, options in candidates.items() for p in options[1:]
         }

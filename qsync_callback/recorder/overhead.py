@@ -1,15 +1,21 @@
 """Calibrate what recording adds to a step, per recorded event, on this machine.
 
-Measured, not assumed: three tight loops are timed once before the recording's profiler starts
-and once inside it (best of a few repeats each), with the profiler configured as the recording is
-(shapes and memory on):
+Measured, not assumed: three tight loops run inside the recording's first profiler session
+(shapes and memory on, as the recording is), each repeat timed twice back to back: recorded, and
+unrecorded (the profiler's record functions switched off for the thread, the layer hooks removed),
+so that the machine's drift cancels in each pair; a loop's extra time is the median over its
+repeats of the pair's difference, so that one slow moment moves nothing:
 
 - ``op``: an in-place add of one small tensor to another (one op event, no allocation);
 - ``memory``: the same add out of place (one op event, and an allocation and a free);
-- ``range``: a call of an ``nn.Identity`` carrying the recorder's layer hooks (inside the profiler)
-  against the same call without hooks (before it): what a hooked layer adds, hooks and range.
+- ``range``: a call of an ``nn.Identity`` carrying the recorder's layer hooks: what a hooked layer
+  adds, hooks and range.
 
-Each loop's profiled half runs in a ``qsync::calibration::<loop>`` range, and the trace conversion
+With record functions off the profiler still records allocations (not the frees), so the memory
+loop's unrecorded half keeps part of its memory events' cost and a memory event comes out somewhat
+cheaper than it is; it is the cheapest kind by far (under 0.1 us here).
+
+Each loop's recorded halves run in ``qsync::calibration::<loop>`` ranges, and the trace conversion
 counts the events of each kind (`kineto.event_kind`) the profiler recorded there
 (`kineto.calibration_event_counts`), rather than assuming what a loop body records (adding a Python
 scalar instead of a tensor, for one, records four more ops nested in the add, converting the
@@ -36,8 +42,8 @@ its time. The replay of the recorded configuration then matches the measured ste
 construction (its error checks the replay, not the profiler's cost), and a plan's prediction is the
 measured step with the ops the plan changes re-costed: a real prediction, judged by verify.
 
-Timing the profiled half inside the recording's own profiler session (before its first step, in
-a ``qsync::calibration`` range) costs no extra profiler start and stop. The normalized trace keeps
+Timing the loops inside the recording's own profiler session (before its first step, in a
+``qsync::calibration`` range) costs no extra profiler start and stop. The normalized trace keeps
 the figures (``profiler_overhead_us``) and each op's share of them, so the replay can predict the
 run without the profiler.
 """
@@ -61,16 +67,6 @@ _LOOPS = 100
 _REPEATS = 10
 
 
-def _best_time(name: str, fn: Callable[[], None]) -> float:
-    best = float("inf")
-    with torch.profiler.record_function(CALIBRATION_LOOP_PREFIX + name):
-        for _ in range(_REPEATS):
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-    return best / _LOOPS
-
-
 def profiler_kwargs(device: str) -> dict:
     """The profiler configuration used for recording (and so for calibration); Kineto's console
     lines are silenced before the session starts (`quiet_profiler`)."""
@@ -81,12 +77,35 @@ def profiler_kwargs(device: str) -> dict:
     return {"activities": activities, "record_shapes": True, "profile_memory": True}
 
 
-def calibration_loop_times(with_layer_hooks: bool) -> dict[str, float]:
-    """Seconds per iteration of each calibration loop, under whatever profiler is active now; each
-    loop's repeats run in a ``qsync::calibration::<loop>`` range.
+def _recorded_extra(name: str, loop: Callable[[], None], hooks: LayerRanges | None = None) -> float:
+    """Median over repeats of (recorded - unrecorded) seconds per iteration of ``loop``; the
+    recorded half in a ``qsync::calibration::<name>`` range (with ``hooks`` installed)."""
+    extras = []
+    for _ in range(_REPEATS):
+        if hooks is not None:
+            hooks.install()
+        try:
+            with torch.profiler.record_function(CALIBRATION_LOOP_PREFIX + name):
+                start = time.perf_counter()
+                loop()
+                recorded = time.perf_counter() - start
+        finally:
+            if hooks is not None:
+                hooks.remove()
+        torch._C._autograd._enable_record_function(False)
+        try:
+            start = time.perf_counter()
+            loop()
+            unrecorded = time.perf_counter() - start
+        finally:
+            torch._C._autograd._enable_record_function(True)
+        extras.append(recorded - unrecorded)
+    return statistics.median(extras) / _LOOPS
 
-    ``with_layer_hooks``: the module loop runs with the recorder's layer hooks installed (as when
-    recording) or without (as when not)."""
+
+def calibration_extra_times() -> dict[str, float]:
+    """Seconds the active profiler adds per iteration of each calibration loop (`_recorded_extra`);
+    call it inside a profiler session configured as the recording is."""
     x, y = torch.zeros(8), torch.ones(8)
     module = torch.nn.Identity()
 
@@ -102,39 +121,31 @@ def calibration_loop_times(with_layer_hooks: bool) -> dict[str, float]:
         for _ in range(_LOOPS):
             module(x)
 
-    ranges = LayerRanges({"calibration": module})
-    if with_layer_hooks:
-        ranges.install()
-    try:
-        return {
-            "op": _best_time("op", in_place),
-            "memory": _best_time("memory", allocating),
-            "range": _best_time("range", module_calls),
-        }
-    finally:
-        ranges.remove()
+    return {
+        "op": _recorded_extra("op", in_place),
+        "memory": _recorded_extra("memory", allocating),
+        "range": _recorded_extra("range", module_calls, LayerRanges({"calibration": module})),
+    }
 
 
 def overhead_per_event(
-    plain: Mapping[str, float],
-    profiled: Mapping[str, float],
-    event_counts: Mapping[str, Mapping[str, int]],
+    extra: Mapping[str, float], event_counts: Mapping[str, Mapping[str, int]]
 ) -> dict[str, float]:
     """Microseconds recording adds per recorded op, memory event and layer range.
 
-    ``plain`` and ``profiled``: `calibration_loop_times` before and inside the profiler;
-    ``event_counts``: the events of each kind recorded in each loop's range, over all its repeats
+    ``extra``: seconds per iteration the profiler added to each loop (`calibration_extra_times`);
+    ``event_counts``: the events of each kind recorded in each loop's ranges, over all its repeats
     (`kineto.calibration_event_counts`). The costs solve, by least squares, extra time per iteration
     = events per iteration @ cost per event over the loops, none negative: a kind whose cost comes
-    out negative (noise: a memory event costs far less than an op, and the loops are timed at two
-    moments of a drifting machine) is set to 0 and the others are solved again without it, so
-    that its loop's time still informs them; a cost no loop's events determine comes out 0."""
-    loops = sorted(plain.keys() & profiled.keys())
+    out negative (noise: a memory event costs far less than an op) is set to 0 and the others are
+    solved again without it, so that its loop's time still informs them; a cost no loop's events
+    determine comes out 0."""
+    loops = sorted(extra)
     counts = np.zeros((len(loops), len(EVENT_KINDS)))
     for i, loop in enumerate(loops):
         for j, kind in enumerate(EVENT_KINDS):
             counts[i, j] = event_counts.get(loop, {}).get(kind, 0) / (_LOOPS * _REPEATS)
-    extra_us = np.array([(profiled[loop] - plain[loop]) * 1e6 for loop in loops])
+    extra_us = np.array([extra[loop] * 1e6 for loop in loops])
     costs = np.zeros(len(EVENT_KINDS))
     kept = list(range(len(EVENT_KINDS)))
     while kept:

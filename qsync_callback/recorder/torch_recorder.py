@@ -21,11 +21,11 @@ On request the recorder also gathers the precision indicator's layer statistics 
 ``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
 every swappable layer at each precision asked for (`precision_probes.py`); both go into the trace.
 
-Before the window opens the recorder times the overhead calibration loops (`overhead.py`) and
-counts the bytes resident in parameters, buffers, gradients, optimizer state, DDP's buckets and any
-other live tensor on the device (`resident_bytes`); the first session opens with a
-``qsync::clock_sync`` mark and the calibration loops' profiled half, whose events the merged trace
-counts when the window closes (for the costs per event).
+Before the window opens the recorder counts the bytes resident in parameters, buffers, gradients,
+optimizer state, DDP's buckets and any other live tensor on the device (`resident_bytes`); the
+first session opens with a ``qsync::clock_sync`` mark and the overhead calibration loops
+(`overhead.py`), whose events the merged trace counts when the window closes (for the costs per
+event).
 
 With several ranks the caller synchronizes them (the recorder makes no collective call of its
 own, so a failure on one rank can never leave another waiting in one): right before the boundary
@@ -75,7 +75,7 @@ from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
 from qsync_callback.recorder.overhead import (
     calibrate_on_steps,
-    calibration_loop_times,
+    calibration_extra_times,
     overhead_per_event,
     profiler_kwargs,
 )
@@ -253,8 +253,7 @@ class TorchRecorder:
         self._cuda_peaks: dict[int, int] = {}
         self._saved: SavedActivations | None = None
         self._saved_bytes: dict[str, int] = {}
-        self._plain_loops: dict[str, float] = {}
-        self._profiled_loops: dict[str, float] = {}
+        self._calibration_extra: dict[str, float] = {}
         self._overhead: dict[str, float] = {}
 
     @property
@@ -366,15 +365,13 @@ class TorchRecorder:
             self.overhead_s += time.perf_counter() - start
 
     def _open_window(self) -> None:
-        """The calibration loops timed without the profiler, then the first session: clock sync, the
-        calibration's profiled half, and the warm-up step. The two halves run back to back: the
-        machine's speed drifts within seconds, and the cost per event is their difference."""
-        self._plain_loops = calibration_loop_times(with_layer_hooks=False)
+        """The first session: clock sync, the calibration loops (recorded and unrecorded, in turns),
+        and the warm-up step."""
         self._start_session()
         with torch.profiler.record_function(CLOCK_SYNC):
             pass
         with torch.profiler.record_function(CALIBRATION_RANGE):
-            self._profiled_loops = calibration_loop_times(with_layer_hooks=True)
+            self._calibration_extra = calibration_extra_times()
         self._saved = SavedActivations(self._ranges, self.model.parameters())
         self._saved.start()
 
@@ -428,7 +425,7 @@ class TorchRecorder:
             raw = _merge_parts(self._parts, self._raw_path())
             self._parts.clear()
             counts = calibration_event_counts(raw)
-            self._overhead = overhead_per_event(self._plain_loops, self._profiled_loops, counts)
+            self._overhead = overhead_per_event(self._calibration_extra, counts)
             self.trace = self._convert(raw)
             del raw
         finally:
