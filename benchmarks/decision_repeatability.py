@@ -1,0 +1,175 @@
+"""Identical launches of ``QSyncCallback(mode="apply")``: the plan each one verifies, its predicted
+step time against the step time measured under it, and whether the launches decide alike.
+
+Each launch is a fresh process running a real one-process ``Trainer.fit`` of a model from
+``models.py`` with ``QSyncCallback(mode="apply", plan_cache=False)`` (its default target: the
+fastest plan within 5%; ``--memory-budget 85%`` adds a budget, with ``best_effort=True``), the way a
+user adds it: the callback records, plans, applies the plan,
+records again and keeps the plan or rolls it back (`verify.py`). From each launch's
+``verification.json`` the script takes the plan (its layers' precisions), the predicted and the
+measured step time under it (the verified error: a real prediction, made before the plan ran), the
+baseline's measured step time, the change and its noise, and the decision with its reason. The
+decision is one of: faster (kept), slower (rolled back), could not tell (then the cheaper
+configuration is kept), needed for the memory budget, loss not finite; or nothing to apply (the
+planner kept the recorded configuration). Launches of one model agree when they reach the same one.
+
+    python benchmarks/decision_repeatability.py [--models resnet,gru,attention] [--launches 3]
+        [--memory-budget 85%] [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from models import get_model, timed_fit
+from runs import bench_environment, launch, say_allocator, stderr_tail, write_results
+
+MAX_STEPS = 80  # the baseline window ends at 30, the verify window about 25 steps later
+NOTHING_TO_APPLY = "nothing to apply"
+
+
+def run_worker(model: str, run_dir: Path, memory_budget: str) -> None:
+    """One launch (in a subprocess)."""
+    from qsync_callback.integrations.lightning import QSyncCallback
+
+    budget = {"memory_budget": memory_budget, "best_effort": True} if memory_budget else {}
+    callback = QSyncCallback(mode="apply", plan_cache=False, output_dir=run_dir, **budget)
+    timed_fit(get_model(model), MAX_STEPS, [callback])
+
+
+def outcome(reason: str) -> str:
+    """What a verification's reason states: faster, slower, could not tell, memory budget or loss
+    not finite."""
+    if reason.startswith("could not tell"):
+        return "could not tell"
+    if "slower than the baseline" in reason:
+        return "slower"
+    if "faster than the baseline" in reason:
+        return "faster"
+    if reason.startswith("needed for the memory budget"):
+        return "memory budget"
+    if "finite" in reason:
+        return "loss not finite"
+    return reason
+
+
+def _mix(precision: dict[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for p in precision.values():
+        counts[p] = counts.get(p, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "recorded"
+
+
+def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
+    """One row from a finished launch's verification.json (or what it logged instead)."""
+    path = run_dir / "verification.json"
+    if not path.exists():
+        planned = (run_dir / "plan.json").exists()  # the recorded configuration kept as the plan
+        row = {"model": model, "launch": launch_no, "verified": False, "planned": planned}
+        return {**row, "outcome": NOTHING_TO_APPLY} if planned else {**row, "why": stderr_tail(run_dir, 5)}
+    v = json.loads(path.read_text())
+    predicted, measured = v["predicted"]["step_ms"], v["measured"]["step_ms"]
+    return {
+        "model": model,
+        "launch": launch_no,
+        "verified": True,
+        "planned": True,
+        "plan": _mix(v["plan"].get("precision") or {}),
+        "predicted_step_ms": predicted,
+        "measured_step_ms": measured,
+        "measured_noise_pct": v["measured"].get("step_ms_noise_pct"),
+        "step_error_pct": 100 * (predicted - measured) / measured if predicted and measured else None,
+        "baseline_step_ms": v["baseline_step_ms"],
+        "change_pct": v["step_ms_change_pct"],
+        "noise_pct": v["noise_pct"],
+        "decision": v["decision"],
+        "outcome": outcome(v["reason"]),
+        "reason": v["reason"],
+    }
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | launch | plan | predicted ms | measured ms (noise) | verified error | baseline ms | "
+        "change (noise) | decision |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if not r["verified"]:
+            what = "recorded configuration" if r["planned"] else "FAILED: no plan"
+            lines.append(f"| {r['model']} | {r['launch']} | {what} | | | | | | {r.get('outcome', '')} |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['launch']} | {r['plan']} | {_f(r['predicted_step_ms'], '.1f')} | "
+            f"{_f(r['measured_step_ms'], '.1f')} (+-{_f(r['measured_noise_pct'], '.1f')}%) | "
+            f"{_f(r['step_error_pct'], '+.1f')}% | {_f(r['baseline_step_ms'], '.1f')} | "
+            f"{_f(r['change_pct'], '+.1f')}% (+-{_f(r['noise_pct'], '.1f')}%) | "
+            f"{r['decision']}: {r['outcome']} |"
+        )
+    verified = [r for r in rows if r["verified"] and r["step_error_pct"] is not None]
+    models = sorted({r["model"] for r in rows})
+    agree = [m for m in models if len({r.get("outcome") for r in rows if r["model"] == m}) == 1]
+    lines.append("")
+    if verified:
+        errors = [abs(r["step_error_pct"]) for r in verified]
+        signed = [r["step_error_pct"] for r in verified]
+        lines.append(
+            f"Verified step-time error (predicted plan against the plan measured in the same launch): median "
+            f"|error| {statistics.median(errors):.1f}% over {len(errors)} launches, mean signed "
+            f"{statistics.fmean(signed):+.1f}%, range {min(signed):+.1f}% to {max(signed):+.1f}%."
+        )
+    lines.append(
+        f"Launches of one model that reach the same outcome: {len(agree)} of {len(models)} models"
+        + (f" ({', '.join(agree)})" if agree else "")
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet,gru,attention")
+    parser.add_argument("--launches", type=int, default=3)
+    parser.add_argument("--memory-budget", default="", help="e.g. 85%% (with best effort); default none")
+    parser.add_argument("--quick", action="store_true", help="smoke run: resnet, 2 launches")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        run_worker(args.worker, args.worker_dir, args.memory_budget)
+        return 0
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    launches = args.launches
+    if args.quick:
+        models, launches = ["resnet"], 2
+    for name in models:
+        get_model(name)  # fail fast on a bad name
+    say_allocator()
+    env = bench_environment(memory_budget=args.memory_budget or None, launches=launches)
+    script = Path(__file__).resolve()
+    rows = []
+    for launch_no in range(1, launches + 1):  # interleaved: launch 1 of every model, then launch 2...
+        for model in models:
+            run_dir = args.out / "decision_runs" / f"{model}-l{launch_no}"
+            print(f"[benchmark] {model} launch {launch_no} ...", file=sys.stderr, flush=True)
+            worker_args = ["--worker", model, "--worker-dir", str(run_dir.resolve())]
+            launch(script, [*worker_args, f"--memory-budget={args.memory_budget}"], run_dir, args.timeout)
+            rows.append(read_launch(model, launch_no, run_dir))
+    rows.sort(key=lambda r: (models.index(r["model"]), r["launch"]))
+    write_results(args.out, "decision_repeatability", markdown(rows), {"environment": env, "rows": rows})
+    return 0 if all(r["planned"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
