@@ -55,14 +55,22 @@ def error_pct(predicted: float | None, measured: float | None) -> float | None:
     return 100.0 * abs(predicted - measured) / measured
 
 
+def slowest_rank(traces: Sequence[Trace]) -> int | None:
+    """The index of the rank whose unprofiled steps have the largest median (the measured step time
+    is its median); None if no rank measured any."""
+    medians = {
+        i: statistics.median(t.measured["step_ms"]) for i, t in enumerate(traces) if t.measured.get("step_ms")
+    }
+    return max(medians, key=medians.__getitem__) if medians else None
+
+
 def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 15) -> dict[str, Any]:
     """Measured and predicted figures, their errors, and the top ops, as a JSON-ready dict."""
     prediction = predict(traces, plan)
-    medians = [statistics.median(t.measured["step_ms"]) for t in traces if t.measured.get("step_ms")]
-    slowest = max(range(len(medians)), key=medians.__getitem__) if medians else None
+    slowest = slowest_rank(traces)
     samples = traces[slowest].measured["step_ms"] if slowest is not None else []
     peaks = [t.measured.get("peak_bytes") for t in traces if t.measured.get("peak_bytes") is not None]
-    measured_step = max(medians) if medians else None
+    measured_step = statistics.median(samples) if samples else None
     faults = traces[slowest].measured.get("page_faults") if slowest is not None else None
     measured_peak = max(peaks) if peaks else None
     return {
@@ -166,11 +174,13 @@ def format_precision_plan(
     indicator: Mapping[str, Mapping[str, float]],
     baseline: Mapping[str, Any],
     layers: Sequence[Mapping] = (),
+    noise_pct: float | None = None,
 ) -> str:
     """The chosen per-layer plan as a table: layer, precision, predicted time share, indicator, and
     the layer it passes its low-precision output to (`precision_links`, from the trace's layer
     table ``layers``); ``baseline`` is the recorded configuration's ``predicted`` figures
-    (report["predicted"])."""
+    (report["predicted"]); ``noise_pct``, the noise of the measured step time
+    (`median_noise_pct`): a predicted change within it is one verify may not be able to tell."""
     prediction = choice.prediction
     target = "n/a" if choice.target_step_ms is None else _ms(choice.target_step_ms)
     budget = "none" if choice.memory_budget is None else format_bytes(choice.memory_budget)
@@ -181,6 +191,7 @@ def format_precision_plan(
         f"{_ms(baseline['step_ms'])}, target {target})",
         f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
         f"{format_bytes(baseline['peak_bytes'])}, budget {budget})",
+        *_predicted_change(prediction.step_ms, baseline["step_ms"], noise_pct),
         f"  summed indicator {choice.indicator:.3g}",
         f"  {'layer':<40} {'precision':<9} {'time share':>10} {'indicator':>10}  passes its output uncast to",
     ]
@@ -193,6 +204,19 @@ def format_precision_plan(
         row = f"  {layer[:40]:<40} {p:<9} {100 * share:9.1f}% {damage:10.3g}  {passes_to.get(layer, '')}"
         lines.append(row.rstrip())
     return "\n".join(lines)
+
+
+def _predicted_change(plan_ms: float | None, recorded_ms: float | None, noise_pct: float | None) -> list[str]:
+    """The plan's predicted step-time change, set against the measured noise (no line without it)."""
+    if noise_pct is None or not plan_ms or not recorded_ms:
+        return []
+    change = 100 * (plan_ms / recorded_ms - 1)
+    if abs(change) <= noise_pct:
+        return [
+            f"  predicted change {change:+.1f}% is within the measured step time's noise "
+            f"(+-{noise_pct:.1f}%): not meaningful here, and verify may not be able to tell it"
+        ]
+    return [f"  predicted change {change:+.1f}% (measured step time's noise +-{noise_pct:.1f}%)"]
 
 
 def format_verification(verification: Mapping[str, Any]) -> str:

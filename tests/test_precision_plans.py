@@ -436,3 +436,17 @@ def test_gradients_flow_back_through_a_link_at_its_precision():
     assert predict([step], plan).peak_bytes == 24000 > 10000 + 10000 + 3000
     step.layers = [{"name": row["name"], "type": row["type"]} for row in step.layers]
     assert predict([step], plan).peak_bytes == 10000 + 20000 + 3000
+
+
+def test_the_plan_table_sets_the_predicted_change_against_the_measured_noise():
+    step = _two_layer_step()
+    indicator = {"fc1": {"bf16": 0.1}, "fc2": {"bf16": 0.2}}
+    choice = allocate_precision(Predictor([step]), indicator, ["fp32", "bf16"])
+    recorded = predict([step]).to_dict()
+    change = 100 * (choice.prediction.step_ms / recorded["step_ms"] - 1)
+    assert change < -1  # the plan is predicted faster
+    within = format_precision_plan(choice, indicator, recorded, step.layers, noise_pct=abs(change) + 0.1)
+    assert f"predicted change {change:+.1f}% is within the measured step time's noise" in within
+    beyond = format_precision_plan(choice, indicator, recorded, step.layers, noise_pct=abs(change) - 0.1)
+    assert f"predicted change {change:+.1f}% (measured step time's noise" in beyond
+    assert "predicted change" not in format_precision_plan(choice, indicator, recorded, step.layers)

@@ -18,7 +18,7 @@ from qsync_callback.planner import PlanChoice
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
 from qsync_callback.recorder.trace import Trace
-from qsync_callback.report import format_precision_plan
+from qsync_callback.report import format_precision_plan, median_noise_pct, slowest_rank
 
 
 def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Mapping[str, Any]) -> PlanChoice:
@@ -34,7 +34,9 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
             best_effort=constraints.best_effort,
         )
         choice.plan.constraints = constraints.to_dict()
-        table = format_precision_plan(choice, indicator, recorded, traces[0].layers)
+        slowest = slowest_rank(traces)
+        noise = median_noise_pct(traces[slowest].measured["step_ms"]) if slowest is not None else None
+        table = format_precision_plan(choice, indicator, recorded, traces[0].layers, noise)
         return PlanChoice(choice.plan, choice.feasible, table)
     if has_tf_candidates(traces):
         return choose_tf_plan(traces, constraints)
