@@ -103,9 +103,10 @@ def test_memory_budget_plan_is_applied_verified_kept_and_reused(tmp_path, caplog
     assert verification["decision"] == "keep", verification["reason"]
     budget = callback.constraints.memory_budget
     assert verification["predicted"]["peak_bytes"] <= budget < callback.report["predicted"]["peak_bytes"]
-    # sane, not accurate: benchmarks/precision_plans.py measures the error
+    # the plan's peak, predicted from the fp32 recording, against the peak measured under it (live
+    # tensors and the allocator's counter, not the predictor): the 5% the issue asks of the memory model
     assert verification["measured"]["peak_bytes"] == pytest.approx(
-        verification["predicted"]["peak_bytes"], rel=0.1
+        verification["predicted"]["peak_bytes"], rel=0.05
     )
     assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
     # the live model runs the plan, on the very Parameters the optimizer holds
