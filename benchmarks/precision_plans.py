@@ -16,7 +16,7 @@ run does). Finally the exact search prices every combination (when there are at 
 constraints.
 
     python benchmarks/precision_plans.py [--models mlp,cnn,...] [--procs 1,2] [--precisions fp32,bf16,int8]
-        [--plans fp32,uniform,speed,memory,random] [--repeats 1] [--recordings 1] [--quick]
+        [--plans uniform,speed] [--repeats 1] [--recordings 1] [--quick]
         [--out benchmarks/results]
 
 ``--procs 2`` records and runs every plan under Lightning DDP with 2 CPU processes (gloo).
@@ -305,9 +305,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--procs", default="1", help="comma-separated process counts")
+    parser.add_argument("--procs", default="1,2", help="comma-separated process counts")
     parser.add_argument("--precisions", default="fp32,bf16,int8")
-    parser.add_argument("--plans", default=",".join(PLAN_KINDS), help="comma-separated plan kinds")
+    parser.add_argument(
+        "--plans", default="uniform,speed", help=f"comma-separated plan kinds, of {', '.join(PLAN_KINDS)}"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
