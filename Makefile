@@ -72,7 +72,7 @@ bench-quick: $(STAMP)
 # survivors: TESTING.md. `make mutants MUTANTS=<names>` runs only those (mutmut's names or globs).
 mutants: $(STAMP)
 	rm -rf mutants
-	$(VENV)/bin/mutmut run --max-children $$(nproc) $(MUTANTS)
+	ulimit -v 6000000; $(VENV)/bin/mutmut run --max-children $$(nproc) $(MUTANTS)
 	$(VENV)/bin/mutmut export-cicd-stats
 	cat mutants/mutmut-cicd-stats.json
 	$(VENV)/bin/mutmut results
