@@ -29,6 +29,12 @@ report.json or plan.json.
 
     python benchmarks/horovod_tf_plans.py [--models mlp,cnn] [--procs 1,2] [--repeats 3]
         [--batch-size 64] [--verify-steps 3] [--out benchmarks/results]
+    python benchmarks/horovod_tf_plans.py --quick     # smoke run: mlp, 1 and 2 processes, once
+
+A plan whose bf16 op types are exactly those TF's uniform rewrite ran is the configuration the bf16
+probe profiled: its predicted figure is a reconstruction of those profiled calls (in-sample), and
+its row says so ("bf16 uniform, a reconstruction"); the other plans' figures are predictions of
+configurations no call ran before they were applied.
 """
 
 from __future__ import annotations
@@ -44,19 +50,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from horovod_tf_accuracy import EXAMPLE, TIMEOUT_S, each_run, finish, horovod_arguments
-from runs import launch_command, stderr_tail
+from horovod_tf_accuracy import TIMEOUT_S, each_run, example_command, finish, horovod_arguments, quick
+from runs import launch_command, say_allocator, stderr_tail
 
 from qsync_callback.jsonio import read_json
 from qsync_callback.plan import Plan
 from qsync_callback.planner.tensor_fusion import choose_settings
+from qsync_callback.planner.tf_plans import reconstructs_probe
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.predictor.tensor_fusion import can_price_fusion
+from qsync_callback.recorder.tf_recorder import PROBE_RUN
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.recorder.xspace import convert_xspace, find_xspace, load_xspace
 
 FUSION = "fusion threshold + cycle time"
 FUSION_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME")  # Horovod's names
 NONE = "none (recorded configuration kept)"
+RECONSTRUCTION = "a reconstruction"
 NOTE_CHARS = 160  # of a failure's reason, in the table (the JSON has it whole)
 NAME_CHARS = 24  # longer words of a reason (generated graph and node names) are left out of the table
 
@@ -70,20 +80,14 @@ def run(
     mode: str = "apply",
     env: dict[str, str | None] | None = None,
 ) -> tuple[int, float]:
-    """One run of the example in ``mode``, with ``env`` set (a None value: unset); returns (exit
-    code, wall seconds)."""
-    example = [sys.executable, str(EXAMPLE), "--model", model, "--batch-size", str(batch_size)]
-    threads = max(1, (os.cpu_count() or 1) // procs)
-    example += ["--threads", str(threads), "--output-dir", str(run_dir / "qsync"), "--mode", mode]
-    example += ["--verify-steps", str(verify_steps)]
+    """One run of the example in ``mode`` (its default threads), with ``env`` set (a None value:
+    unset); returns (exit code, wall seconds)."""
+    extra = ["--mode", mode, "--verify-steps", str(verify_steps)]
     if mode == "apply":
-        example += ["--plan", "none"]  # plan afresh: no kept plan read or written
+        extra += ["--plan", "none"]  # plan afresh: no kept plan read or written
     if mode == "apply" and procs > 1:  # the fusion and groups plans are priced from Horovod's timeline
-        example += ["--horovod-timeline"]
-    cmd = example
-    if procs > 1:
-        horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-        cmd = [horovodrun, "-np", str(procs), "-H", f"localhost:{procs}", "--gloo", *example]
+        extra += ["--horovod-timeline"]
+    cmd = example_command(model, procs, batch_size, run_dir, extra)
     if env:
         unset = [arg for key, value in env.items() if value is None for arg in ("-u", key)]
         cmd = ["env", *unset, *(f"{k}={v}" for k, v in env.items() if v is not None), *cmd]
@@ -94,10 +98,14 @@ def _error_pct(predicted: float | None, measured: float | None) -> float | None:
     return 100.0 * (predicted / measured - 1) if predicted and measured else None
 
 
-def plan_kind(plan: Plan) -> str:
-    """What a plan changes, as the table names it."""
+def plan_kind(plan: Plan, reconstruction: bool = False) -> str:
+    """What a plan changes, as the table names it; ``reconstruction``: its bf16 op types are those
+    TF's uniform rewrite ran, which the bf16 probe profiled (`tf_plans.reconstructs_probe`)."""
     low = sorted(t for t, p in plan.op_precision.items() if p == "bf16")
-    parts = [f"bf16 op types ({', '.join(low)})" if low else "", "gradient groups" if plan.buckets else ""]
+    bf16 = f"bf16 op types ({', '.join(low)})" if low else ""
+    if bf16 and reconstruction:
+        bf16 = f"bf16 uniform, {RECONSTRUCTION} ({', '.join(low)})"
+    parts = [bf16, "gradient groups" if plan.buckets else ""]
     return " + ".join(p for p in parts if p) or NONE
 
 
@@ -119,17 +127,33 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         "outcome": "not planned",
         "error": None,
         "detail": None,
+        "probe_ms": None,
     }
     if (qsync / "verification.json").exists():
         verification = read_json(qsync / "verification.json", what="verification")
         applied = Plan.from_dict(verification["plan"])
-        record["plan"] = plan_kind(applied)
+        rebuilt = reconstructs_probe(load_trace_dir(qsync / "trace"), applied)
+        record["plan"] = plan_kind(applied, rebuilt)
+        if rebuilt:  # what it reconstructs: the probe's profiled calls of that configuration
+            record["probe_ms"] = probe_step_ms(qsync)
         record["predicted_ms"] = verification["predicted"]["step_ms"]
         record["measured_ms"] = verification["measured"]["step_ms"]
         record["outcome"] = "kept" if verification["decision"] == "keep" else "rolled back"
         record["detail"] = verification["reason"]
     record["error_pct"] = _error_pct(record["predicted_ms"], record["measured_ms"])
     return record
+
+
+def probe_step_ms(qsync: Path) -> float | None:
+    """The median wall time of the bf16 probe's profiled calls (rank 0's TF uniform rewrite; None
+    when its profile is missing)."""
+    try:
+        converted = convert_xspace(
+            load_xspace(find_xspace(qsync / "trace" / "rank0" / "profile" / PROBE_RUN))
+        )
+    except Exception:  # noqa: BLE001 - an optional figure
+        return None
+    return statistics.median(s.dur_us / 1e3 for s in converted["steps"])
 
 
 def _settings_in_effect(run_dir: Path, settings: dict[str, Any]) -> bool:
@@ -220,6 +244,7 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "measured_ms": _median([r["measured_ms"] for r in runs]),
                 "error_pct": _median([r["error_pct"] for r in runs]),
                 "baseline_ms": _median([r["baseline_ms"] for r in runs]),
+                "probe_ms": _median([r.get("probe_ms") for r in runs]),
                 "failed_runs": sum(r["error"] is not None for r in runs),
                 "outcome": ", ".join(f"{o} x{n}" if len(runs) > 1 else o for o, n in outcomes.items()),
                 "notes": notes,
@@ -240,23 +265,26 @@ def _note(text: str) -> str:
 
 def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Namespace) -> str:
     lines = [
-        "| model | procs | plan kind | predicted ms | measured ms | error % | baseline measured ms "
-        "| kept / rolled back | notes |",
-        "|---|---:|---|---:|---:|---:|---:|---|---|",
+        "| model | procs | plan kind | predicted ms | measured ms | error % | probe's profiled ms "
+        "| baseline measured ms | kept / rolled back | notes |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         measured = "failed" if r["measured_ms"] is None and r["failed_runs"] else _ms(r["measured_ms"])
         error = f"{r['error_pct']:+.1f}" if r["error_pct"] is not None else "-"
         lines.append(
             f"| {r['model']} | {r['procs']} | {r['plan']} | {_ms(r['predicted_ms'])} | {measured} "
-            f"| {error} | {_ms(r['baseline_ms'])} | {r['outcome']} | {'; '.join(map(_note, r['notes']))} |"
+            f"| {error} | {_ms(r['probe_ms'])} | {_ms(r['baseline_ms'])} | {r['outcome']} "
+            f"| {'; '.join(map(_note, r['notes']))} |"
         )
     lines += [
         "",
         f"batch size {args.batch_size} per process, {args.verify_steps} recorded calls under the plan;"
         f" medians over {args.repeats} run(s); error = predicted / measured - 1 (each run's own pair,"
         " median). Fusion threshold + cycle time: predicted on the apply run's traces, measured by a"
-        ' launch with its env in mode "report", baseline by one without it.',
+        ' launch with its env in mode "report", baseline by one without it. A reconstruction: the plan'
+        " is TF's uniform bf16 rewrite, which the bf16 probe profiled (its profiled calls' median: the"
+        " probe column); its predicted figure rebuilds those calls on the recorded step.",
     ]
     lines += [f"FAILED: {f}" for f in failures]
     return "\n".join(lines)
@@ -265,7 +293,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
 def main(argv: list[str] | None = None) -> int:
     parser = horovod_arguments(__doc__)
     parser.add_argument("--verify-steps", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = quick(parser.parse_args(argv))
+    say_allocator()
     records, failures = [], []
     load_at_start = os.getloadavg()
     for model, procs, repeat, run_dir in each_run(args, "horovod_tf_plan_runs"):

@@ -12,6 +12,7 @@ of each pair. Writes ``<out>/horovod_timeline_cost.md`` and ``.json``; runs go u
 
     python benchmarks/horovod_timeline_cost.py [--models mlp,cnn] [--procs 1,2] [--repeats 3]
         [--batch-size 64] [--out benchmarks/results]
+    python benchmarks/horovod_timeline_cost.py --quick     # smoke run: mlp, 1 and 2 processes, once
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import statistics
 import sys
 from typing import Any
 
-from horovod_tf_accuracy import each_run, finish, horovod_arguments, read_row, run
-from runs import stderr_tail
+from horovod_tf_accuracy import each_run, finish, horovod_arguments, quick, read_row, run
+from runs import say_allocator, stderr_tail
 
 TIMELINE_FLAG = "--horovod-timeline"
 
@@ -49,7 +50,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = horovod_arguments(__doc__).parse_args(argv)
+    args = quick(horovod_arguments(__doc__).parse_args(argv))
+    say_allocator()
     rows, failures = [], []
     load_at_start = os.getloadavg()
     for model, procs, repeat, run_dir in each_run(args, "horovod_timeline_runs"):

@@ -4,6 +4,8 @@ input; faults, after which training goes on and no profiler session is left runn
 
 import json
 import math
+import os
+import re
 import shutil
 import warnings
 
@@ -112,6 +114,14 @@ def test_one_process_writes_its_trace_and_raw_profiles(recorded, keras):
     raw = out / "trace" / "rank0" / trace.raw_trace
     assert sorted(p.name for p in raw.iterdir()) == [f"step{k}" for k in RECORDED]
     assert all(list((raw / f"step{k}").rglob("*.xplane.pb")) for k in RECORDED)
+    # the profiler's cost per event, calibrated before the window, is charged to the recorded ops,
+    # a small share of each step (the replay subtracts it)
+    assert set(trace.profiler_overhead_us) == {"op", "other"}
+    assert all(0 <= c < 100 for c in trace.profiler_overhead_us.values())
+    for step in trace.steps:
+        charged = sum(op.overhead_us + op.gap_overhead_us for op in trace.ops if op.step == step.index)
+        assert charged <= 0.5 * step.dur_us
+        assert (charged > 0) == any(trace.profiler_overhead_us.values())
     # every session on one clock: the recorded steps in call order, in this run's wall-clock time
     assert trace.steps[0].end_us < trace.steps[1].start_us
     assert abs(trace.steps[0].start_us / 1e6 - (out / "report.json").stat().st_mtime) < 60
@@ -272,9 +282,23 @@ def test_two_processes_under_horovodrun_record_and_report(tmp_path, capsys):
         "3",
         "--output-dir",
         str(out),
+        "--pin",
+        "all",
     ]
     run = run_horovod(example)
     assert "qsync report: tensorflow" in run.stdout and "world size 2" in run.stdout
+    # by default each process gets cores / processes TF threads; --pin all: a share of the cores each
+    said = dict(re.findall(r"rank (\d): TF threads (.*)", run.stdout))
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert set(said) == {"0", "1"} and all(
+        t.startswith(f"{share} intra-op, {share} inter-op") for t in said.values()
+    )
+    if len(os.sched_getaffinity(0)) >= 2:
+        pinned = [
+            set(re.search(r"all threads pinned to cores \[(.*)\]", t).group(1).split(", "))
+            for t in said.values()
+        ]
+        assert all(pinned) and not pinned[0] & pinned[1]
 
     traces = load_trace_dir(out / "trace")
     assert [t.rank for t in traces] == [0, 1] and {t.world_size for t in traces} == {2}

@@ -111,10 +111,11 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     assert table.get("costs"), f"the probe measured nothing at bf16 on a CPU that runs it: {table}"
     assert table["costs"]["MatMul"]["measured_ops"] > 0
     assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"}
+    # the uniform candidate is the configuration the probe profiled: said to be a reconstruction
+    assert re.search(r"^\s+bf16 uniform \(.*\(reconstruction\)", stdout, re.MULTILINE), stdout
     kept = Plan.load(tmp_path / "plan.json")
-    if _chosen(stdout) == "recorded configuration":  # nothing predicted faster on a loaded machine
-        assert kept.is_empty and child["verification"] is None and not child["amp_on"]
-        return
+    # MatMul-bound on a CPU with bf16: a bf16 plan is predicted far faster (about 40% here)
+    assert _chosen(stdout) != "recorded configuration", stdout
     verification = json.loads((tmp_path / "verification.json").read_text())
     assert verification == child["verification"]
     candidate = Plan.from_dict(verification["plan"])
@@ -139,10 +140,11 @@ def test_a_plan_whose_loss_stops_being_finite_is_rolled_back(tmp_path):
     """The step returns an infinite loss under TF's bf16 rewrite: during the probe and under the
     plan the losses come back as they are; verification rolls the plan back, and TF's option and env
     are as they were."""
+    if not cpu_runs_bf16():
+        pytest.skip(NO_BF16_CPU)
     child, stdout = _run_in_a_child(tmp_path, **WIDE, step={"inf_under_bf16": True})
-    if child["verification"] is None:
-        pytest.skip(f"no bf16 plan was predicted faster on this machine: {_chosen(stdout)}")
     verification = child["verification"]
+    assert verification is not None, f"no bf16 plan was applied: {_chosen(stdout)}\n{stdout[-2000:]}"
     assert verification["decision"] == "roll back"
     assert verification["reason"] == "the loss stopped being finite"
     assert child["failure"] is None and child["plan"] is None

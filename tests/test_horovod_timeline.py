@@ -217,4 +217,3 @@ def test_two_processes_record_the_timeline_and_plan_from_it(tmp_path, capsys):
     assert "at step 0 (2 communication)" in run.stdout  # both settings in effect
     recorded = load_trace_dir(out / "trace")[0].communication
     assert (recorded["fusion_threshold_bytes"], recorded["cycle_time_ms"]) == (16 * MIB, 2.0)
-

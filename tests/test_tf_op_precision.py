@@ -301,6 +301,9 @@ def test_the_examples_planning_window_measures_tfs_bf16_rewrite_per_op_type(tmp_
     assert table["costs"]["MatMul"]["ops"] > 0 and table["costs"]["MatMul"]["bf16_us"] > 0
     assert set(table["casts"]) == {"fp32->bf16", "bf16->fp32"} and table["low_ops"]
     assert "bf16 uniform (" in run.stdout and "predicted" in run.stdout
+    assert "reconstruction: TF's uniform bf16 rewrite, which the bf16 probe profiled" in run.stdout
+    # the probe's calls are none of the timed ones: 4, 6 and 7 (recorded 3 and 5), not 8 on
+    assert len(trace.measured["step_ms"]) == 3
     assert (out / "trace" / "rank0" / "profile" / "bf16_probe").is_dir()  # a TensorBoard run of its own
     predictor = Predictor([trace])
     verification = out / "verification.json"

@@ -1,5 +1,6 @@
 """TF profiler XSpace conversion on profiles recorded here: a Keras model's train step in this process,
-and a 2-process Horovod (Gloo) run whose gradients are all-reduced."""
+and a 2-process Horovod (Gloo) run whose gradients are all-reduced; the profiler's calibrated cost
+per event, charged to the ops it delays."""
 
 import json
 import textwrap
@@ -8,12 +9,16 @@ import pytest
 import tensorflow as tf
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.recorder.kineto import CLOCK_SYNC
+from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
+from qsync_callback.recorder.tf_recorder import ProfilerCalibration, overhead_per_event
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.recorder.xspace import (
     ASYNC_DONE,
+    EVENT_KINDS,
     STEP_NAME,
+    calibration_event_counts,
     convert_xspace,
+    event_kind,
     find_xspace,
     keras_layers,
     load_xspace,
@@ -109,6 +114,86 @@ def test_train_step_converts_into_steps_and_kinded_layered_ops(profiled, tmp_pat
     trace.save(tmp_path / "rank0" / "trace.json")
     loaded = Trace.load(tmp_path / "rank0" / "trace.json")
     assert loaded.to_dict() == json.loads(json.dumps(trace.to_dict()))
+
+
+def _charged(ops):
+    return sum(op.overhead_us + op.gap_overhead_us for op in ops)
+
+
+def test_each_recorded_event_is_charged_its_kinds_cost_to_the_op_it_delays(profiled):
+    _, logdir = profiled
+    space = load_xspace(find_xspace(logdir))
+    assert _charged(convert_xspace(space)["ops"]) == 0  # not calibrated: nothing charged
+    by_kind = {kind: convert_xspace(space, overhead_us={kind: 1.0})["ops"] for kind in EVENT_KINDS}
+    # an op's own event goes into the idle time before it, once
+    assert all(op.gap_overhead_us >= 1.0 and op.overhead_us >= 0 for op in by_kind["op"])
+    # every charge is whole events, and no event is charged twice: at most the step's events
+    converted = convert_xspace(space)
+    inside = [
+        e for e in _host_events(space) if any(s.start_us <= e[1] < s.end_us for s in converted["steps"])
+    ]
+    for kind, ops in by_kind.items():
+        total = _charged(ops)
+        assert total == int(total) and 0 < total <= sum(k == kind for k, _ in inside)
+    assert _charged(by_kind["op"]) >= len(by_kind["op"])
+    # costs add up linearly, by kind
+    both = convert_xspace(space, overhead_us={"op": 0.5, "other": 2.0})["ops"]
+    assert _charged(both) == pytest.approx(0.5 * _charged(by_kind["op"]) + 2.0 * _charged(by_kind["other"]))
+    # qsync's own marks cost nothing: the step mark is not charged
+    assert event_kind(STEP_NAME) is None and event_kind(CALIBRATION_LOOP_PREFIX + "ops") is None
+
+
+def _host_events(space):
+    """(kind, start in us) of each event on the host plane, qsync's marks left out."""
+    host = next(p for p in space.planes if p.name == "/host:CPU")
+    out = []
+    for line in host.lines:
+        for e in line.events:
+            kind = event_kind(host.event_metadata[e.metadata_id].name)
+            if kind is not None:
+                out.append((kind, (line.timestamp_ns * 1000 + e.offset_ps) / 1e6))
+    return out
+
+
+def test_calibration_counts_the_events_in_its_loops_and_solves_their_costs(tmp_path):
+    calibration = ProfilerCalibration()
+    calibration.time_plain()
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        calibration.time_profiled()
+        with tf.profiler.experimental.Trace("outside"):  # outside the calibration ranges: not counted
+            calibration._loops["ops"]()
+    finally:
+        tf.profiler.experimental.stop()
+    calibration.time_plain()
+    counts = calibration_event_counts(load_xspace(find_xspace(tmp_path)))
+    assert set(counts) == {"ops", "calls"} and all(set(c) == set(EVENT_KINDS) for c in counts.values())
+    repeats = ProfilerCalibration.REPEATS
+    # the MatMul chain records an op event per MatMul, the cheap function hardly any
+    assert counts["ops"]["op"] >= repeats * ProfilerCalibration.CHAIN > counts["calls"]["op"]
+    assert counts["calls"]["other"] >= repeats  # a function call's own events
+    costs = calibration.costs(tmp_path)
+    assert set(costs) == set(EVENT_KINDS) and all(0 <= c < 100 for c in costs.values())
+    assert all(calibration.profiled[k] > 0 and calibration.plain[k] > 0 for k in ("ops", "calls"))
+
+
+def test_overhead_per_event_solves_the_loops_equations_with_no_cost_negative():
+    events = {"ops": {"op": 40, "other": 10}, "calls": {"op": 2, "other": 12}}
+    plain = {"ops": 400e-6, "calls": 100e-6}
+    exact = {
+        "ops": plain["ops"] + (40 * 0.5 + 10 * 1.5) * 1e-6,
+        "calls": plain["calls"] + (2 * 0.5 + 12 * 1.5) * 1e-6,
+    }
+    assert overhead_per_event(plain, exact, events) == {"op": 0.5, "other": 1.5}
+    # noise that makes the op cost negative: 0, and the other cost fitted to both loops alone
+    noisy = {"ops": plain["ops"] + 10e-6, "calls": plain["calls"] + 24e-6}
+    costs = overhead_per_event(plain, noisy, events)
+    assert costs["op"] == 0 and costs["other"] == pytest.approx(
+        (10 * 10 + 12 * 24) / (10**2 + 12**2), abs=1e-3
+    )
+    # a kind no loop recorded, or no loops at all: 0
+    assert overhead_per_event(plain, exact, {"ops": {"op": 40}, "calls": {"op": 2}})["other"] == 0
+    assert overhead_per_event({}, {}, {}) == {"op": 0.0, "other": 0.0}
 
 
 def test_profile_without_step_events_is_refused(profiled):

@@ -17,6 +17,13 @@ groups. The chosen plan is the fastest predicted one that meets the constraints 
 recorded) if it is predicted more than `NO_DECISION_GAIN` faster than the recorded configuration;
 otherwise the recorded configuration (an empty plan): a smaller predicted difference is no decision.
 
+In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
+baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
+those the rewrite ran at bf16 is a configuration the probe already ran: its figure reconstructs the
+probe's profiled op times on the recorded step, rather than predicting an unseen configuration.
+The table marks such a candidate (`reconstructs_probe`). Its verification (`verify.py`) still
+measures it on calls of its own that feed no prediction.
+
 Not proposed: Horovod's fusion threshold and cycle time, which Horovod reads at ``hvd.init()``
 (the fastest predicted ones are shown with how to launch with them, `tensor_fusion.next_launch`);
 and XLA (a fused region over the whole step), which the predictor cannot price yet (a cost model
@@ -45,6 +52,21 @@ RECORDED = "recorded configuration"
 # a plan predicted less than this much faster than the recorded configuration is no decision (the
 # same share verify.py lets a plan be slower before it is rolled back)
 NO_DECISION_GAIN = 0.02
+
+
+RECONSTRUCTION = "reconstruction"
+
+
+def reconstructs_probe(traces: Sequence[Trace], plan: Plan) -> bool:
+    """Whether ``plan``'s bf16 op types are exactly the types TF's uniform rewrite ran at bf16 on
+    every op (`op_precision.measured_op_types`), which the bf16 probe profiled: its bf16 figure is
+    then a reconstruction of profiled calls (module docstring)."""
+    return _reconstructs(plan, measured_op_types(Predictor(traces)))
+
+
+def _reconstructs(plan: Plan, uniform: list[str]) -> bool:
+    low = sorted(t for t, p in plan.op_precision.items() if p == LOW_PRECISION)
+    return bool(low) and low == uniform
 
 
 def has_tf_candidates(traces: Sequence[Trace]) -> bool:
@@ -80,7 +102,15 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     plan = Plan.from_dict(best[1].to_dict())
     plan.prediction = best[2].figures()
     plan.constraints = constraints.to_dict()
-    return PlanChoice(plan, best in feasible, _table(priced, best[0], notes))
+    uniform = measured_op_types(predictor)
+    rebuilt = {name for name, candidate, _ in priced if _reconstructs(candidate, uniform)}
+    if rebuilt:
+        notes.append(
+            f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled; the figure "
+            "reconstructs those profiled op times on the recorded step (an in-sample figure, not a "
+            "prediction of an unseen configuration)"
+        )
+    return PlanChoice(plan, best in feasible, _table(priced, best[0], notes, rebuilt))
 
 
 def _op_type_plans(
@@ -148,7 +178,9 @@ def _unique(priced: list[tuple[str, Plan, Prediction]]) -> list[tuple[str, Plan,
     return out
 
 
-def _table(priced: list[tuple[str, Plan, Prediction]], chosen: str, notes: list[str]) -> str:
+def _table(
+    priced: list[tuple[str, Plan, Prediction]], chosen: str, notes: list[str], rebuilt: set[str] = frozenset()
+) -> str:
     recorded = priced[0][2].step_ms
     lines = [
         f"qsync TF plans ({len(priced)} priced by the predictor; XLA is not proposed: fused regions "
@@ -156,7 +188,8 @@ def _table(priced: list[tuple[str, Plan, Prediction]], chosen: str, notes: list[
     ]
     for name, _, prediction in priced:
         change = 100 * (prediction.step_ms / recorded - 1)
-        mark = "   <- chosen" if name == chosen else ""
+        mark = f"   ({RECONSTRUCTION})" if name in rebuilt else ""
+        mark += "   <- chosen" if name == chosen else ""
         lines.append(f"  {name[:60]:<60} {prediction.step_ms:8.2f} ms predicted {change:+6.1f}%{mark}")
     lines += [f"  note: {note}" for note in notes]
     return "\n".join(lines)

@@ -11,6 +11,14 @@ cache its kernels, which would make bf16 look slow against the recorded fp32 ste
 once each; a failure of the probe's own work switches the step back at once, and the table then
 only says why nothing was measured (``{"note": ...}``).
 
+Which calls feed what: the probe's calls come after the window's timed calls and none of them is
+timed (`TFRecorder` times no call from the probe's first on), so the baseline's measured step time
+owes nothing to them; their profiled op times feed the predictions of every bf16 candidate, and
+nothing else does: a plan's prediction is made before it is applied, and the calls recorded under
+it (the verify window) only measure it. One candidate is in-sample all the same: the plan whose
+bf16 op types are those the rewrite ran, the configuration these calls profiled; its figure is a
+reconstruction of them, and the planner's table says so (`planner/tf_plans.py`).
+
 `op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
 (schema in `recorder/trace.py`). The table's unit is TF's: an op type as its lists name it. The
 profile names ops after fusion (a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and

@@ -7,7 +7,10 @@ window:
 
 - calls before ``warmup_steps`` run untouched and are timed (the first `COLD_STEPS` are not: they
   trace the function), except the last, which runs under a profiler session that is thrown away (a
-  session's first profiled call is slow);
+  session's first profiled call is slow); right before it, at its boundary, the profiler's cost per
+  recorded event is calibrated (`ProfilerCalibration`: two small loops timed inside that session
+  and outside it, before it starts and after it stops), and when it stops the events it recorded in
+  the loops' ranges are counted;
 - call ``warmup_steps`` settles after that session and is not timed;
 - then ``profile_steps`` calls are recorded, every other call, each in a ``tf.profiler`` session of
   its own with a ``qsync::step`` mark around it; the unprofiled calls between them are timed, so
@@ -20,6 +23,14 @@ window:
   timed before);
 - for planning, the op-type probe (`recorder/tf_op_types.py`) then runs its calls of TF's uniform
   bf16 rewrite, and its table goes into the trace (``precision_costs["op_types"]``).
+
+Profiler overhead: the calibrated cost per event of each kind (``trace.profiler_overhead_us``,
+`xspace.EVENT_KINDS`) is charged to the recorded ops' ``overhead_us`` and ``gap_overhead_us``
+(`xspace.convert_xspace`), which the predictor subtracts: a prediction is for the run without the
+profiler. The calibration uses none of the step's calls, so the recorded configuration's prediction
+stays an out-of-sample check against the measured calls. What it does not see: the profiler's cost
+outside the events (a session's start, the caches it leaves cold), which the prediction still
+carries.
 
 Sessions and ranks: the recorder makes no collective call of its own; the caller's ranks meet
 right after each boundary that opens a session (`meet_after`), and `restart_step_clock` then puts a
@@ -49,16 +60,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import tensorflow as tf
 
 from qsync_callback.recorder.horovod_timeline import TensorRecord
-from qsync_callback.recorder.kineto import CLOCK_SYNC
+from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
 from qsync_callback.recorder.tf_collectives import attach_timeline, graph_collectives
 from qsync_callback.recorder.tf_op_types import PROBE_CALLS, LiveStep, OpTypeProbe
 from qsync_callback.recorder.trace import OP_TYPE_COSTS, Op, Step, Trace, rank_trace_path
 from qsync_callback.recorder.xspace import (
+    EVENT_KINDS,
     OPTIMIZER_SCOPES,
     STEP_NAME,
+    calibration_event_counts,
     convert_xspace,
     find_xspace,
     load_xspace,
@@ -135,6 +149,8 @@ class TFRecorder:
         self._mark_us = 0.0
         self._resident: dict[str, int] = {}
         self._collectives: dict[str, list[dict[str, Any]]] = {}
+        self._calibration: ProfilerCalibration | None = None
+        self._overhead: dict[str, float] = {}  # us per recorded event, by kind
 
     # ----------------------------------------------------------------- schedule
 
@@ -176,9 +192,12 @@ class TFRecorder:
         self._calls += 1
         if call == self.warmup_steps - 1:
             self._prepare_window()
+            self._calibration = ProfilerCalibration()
+            self._calibration.time_plain()
             self._start_session(self._profile_dir() / WARMUP_RUN)
+            self._calibration.time_profiled()
         elif call == self.warmup_steps:
-            self._stop_session(keep=False)
+            self._stop_session(keep=False, calibrated=True)
         elif call - 1 in self.recorded_steps:
             self._stop_session(keep=True)
             if call - 1 == self.recorded_steps[-1]:
@@ -273,16 +292,20 @@ class TFRecorder:
         self._session = logdir
         self._opened = True
 
-    def _stop_session(self, keep: bool) -> None:
-        """Stop the profiler (Horovod's timeline first); keep the session's profile or remove it."""
+    def _stop_session(self, keep: bool, calibrated: bool = False) -> None:
+        """Stop the profiler (Horovod's timeline first); keep the session's profile or remove it
+        (``calibrated``: after counting the calibration loops' events in it)."""
         if self.timeline is not None:
             self.timeline.stop()
         session, self._session = self._session, None
         tf.profiler.experimental.stop()
         if keep:
             self._sessions.append((session, self._mark_us))
-        else:
-            shutil.rmtree(session, ignore_errors=True)
+            return
+        if calibrated and self._calibration is not None:
+            self._calibration.time_plain()
+            self._overhead = self._calibration.costs(session)
+        shutil.rmtree(session, ignore_errors=True)
 
     def _end_mark(self) -> None:
         mark, self._mark = self._mark, None
@@ -297,7 +320,9 @@ class TFRecorder:
         steps, ops = [], []
         for session, mark_us in self._sessions:
             space = load_xspace(find_xspace(session))
-            converted = convert_xspace(space, self.layers, scopes, collective_tensors=self._collectives)
+            converted = convert_xspace(
+                space, self.layers, scopes, collective_tensors=self._collectives, overhead_us=self._overhead
+            )
             if converted["clock_sync_us"] is None:
                 raise ValueError(f"{session}: the profile lost its clock mark")
             shift = mark_us - converted["clock_sync_us"]
@@ -316,6 +341,7 @@ class TFRecorder:
             resident_bytes=self._resident,
             layers=self.layers,
             measured={"peak_bytes": None, "peak_source": PEAK_SOURCE},
+            profiler_overhead_us=dict(self._overhead),
             fingerprint=self.fingerprint,
             raw_trace=PROFILE_DIR,
             communication=self._communication(ops),
@@ -333,6 +359,111 @@ class TFRecorder:
                 attach_timeline(ops, self.timeline.records())
             out.update(self.timeline.describe(self._profile_dir().parent))
         return out
+
+
+class ProfilerCalibration:
+    """What the TF profiler adds per recorded event on this machine, from two small ``tf.function``
+    loops, each timed as its best of `REPEATS` calls: outside a profiler session, both right before
+    it starts and right after it stops (`time_plain`, the better of the two: the machine drifts), and
+    inside it (`time_profiled`, each loop's calls in a ``qsync::calibration::<loop>`` range); `costs`
+    then counts the events of each kind (`xspace.EVENT_KINDS`) the session recorded in each range.
+
+    - ``ops``: a chain of `CHAIN` 64x64 MatMuls: TF's executor records each as an op event (it
+      records ops it has found expensive, over a few microseconds, and not the cheap ones);
+    - ``calls``: a function of a few cheap ops: mostly the events of a function call itself (the
+      Python-level mark of a ``tf.function`` call, the eager runtime's and the executor's events).
+
+    The two loops give two equations (extra time per call = events per call @ cost per event) for
+    the two costs, solved by least squares with none negative (`overhead_per_event`). The loops
+    run on the process's TF thread pools, as the step does; they are traced and warmed up when the
+    calibration is made. On the project's 2-core VM, shared with other jobs, over 80 runs of the
+    example: an op event 0 to 3 us, another 0 to 4 us (the two loops tell them apart poorly on a
+    drifting machine); what they add up to per step is steadier: a median 0.23 ms for the MLP and
+    0.32-0.36 ms for the CNN (130 to 230 events a step), of which the replay removes about a third
+    (the rest falls off the critical path, or in gaps shorter than their charge). The calibration
+    takes about 0.15 s.
+    """
+
+    CHAIN = 32
+    REPEATS = 50
+    WARM_CALLS = 5
+
+    def __init__(self) -> None:
+        self._x = tf.ones([64, 64])
+        self._w = tf.eye(64)
+        self._v = tf.ones([8])
+        chain = self.CHAIN
+
+        @tf.function(autograph=False)
+        def ops(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+            for _ in range(chain):
+                x = tf.matmul(x, w)
+            return x
+
+        @tf.function(autograph=False)
+        def calls(v: tf.Tensor) -> tf.Tensor:
+            return tf.sin(tf.cos(v) + v)
+
+        self._loops: dict[str, Callable[[], Any]] = {
+            "ops": lambda: ops(self._x, self._w),
+            "calls": lambda: calls(self._v),
+        }
+        self.plain: dict[str, float] = {}  # seconds per call, best of the repeats
+        self.profiled: dict[str, float] = {}
+        for loop in self._loops.values():
+            for _ in range(self.WARM_CALLS):
+                loop()
+
+    def _best(self, loop: Callable[[], Any]) -> float:
+        best = math.inf
+        for _ in range(self.REPEATS):
+            start = time.perf_counter()
+            loop()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def time_plain(self) -> None:
+        """Outside a profiler session (again: the better of both times)."""
+        for name, loop in self._loops.items():
+            self.plain[name] = min(self._best(loop), self.plain.get(name, math.inf))
+
+    def time_profiled(self) -> None:
+        """Inside a running profiler session: each loop's calls in its calibration range."""
+        for name, loop in self._loops.items():
+            with tf.profiler.experimental.Trace(CALIBRATION_LOOP_PREFIX + name):
+                self.profiled[name] = self._best(loop)
+
+    def costs(self, session: Path) -> dict[str, float]:
+        """Microseconds per recorded event of each kind, from the stopped ``session``'s profile."""
+        counts = calibration_event_counts(load_xspace(find_xspace(session)))
+        calls = {loop: {k: n / self.REPEATS for k, n in kinds.items()} for loop, kinds in counts.items()}
+        return overhead_per_event(self.plain, self.profiled, calls)
+
+
+def overhead_per_event(
+    plain: Mapping[str, float],
+    profiled: Mapping[str, float],
+    events_per_call: Mapping[str, Mapping[str, float]],
+) -> dict[str, float]:
+    """Microseconds the profiler adds per recorded event of each kind (`xspace.EVENT_KINDS`).
+
+    ``plain`` and ``profiled``: seconds per call of each loop outside and inside a session;
+    ``events_per_call``: the events of each kind a call recorded. Least squares of extra time per
+    call = events per call @ cost per event over the loops, none negative: a kind whose cost comes
+    out negative (noise) is set to 0 and the others are solved again without it; a cost no loop's
+    events determine comes out 0."""
+    loops = sorted(plain.keys() & profiled.keys() & events_per_call.keys())
+    counts = np.array([[events_per_call[loop].get(k, 0) for k in EVENT_KINDS] for loop in loops], dtype=float)
+    extra_us = np.array([(profiled[loop] - plain[loop]) * 1e6 for loop in loops])
+    costs = np.zeros(len(EVENT_KINDS))
+    kept = [j for j in range(len(EVENT_KINDS)) if loops and counts[:, j].any()]
+    while kept:
+        solved = np.linalg.lstsq(counts[:, kept], extra_us, rcond=None)[0]
+        if solved.min() >= 0:
+            costs[kept] = solved
+            break
+        kept.pop(int(solved.argmin()))
+    return {kind: round(float(c), 3) for kind, c in zip(EVENT_KINDS, costs, strict=True)}
 
 
 def _shifted(ops: Iterable[Op], first_id: int, shift_us: float) -> list[Op]:

@@ -24,6 +24,16 @@ Horovod's collectives are comm, the rest forward (TF runs independent ops in par
 order says little: the loss's last ops may run after the first gradient ops). Layers: the longest
 Keras layer scope (see ``keras_layers``) found in the op's name at scope boundaries; for a
 collective, in the gradient's name that Horovod puts into the op's name.
+
+Profiler overhead (``overhead_us``: microseconds per recorded event of each kind, `event_kind`,
+calibrated by the recorder, `recorder/tf_recorder.py`): every host event in a step but qsync's own
+marks costs its kind's figure. An event inside a node (an op that runs nested ops or allocates
+inside) goes to that node's ``overhead_us``; a node's own event and an event between nodes go to
+the ``gap_overhead_us`` of the next node on the same thread (TF's ``TraceMe`` builds an event's name
+before its start and records it after its end: both fall in the thread's idle time). On the
+step's calling thread an event after that thread's last node (the function call's own machinery,
+run while the executor threads work) goes to the next node of the step on any thread; on other
+threads such an event (Horovod's completion events, say) is not charged.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from typing import Any
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.recorder.horovod_timeline import tensor_key
-from qsync_callback.recorder.kineto import CLOCK_SYNC
+from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step
 
 STEP_NAME = "qsync::step"
@@ -60,6 +70,10 @@ OPTIMIZER_SCOPES = (
     "Lion",
     "LossScaleOptimizer",
 )
+# what one recorded event costs, by kind: "op" an op's execution (a TF op event, an async op's
+# launch or completion), "other" the runtime around them (the executor's and the eager runtime's
+# events, a function call's, allocations, Python-level marks)
+EVENT_KINDS = ("op", "other")
 _TF_OP = re.compile(r"^([^:\s][^:]*):([A-Za-z_][\w.]*)$")
 _GRADIENT_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/")
 _APPLY_TYPE = re.compile(r"^(Resource)?(Sparse)?Apply")
@@ -183,6 +197,7 @@ def convert_xspace(
     optimizer_scopes: Iterable[str] = OPTIMIZER_SCOPES,
     step_name: str = STEP_NAME,
     collective_tensors: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    overhead_us: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Read an XSpace; return ``steps`` (list[Step]), ``ops`` (list[Op]) and ``clock_sync_us``
     (None when no sync mark was recorded).
@@ -190,8 +205,9 @@ def convert_xspace(
     ``layers`` is ``keras_layers(model)`` (ops get a layer only where one is given); steps are the
     host events named ``step_name`` that carry a ``step_num`` stat; ``collective_tensors`` maps a
     collective op's key to its tensors (``{"name", "shape", "dtype", "bytes", ...}``, see
-    `qsync_callback.recorder.trace.Op`). Times are microseconds on the profile's clock. Raises
-    ValueError if the profile has no host plane or no step.
+    `qsync_callback.recorder.trace.Op`); ``overhead_us`` the profiler's cost per event of each kind
+    (`EVENT_KINDS`), charged to the ops as the module docstring says. Times are microseconds on the
+    profile's clock. Raises ValueError if the profile has no host plane or no step.
     """
     # "/host:CPU" holds the ops; once XLA has compiled anything in the process, a "/host:metadata"
     # plane comes first
@@ -241,8 +257,71 @@ def convert_xspace(
     _link_consumers(ops, done_at)
     _classify(ops, op_types, optimizer_scopes)
     _attribute_layers(ops, layers)
+    if overhead_us and any(overhead_us.values()):
+        _attribute_overhead(lines, main_line, ops, overhead_us, step_of)
     sync = [e for e in everything if e.name == CLOCK_SYNC]
     return {"steps": steps, "ops": ops, "clock_sync_us": sync[-1].end if sync else None}
+
+
+def event_kind(name: str) -> str | None:
+    """The kind (`EVENT_KINDS`) of a host event by its name; None for qsync's own marks (the step
+    and clock marks, calibration ranges), which the recorder does not charge to the step."""
+    if name.startswith("qsync::"):
+        return None
+    if name in (ASYNC_START, ASYNC_DONE) or _TF_OP.match(name):
+        return "op"
+    return "other"
+
+
+def calibration_event_counts(space: Any) -> dict[str, dict[str, int]]:
+    """The host events of each kind recorded inside each ``qsync::calibration::<loop>`` range of
+    ``space``, on any thread, over all of that range's repeats: ``{loop: {kind: count}}``."""
+    hosts = [p for p in space.planes if p.name.startswith("/host:")]
+    host = next((p for p in hosts if p.name == "/host:CPU"), hosts[0] if hosts else None)
+    if host is None:
+        return {}
+    everything = [e for events in _plane_events(host).values() for e in events]
+    counts: dict[str, dict[str, int]] = {}
+    for loop in (e for e in everything if e.name.startswith(CALIBRATION_LOOP_PREFIX)):
+        tally = counts.setdefault(loop.name[len(CALIBRATION_LOOP_PREFIX) :], dict.fromkeys(EVENT_KINDS, 0))
+        for e in everything:
+            kind = event_kind(e.name)
+            if kind is not None and loop.start <= e.start and e.end <= loop.end:
+                tally[kind] += 1
+    return counts
+
+
+def _attribute_overhead(
+    lines: Mapping[int, list[_Event]],
+    main_line: int,
+    ops: list[Op],
+    costs: Mapping[str, float],
+    step_of: Callable[[float], Step | None],
+) -> None:
+    """Charge every host event of a step its kind's cost (see the module docstring)."""
+    compute = [op for op in ops if op.kind != "comm"]
+    compute.sort(key=lambda o: o.start_us)
+    compute_starts = [op.start_us for op in compute]
+    for line_id, events in lines.items():
+        nodes = [e for e in events if e.node_id is not None and ops[e.node_id].kind != "comm"]
+        starts = [n.start for n in nodes]
+        for e in events:
+            kind = event_kind(e.name)
+            step = step_of(e.start)
+            cost = costs.get(kind, 0.0) if kind is not None else 0.0
+            if not cost or step is None:
+                continue
+            i = bisect.bisect_right(starts, e.start) - 1
+            if i >= 0 and nodes[i] is e:
+                ops[e.node_id].gap_overhead_us += cost
+            elif i >= 0 and e.end <= nodes[i].end and ops[nodes[i].node_id].step == step.index:
+                ops[nodes[i].node_id].overhead_us += cost
+            elif i + 1 < len(nodes) and ops[nodes[i + 1].node_id].step == step.index:
+                ops[nodes[i + 1].node_id].gap_overhead_us += cost
+            elif line_id == main_line:
+                j = bisect.bisect_left(compute_starts, e.start)
+                if j < len(compute) and compute[j].step == step.index:
+                    compute[j].gap_overhead_us += cost
 
 
 def _step_finder(steps: list[Step]) -> Callable[[float], Step | None]:
