@@ -30,7 +30,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from runs import environment, installed_version, launch_command, say_allocator, stderr_tail, write_results
+from runs import (
+    bench_environment,
+    installed_version,
+    launch_command,
+    say_allocator,
+    stderr_tail,
+    write_results,
+)
 
 from qsync_callback.jsonio import read_json
 from qsync_callback.predictor.predict import predict
@@ -231,7 +238,7 @@ def each_run(args: argparse.Namespace, folder: str) -> Iterator[tuple[str, int, 
 
 def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ...]) -> dict:
     """The machine and versions a Horovod + TF benchmark ran on, for its JSON."""
-    return environment(
+    return bench_environment(
         tensorflow=installed_version("tensorflow-cpu", "tensorflow"),
         horovod=installed_version("horovod"),
         load_avg_at_start=load_at_start,
