@@ -12,9 +12,10 @@ from qsync_callback.recorder.trace import Trace
 
 def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], traces: Sequence[Trace]) -> None:
     """The replay reproduces each recorded step (from the first rank's start to the last rank's end)
-    less the profiler's own share, so on one rank the predicted step lies between the shortest
-    recorded step less a fifth (far more than that share) and the longest; with several ranks it is
-    at most a quarter over the longest (clock alignment and modelled collectives).
+    less the profiler's own share (what `Trace.own_us` and `Trace.gap_overhead_us` take off), so on
+    one rank the predicted step lies between the shortest recorded step less its share and the
+    longest; with several ranks it is at most a quarter over the longest (clock alignment and
+    modelled collectives).
     The measured steps are not involved: the machine's speed does not move this, a broken graph or
     replay does. Also: the step-time error is what the two figures say."""
     starts: dict[int, float] = {}
@@ -27,7 +28,16 @@ def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], trac
     walls = [(ends[index] - starts[index]) / 1e3 for index in starts]
     predicted, measured = report["predicted"]["step_ms"], report["measured"]["step_ms"]
     if len(traces) == 1:
-        assert 0.8 * min(walls) <= predicted <= 1.01 * max(walls), (predicted, walls)
+        trace = traces[0]
+        slowdown = (trace.measured.get("profiler_share") or {}).get("slowdown", 0.0)
+        shares = {index: 0.0 for index in starts}
+        for op in trace.ops:
+            shares[op.step] += (op.dur_us - trace.own_us(op) + trace.gap_overhead_us(op)) / 1e3
+        # each op's share, and at most the slowdown's share of the idle time between the ops
+        unprofiled = [
+            wall * (1 - slowdown) - shares[index] for index, wall in zip(starts, walls, strict=True)
+        ]
+        assert 0.99 * min(unprofiled) <= predicted <= 1.01 * max(walls), (predicted, unprofiled, walls)
     else:  # the replay recomputes the waits recorded in ops, and joins the ranks' clocks and collectives
         assert predicted <= 1.25 * max(walls), (predicted, walls)
     assert report["error_pct"]["step_ms"] == pytest.approx(100 * abs(predicted - measured) / measured)

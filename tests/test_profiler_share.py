@@ -53,23 +53,26 @@ def _ops(trace: Trace) -> tuple[list[Op], list[Op]]:
     return [op for op in trace.ops if op.collective is None], [op for op in trace.ops if op.collective]
 
 
-def test_what_the_steps_show_beyond_the_loops_slows_each_op_in_proportion():
+def test_what_the_steps_show_beyond_the_loops_slows_the_whole_step_in_proportion():
     # recorded steps last 10 + 500 + 5 = 515 us; unprofiled ones 475 us (median): recording added 40 us,
-    # the loops account for 10 + 5 of it, the rest (25 us) is 25/490 of the ops' own 500 - 10 us
+    # the loops account for 10 + 5 of it, the rest (25 us) is 5% of the step less the loops' share
     trace = _recorded([1, 3], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
     figures = calibrate_on_steps(trace, [0.470, 0.475, 0.490])
     assert figures == pytest.approx(
-        {"in_step_ms": 0.040, "loops_share_ms": 0.015, "scale": 1.0, "slowdown": 25 / 490}
+        {"in_step_ms": 0.040, "loops_share_ms": 0.015, "scale": 1.0, "slowdown": 0.05}
     )
     trace.measured["profiler_share"] = figures
     mm, collectives = _ops(trace)
-    assert [trace.own_us(op) for op in mm] == pytest.approx([490 - 25, 490 - 25])
+    assert [trace.own_us(op) for op in mm] == pytest.approx([490 * 0.95, 490 * 0.95])
     assert [trace.gap_overhead_us(op) for op in mm] == pytest.approx([5.0, 5.0])
+    assert [trace.gap_kept(op) for op in mm] == pytest.approx([0.95, 0.95])
     assert [trace.own_us(op) for op in collectives] == pytest.approx([500.0, 500.0])
-    # the replay of a recorded step is then the unprofiled steps' time
+    assert [trace.gap_kept(op) for op in collectives] == [1.0, 1.0]
+    # the replay of a recorded step is then the unprofiled steps' time (its 5 us tail after the last
+    # op is no op's gap, and stays)
     main_only = Trace(rank=0, world_size=1, device="cpu", steps=trace.steps[:1], ops=mm[:1])
     main_only.measured["profiler_share"] = figures
-    assert replay(build_step_graph(main_only, 1)).step_us == pytest.approx(475.0)
+    assert replay(build_step_graph(main_only, 1)).step_us == pytest.approx((10 - 5) * 0.95 + 490 * 0.95 + 5)
 
 
 def test_steps_that_show_less_than_the_loops_scale_the_loops_down():
@@ -93,7 +96,7 @@ def test_without_unprofiled_steps_or_a_share_the_loops_costs_stay():
     # no loops' share at all (no event counted): what the steps show is all slowdown
     trace = _recorded([1], op_us=500.0, overhead_us=0.0, gap_overhead_us=0.0)
     assert calibrate_on_steps(trace, [0.3]) == pytest.approx(
-        {"in_step_ms": 0.215, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.215 / 0.5}
+        {"in_step_ms": 0.215, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.215 / 0.515}
     )
     # a trace without the figures (a TF trace, an older one) takes the loops' costs as they are
     trace = _recorded([1], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)

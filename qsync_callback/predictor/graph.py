@@ -82,6 +82,7 @@ def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float
             queue=f"r{rank}/{op.thread}",
             dur=trace.own_us(op),
             gap_overhead=trace.gap_overhead_us(op),
+            gap_kept=trace.gap_kept(op),
             rank=rank,
             layer=op.layer,
             bytes=op.bytes,
@@ -114,13 +115,14 @@ def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float
 
 
 def _set_gaps(graph: nx.DiGraph, times: dict[str, tuple[float, float]]) -> None:
-    """gap = recorded start - latest recorded end among its predecessors, less profiler overhead."""
+    """gap = recorded start - latest recorded end among its predecessors, less profiler overhead
+    (``gap_overhead``, then the share ``gap_kept`` of the rest: `Trace.gap_kept`)."""
     for node in graph.nodes:
         preds = list(graph.predecessors(node))
         start = times[node][0]
         ready = max((times[p][1] for p in preds), default=start)
         attrs = graph.nodes[node]
-        attrs["gap"] = max(0.0, start - ready - attrs.pop("gap_overhead", 0.0))
+        attrs["gap"] = max(0.0, start - ready - attrs.pop("gap_overhead", 0.0)) * attrs.pop("gap_kept", 1.0)
         attrs["recorded_start"] = start
 
 

@@ -27,20 +27,21 @@ per hooked layer here).
 In a whole training step recording costs more than these hot loops say: the interpreter runs cold
 between large ops, the profiler's buffers grow, and the recorder's own hooks (layer ranges, the
 storage watch of `live_memory.py`) run. A tiny linear layer's forward and backward as the op loop
-measured 0.4 to 0.7 us per event from run to run, and whole steps of the benchmark models cost 2 to
-8 times the loops' figure: no loop is a steady stand-in for a real step. Nor is a neighbour: the
-unprofiled step after a profiler session takes thousands of page faults more under glibc malloc
-(the session's buffers are handed back to the system, and the step takes pages again), and the
-allocator's thresholds, raised by the profiler's large blocks, make the steps after the window
-take none where those before it took thousands.
+measured 0.4 to 0.7 us per event from run to run, and whole steps of the benchmark models cost up to
+20 times the loops' figure (benchmarks/README.md): no loop is a steady stand-in for a real step. Nor
+is a neighbour: the unprofiled step after a profiler session takes thousands of page faults more
+under glibc malloc (the session's buffers are handed back to the system, and the step takes pages
+again), and the allocator's thresholds, raised by the profiler's large blocks, make the steps after
+the window take none where those before it took thousands.
 
 So the loops give what an op, a memory event and a layer range cost each, and the run's measured
 steps give the rest (`calibrate_on_steps`): the recorded steps' median less the unprofiled steps'
-median (the measured step time's own samples) is what recording added to a step, and what that
-shows beyond the loops' share is a slowdown of the step's ops, removed from each op in proportion to
-its time. The replay of the recorded configuration then matches the measured step time by
-construction (its error checks the replay, not the profiler's cost), and a plan's prediction is the
-measured step with the ops the plan changes re-costed: a real prediction, judged by verify.
+median (the measured step time's own samples) is what recording added to a step, and what that shows
+beyond the loops' share is a slowdown of the whole step, taken off each op and each idle time in
+proportion (for a small model most of it lies between the ops: the recorder's Python hooks). The
+replay of the recorded configuration then matches the measured step time by construction (its error
+checks the replay, not the profiler's cost), and a plan's prediction is the measured step with the
+ops the plan changes re-costed: a real prediction, judged by verify.
 
 Timing the loops inside the recording's own profiler session (before its first step, in a
 ``qsync::calibration`` range) costs no extra profiler start and stop. The normalized trace keeps
@@ -159,25 +160,22 @@ def overhead_per_event(
 
 def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, float | None]:
     """What recording added to ``trace``'s recorded steps beyond the loops' per-event costs, for
-    ``trace.measured["profiler_share"]`` (which `Trace.own_us` and `Trace.gap_overhead_us` apply).
+    ``trace.measured["profiler_share"]`` (which `Trace.own_us`, `Trace.gap_overhead_us` and
+    `Trace.gap_kept` apply).
 
     ``in_step_ms``: the recorded steps' median time less the median of ``plain_ms`` (the unprofiled
     steps' times, the measured step time's samples); ``loops_share_ms``: the median over recorded
     steps of the ops' ``overhead_us`` and ``gap_overhead_us`` (the loops' costs per event). If the
-    steps show more, ``slowdown`` is the rest over the ops' own time (their time less the loops'
-    share, collectives not counted, median over steps), and every op but a collective runs that
-    fraction shorter without the profiler; if less, ``scale`` (below 1) shrinks the loops' shares
-    to it. Without unprofiled steps, or without a loops' share, nothing changes (1 and 0)."""
+    steps show more, the rest is a ``slowdown`` of the whole step: the fraction of the recorded
+    median less the loops' share that it is, by which every op but a collective, and the idle time
+    before it, runs shorter without the profiler; if less, ``scale`` (below 1) shrinks the loops'
+    shares to it. Without unprofiled steps nothing changes (1 and 0)."""
     loops_us: dict[int, float] = {step.index: 0.0 for step in trace.steps}
-    own_us: dict[int, float] = dict.fromkeys(loops_us, 0.0)
     for op in trace.ops:
         if op.step in loops_us:
             loops_us[op.step] += op.overhead_us + op.gap_overhead_us
-            if op.collective is None:
-                own_us[op.step] += max(0.0, op.dur_us - op.overhead_us)
     profiled_ms = [(step.end_us - step.start_us) / 1e3 for step in trace.steps]
     loops_ms = statistics.median(loops_us.values()) / 1e3 if loops_us else 0.0
-    own_ms = statistics.median(own_us.values()) / 1e3 if own_us else 0.0
     figures: dict[str, float | None] = {
         "in_step_ms": None,
         "loops_share_ms": loops_ms,
@@ -186,10 +184,11 @@ def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, flo
     }
     if not profiled_ms or not plain_ms:
         return figures
-    in_step = statistics.median(profiled_ms) - statistics.median(plain_ms)
+    recorded_ms = statistics.median(profiled_ms)
+    in_step = recorded_ms - statistics.median(plain_ms)
     figures["in_step_ms"] = in_step
     if in_step < loops_ms:
         figures["scale"] = max(0.0, in_step) / loops_ms
-    elif own_ms > 0:
-        figures["slowdown"] = min(1.0, (in_step - loops_ms) / own_ms)
+    elif recorded_ms > loops_ms:
+        figures["slowdown"] = (in_step - loops_ms) / (recorded_ms - loops_ms)
     return figures

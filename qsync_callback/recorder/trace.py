@@ -194,10 +194,16 @@ class Trace:
         return own if op.collective is not None else own * (1.0 - share.get("slowdown", 0.0))
 
     def gap_overhead_us(self, op: Op) -> float:
-        """The part of the idle time before ``op`` that recording added (``op.gap_overhead_us``,
-        scaled as `own_us` says)."""
+        """The part of the idle time before ``op`` that recording added per event
+        (``op.gap_overhead_us``, scaled as `own_us` says)."""
         share = self.measured.get("profiler_share") or {}
         return share.get("scale", 1.0) * op.gap_overhead_us
+
+    def gap_kept(self, op: Op) -> float:
+        """The share of the idle time before ``op`` (less `gap_overhead_us`) that the run keeps
+        without the profiler: 1 less the steps' slowdown (1 before a collective)."""
+        share = self.measured.get("profiler_share") or {}
+        return 1.0 if op.collective is not None else 1.0 - share.get("slowdown", 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the ops and steps are shallow copies (their fields are plain JSON values)."""
