@@ -204,10 +204,9 @@ def horovod_arguments(description: str) -> argparse.ArgumentParser:
 
 
 def quick(args: argparse.Namespace) -> argparse.Namespace:
-    """``--quick``: the MLP, 1 and 2 processes, one repeat, into ``<out>/quick``."""
+    """``--quick``: the MLP, 1 and 2 processes, one repeat (into ``--out``, as every benchmark's)."""
     if args.quick:
         args.models, args.procs, args.repeats = "mlp", "1,2", 1
-        args.out = args.out / "quick"
     return args
 
 
