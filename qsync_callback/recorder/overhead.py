@@ -55,10 +55,10 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from qsync_callback.quiet_profiler import quiet_kineto
+from qsync_callback.recorder.event_costs import event_costs
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX
 from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.trace import Trace
@@ -132,30 +132,17 @@ def calibration_extra_times() -> dict[str, float]:
 def overhead_per_event(
     extra: Mapping[str, float], event_counts: Mapping[str, Mapping[str, int]]
 ) -> dict[str, float]:
-    """Microseconds recording adds per recorded op, memory event and layer range.
+    """Microseconds recording adds per recorded op, memory event and layer range
+    (`event_costs.event_costs`).
 
     ``extra``: seconds per iteration the profiler added to each loop (`calibration_extra_times`);
     ``event_counts``: the events of each kind recorded in each loop's ranges, over all its repeats
-    (`kineto.calibration_event_counts`). The costs solve, by least squares, extra time per iteration
-    = events per iteration @ cost per event over the loops, none negative: a kind whose cost comes
-    out negative (noise: a memory event costs far less than an op) is set to 0 and the others are
-    solved again without it, so that its loop's time still informs them; a cost no loop's events
-    determine comes out 0."""
-    loops = sorted(extra)
-    counts = np.zeros((len(loops), len(EVENT_KINDS)))
-    for i, loop in enumerate(loops):
-        for j, kind in enumerate(EVENT_KINDS):
-            counts[i, j] = event_counts.get(loop, {}).get(kind, 0) / (_LOOPS * _REPEATS)
-    extra_us = np.array([extra[loop] * 1e6 for loop in loops])
-    costs = np.zeros(len(EVENT_KINDS))
-    kept = list(range(len(EVENT_KINDS)))
-    while kept:
-        solved = np.linalg.lstsq(counts[:, kept], extra_us, rcond=None)[0]
-        if solved.min() >= 0:
-            costs[kept] = solved
-            break
-        kept.pop(int(solved.argmin()))
-    return {kind: round(float(c), 3) for kind, c in zip(EVENT_KINDS, costs, strict=True)}
+    (`kineto.calibration_event_counts`)."""
+    per_iteration = {
+        loop: {kind: n / (_LOOPS * _REPEATS) for kind, n in event_counts.get(loop, {}).items()}
+        for loop in extra
+    }
+    return event_costs(EVENT_KINDS, {loop: seconds * 1e6 for loop, seconds in extra.items()}, per_iteration)
 
 
 def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, float | None]:

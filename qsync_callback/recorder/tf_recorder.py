@@ -60,9 +60,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import tensorflow as tf
 
+from qsync_callback.recorder.event_costs import event_costs
 from qsync_callback.recorder.horovod_timeline import TensorRecord
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
 from qsync_callback.recorder.tf_collectives import attach_timeline, graph_collectives
@@ -445,25 +445,11 @@ def overhead_per_event(
     profiled: Mapping[str, float],
     events_per_call: Mapping[str, Mapping[str, float]],
 ) -> dict[str, float]:
-    """Microseconds the profiler adds per recorded event of each kind (`xspace.EVENT_KINDS`).
-
-    ``plain`` and ``profiled``: seconds per call of each loop outside and inside a session;
-    ``events_per_call``: the events of each kind a call recorded. Least squares of extra time per
-    call = events per call @ cost per event over the loops, none negative: a kind whose cost comes
-    out negative (noise) is set to 0 and the others are solved again without it; a cost no loop's
-    events determine comes out 0."""
-    loops = sorted(plain.keys() & profiled.keys() & events_per_call.keys())
-    counts = np.array([[events_per_call[loop].get(k, 0) for k in EVENT_KINDS] for loop in loops], dtype=float)
-    extra_us = np.array([(profiled[loop] - plain[loop]) * 1e6 for loop in loops])
-    costs = np.zeros(len(EVENT_KINDS))
-    kept = [j for j in range(len(EVENT_KINDS)) if loops and counts[:, j].any()]
-    while kept:
-        solved = np.linalg.lstsq(counts[:, kept], extra_us, rcond=None)[0]
-        if solved.min() >= 0:
-            costs[kept] = solved
-            break
-        kept.pop(int(solved.argmin()))
-    return {kind: round(float(c), 3) for kind, c in zip(EVENT_KINDS, costs, strict=True)}
+    """Microseconds the profiler adds per recorded event of each kind (`xspace.EVENT_KINDS`), from
+    ``plain`` and ``profiled`` seconds per call of each loop outside and inside a session and
+    ``events_per_call``, the events of each kind a call recorded (`event_costs.event_costs`)."""
+    extra_us = {loop: (profiled[loop] - plain[loop]) * 1e6 for loop in plain.keys() & profiled.keys()}
+    return event_costs(EVENT_KINDS, extra_us, events_per_call)
 
 
 def _shifted(ops: Iterable[Op], first_id: int, shift_us: float) -> list[Op]:
