@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from models import get_model, timed_fit
-from runs import bench_environment, launch, say_allocator, stderr_tail, write_results
+from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
 
 MAX_STEPS = 80  # the baseline window ends at 30, the verify window about 25 steps later
 NOTHING_TO_APPLY = "nothing to apply"
@@ -58,13 +58,6 @@ def outcome(reason: str) -> str:
     return reason
 
 
-def _mix(precision: dict[str, str]) -> str:
-    counts: dict[str, int] = {}
-    for p in precision.values():
-        counts[p] = counts.get(p, 0) + 1
-    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "recorded"
-
-
 def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
     """One row from a finished launch's verification.json (or what it logged instead)."""
     path = run_dir / "verification.json"
@@ -79,7 +72,7 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
         "launch": launch_no,
         "verified": True,
         "planned": True,
-        "plan": _mix(v["plan"].get("precision") or {}),
+        "plan": precision_counts(v["plan"].get("precision") or {}),
         "predicted_step_ms": predicted,
         "measured_step_ms": measured,
         "measured_noise_pct": v["measured"].get("step_ms_noise_pct"),
@@ -91,10 +84,6 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
         "outcome": outcome(v["reason"]),
         "reason": v["reason"],
     }
-
-
-def _f(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -109,10 +98,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['model']} | {r['launch']} | {what} | | | | | | {r.get('outcome', '')} |")
             continue
         lines.append(
-            f"| {r['model']} | {r['launch']} | {r['plan']} | {_f(r['predicted_step_ms'], '.1f')} | "
-            f"{_f(r['measured_step_ms'], '.1f')} (+-{_f(r['measured_noise_pct'], '.1f')}%) | "
-            f"{_f(r['step_error_pct'], '+.1f')}% | {_f(r['baseline_step_ms'], '.1f')} | "
-            f"{_f(r['change_pct'], '+.1f')}% (+-{_f(r['noise_pct'], '.1f')}%) | "
+            f"| {r['model']} | {r['launch']} | {r['plan']} | {na(r['predicted_step_ms'], '.1f')} | "
+            f"{na(r['measured_step_ms'], '.1f')} (+-{na(r['measured_noise_pct'], '.1f')}%) | "
+            f"{na(r['step_error_pct'], '+.1f')}% | {na(r['baseline_step_ms'], '.1f')} | "
+            f"{na(r['change_pct'], '+.1f')}% (+-{na(r['noise_pct'], '.1f')}%) | "
             f"{r['decision']}: {r['outcome']} |"
         )
     verified = [r for r in rows if r["verified"] and r["step_error_pct"] is not None]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import bench_environment, launch, say_allocator, stderr_tail, write_results
+from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import (
@@ -238,17 +238,6 @@ def measure_plans(
     }
 
 
-def _f(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
-
-
-def _mix(precision: dict[str, str]) -> str:
-    counts: dict[str, int] = {}
-    for p in precision.values():
-        counts[p] = counts.get(p, 0) + 1
-    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "recorded"
-
-
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | procs | plan | layers | predicted ms (recordings) | measured ms (runs; spread in a run) | "
@@ -258,21 +247,21 @@ def markdown(results: list[dict[str, Any]]) -> str:
     step_errors, peak_errors = [], []
     for result in results:
         for row in result["rows"]:
+            layers = precision_counts(row["precision"])
             if row.get("failed"):
                 lines.append(
-                    f"| {result['model']} | {result['procs']} | {row['plan']} | {_mix(row['precision'])} | "
-                    "FAILED | | | | | |"
+                    f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | FAILED | | | | | |"
                 )
                 continue
             step_errors.append(abs(row["step_error_pct"]))
             peak_errors.append(abs(row["peak_error_pct"]))
             lines.append(
-                f"| {result['model']} | {result['procs']} | {row['plan']} | {_mix(row['precision'])} | "
+                f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | "
                 f"{row['predicted_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['predicted_runs_ms'])}) | "
                 f"{row['measured_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['measured_runs_ms'])}; "
-                f"{_f(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
+                f"{na(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
                 f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
                 f"{row['peak_error_pct']:+.1f}% |"
             )
@@ -296,7 +285,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {result['model']} | {result['procs']} | {gap['combinations']} | "
             f"{gap['greedy_indicator']:.3g} | "
-            f"{_f(gap['exact_indicator'], '.3g')} | "
+            f"{na(gap['exact_indicator'], '.3g')} | "
             f"{gap['greedy_plans_priced']} / {gap.get('exact_plans_priced', 'n/a')} |"
         )
     return "\n".join(lines) + "\n"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import bench_environment, launch, say_allocator, stderr_tail, write_results
+from runs import bench_environment, launch, na, say_allocator, stderr_tail, write_results
 
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.torch_recorder import window_close_step
@@ -199,10 +199,6 @@ def noise_floor(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _f(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
-
-
 def _mib(nbytes: float | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
@@ -232,13 +228,13 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['procs']} | {r['repeat']} | {_f(r['measured_step_ms'], '.2f')} | "
-            f"{_f(r['step_ms_spread_pct'], '.1f')} | {_f(r['predicted_step_ms'], '.2f')} | "
-            f"{_f(r['step_error_pct'], '.1f')} | {_mib(r['measured_peak_bytes'])} | "
-            f"{_mib(r['predicted_peak_bytes'])} | {_f(r['peak_error_pct'], '.1f')} | "
-            f"{_mib(r['other_resident_bytes'])} | {_f(r.get('recording_added_ms'), '.2f')} | "
-            f"{_f(r.get('loops_share_ms'), '.2f')} | {_f(r['recorder_overhead_s'], '.2f')} | "
-            f"{_f(r['profiled_extra_s'], '.3f')} | {_f(r['total_cost_s'], '.2f')} |"
+            f"| {r['model']} | {r['procs']} | {r['repeat']} | {na(r['measured_step_ms'], '.2f')} | "
+            f"{na(r['step_ms_spread_pct'], '.1f')} | {na(r['predicted_step_ms'], '.2f')} | "
+            f"{na(r['step_error_pct'], '.1f')} | {_mib(r['measured_peak_bytes'])} | "
+            f"{_mib(r['predicted_peak_bytes'])} | {na(r['peak_error_pct'], '.1f')} | "
+            f"{_mib(r['other_resident_bytes'])} | {na(r.get('recording_added_ms'), '.2f')} | "
+            f"{na(r.get('loops_share_ms'), '.2f')} | {na(r['recorder_overhead_s'], '.2f')} | "
+            f"{na(r['profiled_extra_s'], '.3f')} | {na(r['total_cost_s'], '.2f')} |"
         )
     lines += ["", "Per model and process count, over the repeats:", ""]
     lines += [
@@ -251,8 +247,8 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
         signed = ", ".join(f"{e:+.1f}" for e in g["signed_errors_pct"])
         loops_only = ", ".join(f"{e:+.1f}" for e in g["loops_only_errors_pct"])
         lines.append(
-            f"| {g['model']} | {g['procs']} | {medians} | {_f(g['noise_pct'], '.1f')} | {signed} | "
-            f"{g['median_abs_error_pct']:.1f} | {loops_only} | {_f(g['loops_only_mean_error_pct'], '+.1f')} |"
+            f"| {g['model']} | {g['procs']} | {medians} | {na(g['noise_pct'], '.1f')} | {signed} | "
+            f"{g['median_abs_error_pct']:.1f} | {loops_only} | {na(g['loops_only_mean_error_pct'], '+.1f')} |"
         )
     within = sum(_meets(g["median_abs_error_pct"]) for g in noise)
     lines += ["", summary_line(rows) + f"; median over repeats within {TARGET_PCT:g}%: {within}/{len(noise)}"]

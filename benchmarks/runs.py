@@ -179,3 +179,16 @@ def bench_environment(**extra: Any) -> dict[str, Any]:
     ``benchmarks/readme_tables.py`` names under it in the README. Call it when the runs start (its
     load average is taken then)."""
     return {**environment(**extra), **provenance()}
+
+
+def na(value: float | None, fmt: str) -> str:
+    """``value`` formatted with ``fmt`` for a table cell, "n/a" when there is none."""
+    return "n/a" if value is None else format(value, fmt)
+
+
+def precision_counts(precision: dict[str, str]) -> str:
+    """A plan's layers by precision, as "5 bf16, 2 int8" ("recorded" for no layer moved)."""
+    counts: dict[str, int] = {}
+    for p in precision.values():
+        counts[p] = counts.get(p, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "recorded"
