@@ -7,6 +7,8 @@ from qsync_callback.predictor.replay import replay
 from qsync_callback.recorder.overhead import calibrate_on_steps
 from qsync_callback.recorder.trace import Op, Step, Trace
 
+from tracebuilder import op
+
 
 def _recorded(steps: list[int], op_us: float, overhead_us: float, gap_overhead_us: float) -> Trace:
     """One op a step on the main thread, 10 us after its step's start, and a collective."""
@@ -14,31 +16,12 @@ def _recorded(steps: list[int], op_us: float, overhead_us: float, gap_overhead_u
     for k in steps:
         start = 1000.0 * k
         trace_steps.append(Step(k, start, start + 10 + op_us + 5))
-        ops.append(
-            Op(
-                id=len(ops),
-                name="aten::mm",
-                kind="forward",
-                thread="main",
-                start_us=start + 10,
-                dur_us=op_us,
-                step=k,
-                overhead_us=overhead_us,
-                gap_overhead_us=gap_overhead_us,
-            )
-        )
-        ops.append(
-            Op(
-                id=len(ops),
-                name="gloo:all_reduce",
-                kind="comm",
-                thread="comm:0",
-                start_us=start + 10,
-                dur_us=op_us,
-                step=k,
-                collective={"op": "all_reduce", "numel": 4, "bytes": 16},
-            )
-        )
+        shares = {"overhead_us": overhead_us, "gap_overhead_us": gap_overhead_us}
+        reduce = {"op": "all_reduce", "numel": 4, "bytes": 16}
+        ops += [
+            op(len(ops), "aten::mm", "forward", "main", start + 10, op_us, k, **shares),
+            op(len(ops) + 1, "gloo:all_reduce", "comm", "comm:0", start + 10, op_us, k, collective=reduce),
+        ]
     return Trace(
         rank=0,
         world_size=1,
@@ -50,7 +33,7 @@ def _recorded(steps: list[int], op_us: float, overhead_us: float, gap_overhead_u
 
 
 def _ops(trace: Trace) -> tuple[list[Op], list[Op]]:
-    return [op for op in trace.ops if op.collective is None], [op for op in trace.ops if op.collective]
+    return [o for o in trace.ops if o.collective is None], [o for o in trace.ops if o.collective]
 
 
 def test_what_the_steps_show_beyond_the_loops_slows_the_whole_step_in_proportion():

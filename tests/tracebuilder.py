@@ -5,8 +5,8 @@ from __future__ import annotations
 from qsync_callback.recorder.trace import Op, Step, Trace
 
 
-def op(op_id: int, name: str, kind: str, thread: str, start: float, dur: float, **extra) -> Op:
-    return Op(id=op_id, name=name, kind=kind, thread=thread, start_us=start, dur_us=dur, step=0, **extra)
+def op(op_id: int, name: str, kind: str, thread: str, start: float, dur: float, step: int = 0, **extra) -> Op:
+    return Op(id=op_id, name=name, kind=kind, thread=thread, start_us=start, dur_us=dur, step=step, **extra)
 
 
 def trace(ops: list[Op], step_end: float, rank: int = 0, world_size: int = 1, **extra) -> Trace:
