@@ -6,7 +6,7 @@ on; the other four are families it was not tuned for, written the way users writ
 (embedding + GRU classifier), "resnet" (batch-norm residual CNN with skip connections), "attention"
 (a decoder built by hand from ``nn.Linear`` and ``scaled_dot_product_attention``) and "embedding"
 (a recommendation-style model: several embedding tables and a small MLP). Sizes are chosen so that
-one training step takes roughly 30-300 ms on a 2-core CPU with one process (see benchmarks/README.md).
+one training step takes 15-90 ms on a 2-core CPU with one process (the table in benchmarks/README.md).
 """
 
 from __future__ import annotations

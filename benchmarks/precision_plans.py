@@ -21,8 +21,8 @@ constraints.
 
 ``--procs 2`` records and runs every plan under Lightning DDP with 2 CPU processes (gloo).
 
-fp16 is left out by default: on this CPU a 1024x1024 fp16 matmul takes about 185x the fp32 time;
-pass it in ``--precisions`` to include it.
+fp16 is left out by default: this project's CPU has no fast fp16 matmul, and an fp16 plan's runs
+would take most of the benchmark's time; pass it in ``--precisions`` to include it.
 """
 
 from __future__ import annotations
