@@ -10,6 +10,15 @@ import pytest
 from qsync_callback.recorder.trace import Trace
 
 
+def profiler_removes_at_most_us(trace: Trace, step_index: int, wall_us: float) -> float:
+    """The most the graph takes off recorded step ``step_index`` (of ``wall_us``) for the profiler:
+    each op's share (`Trace.own_us`, `Trace.gap_overhead_us`) and the slowdown's share of the idle
+    time between the ops (`Trace.gap_kept`), which is at most its share of the wall time."""
+    slowdown = (trace.measured.get("profiler_share") or {}).get("slowdown", 0.0)
+    ops = [op for op in trace.ops if op.step == step_index]
+    return sum(op.dur_us - trace.own_us(op) + trace.gap_overhead_us(op) for op in ops) + slowdown * wall_us
+
+
 def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], traces: Sequence[Trace]) -> None:
     """The replay reproduces each recorded step (from the first rank's start to the last rank's end)
     less the profiler's own share (what `Trace.own_us` and `Trace.gap_overhead_us` take off), so on
@@ -28,14 +37,9 @@ def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], trac
     walls = [(ends[index] - starts[index]) / 1e3 for index in starts]
     predicted, measured = report["predicted"]["step_ms"], report["measured"]["step_ms"]
     if len(traces) == 1:
-        trace = traces[0]
-        slowdown = (trace.measured.get("profiler_share") or {}).get("slowdown", 0.0)
-        shares = {index: 0.0 for index in starts}
-        for op in trace.ops:
-            shares[op.step] += (op.dur_us - trace.own_us(op) + trace.gap_overhead_us(op)) / 1e3
-        # each op's share, and at most the slowdown's share of the idle time between the ops
         unprofiled = [
-            wall * (1 - slowdown) - shares[index] for index, wall in zip(starts, walls, strict=True)
+            wall - profiler_removes_at_most_us(traces[0], index, wall * 1e3) / 1e3
+            for index, wall in zip(starts, walls, strict=True)
         ]
         assert 0.99 * min(unprofiled) <= predicted <= 1.01 * max(walls), (predicted, unprofiled, walls)
     else:  # the replay recomputes the waits recorded in ops, and joins the ranks' clocks and collectives

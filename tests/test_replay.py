@@ -7,6 +7,7 @@ from qsync_callback.predictor.graph import build_global_graph, build_step_graph,
 from qsync_callback.predictor.replay import CompiledGraph, replay
 from qsync_callback.recorder.trace import clock_offsets_us, load_trace_dir
 
+from report_checks import profiler_removes_at_most_us
 from tracebuilder import op, trace
 
 
@@ -201,14 +202,9 @@ def test_each_recorded_step_replays_as_its_wall_time_less_the_profilers_share(tm
     assert len(traces[0].steps) == 3
     for position, step in enumerate(traces[0].steps):
         wall = step.end_us - step.start_us
-        trace = traces[0]
-        ops = [o for o in trace.ops if o.step == step.index]
-        slowdown = (trace.measured.get("profiler_share") or {}).get("slowdown", 0.0)
-        profiler = sum(o.dur_us - trace.own_us(o) + trace.gap_overhead_us(o) for o in ops) + slowdown * wall
+        profiler = profiler_removes_at_most_us(traces[0], step.index, wall)
         replayed = replay(build_global_graph(traces, position)).step_us
         # the step as recorded, less no more than the profiler's own calibrated share (how large
-        # that share is depends on the machine's load: benchmarks/prediction_accuracy.py reports it;
-        # Trace.own_us, Trace.gap_overhead_us and Trace.gap_kept are what the graph subtracts; the
-        # slowdown's share of the idle time is at most its share of the wall time)
+        # that share is depends on the machine's load: benchmarks/prediction_accuracy.py reports it)
         # (timestamps near 4.7e12 us carry about 1e-3 us of float64 rounding each: 0.01 us allowed)
         assert wall - profiler - 1e-5 * wall <= replayed <= wall + 0.01
