@@ -11,12 +11,15 @@ fresh process with ``QSyncCallback(mode="report", plan=...)``: applied at step 0
 its measured step time (median of the unprofiled steps; with ``--repeats N``, the median over N
 runs of that) and peak memory can be set against the prediction made from the fp32 recordings (the
 median over them: one recording carries the machine's speed at the time it ran, as one measured
-run does). Finally the exact search prices every combination (when there are at most
-``--exact-limit``) and the greedy's summed indicator is compared with the optimum under the same
-constraints.
+run does). Recordings and plan runs go in rounds (recording k, then every plan's run k), and each
+step error stands beside the run-to-run noise of the recordings and of the plan's runs ((max -
+min) / mean of their medians, combined): one process runs steadily faster or slower than the
+next on a shared VM, and an error within that noise says nothing more precise. Finally the exact
+search prices every combination (when there are at most ``--exact-limit``) and the greedy's summed
+indicator is compared with the optimum under the same constraints.
 
     python benchmarks/precision_plans.py [--models mlp,cnn,...] [--procs 1,2] [--precisions fp32,bf16,int8]
-        [--plans uniform,speed] [--repeats 1] [--recordings 1] [--quick]
+        [--plans uniform,speed] [--repeats 2] [--recordings 2] [--quick]
         [--out benchmarks/results]
 
 ``--procs 2`` records and runs every plan under Lightning DDP with 2 CPU processes (gloo).
@@ -37,7 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
+from runs import (
+    bench_environment,
+    launch,
+    na,
+    precision_counts,
+    range_noise_pct,
+    say_allocator,
+    stderr_tail,
+    write_results,
+)
 
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import (
@@ -50,6 +62,7 @@ from qsync_callback.predictor.indicator import sensitivity
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
@@ -160,6 +173,15 @@ def _run_plan(script: Path, args: list[str], run_dir: Path, timeout: float) -> d
     return json.loads(report_path.read_text())["measured"]
 
 
+def _record(script: Path, common: list[str], run_dir: Path, timeout: float) -> None:
+    """One recording run (mode "apply", nothing planned); raises if it wrote no report."""
+    rc, _ = launch(
+        script, [*common, "--worker-dir", str(run_dir), "--worker-mode", "apply"], run_dir, timeout
+    )
+    if rc != 0 or not (run_dir / "report.json").exists():
+        raise RuntimeError(f"recording {run_dir.name} failed (exit {rc}):\n{stderr_tail(run_dir)}")
+
+
 def measure_plans(
     model: str,
     procs: int,
@@ -171,47 +193,53 @@ def measure_plans(
     repeats: int,
     recordings: int,
 ) -> dict[str, Any]:
-    """Record ``model`` on ``procs`` processes ``recordings`` times, then run every candidate plan of
-    ``kinds`` (chosen on the first recording) ``repeats`` times; compare the median of the runs'
-    measured step times (and their largest peak) with the median of the predictions made from each
-    recording; returns the rows."""
+    """Record ``model`` on ``procs`` processes ``recordings`` times and run every candidate plan of
+    ``kinds`` (chosen on the first recording) ``repeats`` times, in rounds (round k: recording k,
+    then every plan's run k), so that a slow stretch of the machine falls on recordings and plan
+    runs alike; compare the median of the runs' measured step times (and their largest peak) with
+    the median of the predictions made from each recording, beside the run-to-run noise of both
+    (`runs.range_noise_pct`, combined as verify combines two medians' noise); returns the rows."""
     script = Path(__file__).resolve()
     common = ["--worker", model, "--worker-procs", str(procs), "--precisions", ",".join(precisions)]
     label = f"{model}-p{procs}"
-    predictors = []
-    for k in range(recordings):
-        base_dir = out / "precision_runs" / f"{label}-record-r{k}"
-        rc, _ = launch(
-            script, [*common, "--worker-dir", str(base_dir), "--worker-mode", "apply"], base_dir, timeout
-        )
-        if rc != 0 or not (base_dir / "report.json").exists():
-            raise RuntimeError(f"{model}: recording run {k} failed (exit {rc}):\n{stderr_tail(base_dir)}")
-        predictors.append(Predictor(load_trace_dir(base_dir / "trace")))
-    predictor = predictors[0]
-    traces = predictor.traces
+    runs_dir = out / "precision_runs"
+    record_dirs = [runs_dir / f"{label}-record-r{k}" for k in range(recordings)]
+    _record(script, common, record_dirs[0], timeout)
+    first = Predictor(load_trace_dir(record_dirs[0] / "trace"))
+    fingerprint = first.traces[0].fingerprint
+    plans = candidate_plans(first, precisions, kinds)
+    plan_files = [runs_dir / f"{label}-plan{i}.json" for i in range(len(plans))]
+    for (_, precision), plan_file in zip(plans, plan_files, strict=True):
+        Plan(fingerprint=fingerprint, precision=precision).save(plan_file)
+    plan_runs: list[list[dict[str, Any]]] = [[] for _ in plans]
+    for k in range(max(recordings, repeats)):
+        if 0 < k < recordings:
+            _record(script, common, record_dirs[k], timeout)
+        if k >= repeats:
+            continue
+        for i, (name, _) in enumerate(plans):
+            print(f"[benchmark] {label}: {name}, run {k + 1} of {repeats} ...", file=sys.stderr, flush=True)
+            args = [*common, "--worker-mode", "report", "--worker-plan", str(plan_files[i])]
+            run = _run_plan(script, args, runs_dir / f"{label}-plan{i}-r{k}", timeout)
+            if run is not None:
+                plan_runs[i].append(run)
+    predictors = [first] + [Predictor(load_trace_dir(d / "trace")) for d in record_dirs[1:]]
+    recorded_ms = [json.loads((d / "report.json").read_text())["measured"]["step_ms"] for d in record_dirs]
+    recording_noise = range_noise_pct(recorded_ms)
     rows = []
-    for i, (name, precision) in enumerate(candidate_plans(predictor, precisions, kinds)):
-        plan = Plan(fingerprint=traces[0].fingerprint, precision=precision)
+    for (name, precision), runs in zip(plans, plan_runs, strict=True):
+        if not runs:
+            rows.append({"plan": name, "precision": precision, "failed": True})
+            continue
         predictions = [
             p.predict(Plan(fingerprint=p.traces[0].fingerprint, precision=precision)) for p in predictors
         ]
         predicted_ms = statistics.median(p.step_ms for p in predictions)
         predicted_peak = statistics.median(p.peak_bytes for p in predictions)
-        plan_file = out / "precision_runs" / f"{label}-plan{i}.json"
-        plan.save(plan_file)
-        print(f"[benchmark] {label}: {name} ...", file=sys.stderr, flush=True)
-        args = [*common, "--worker-mode", "report", "--worker-plan", str(plan_file)]
-        runs = [
-            _run_plan(script, args, out / "precision_runs" / f"{label}-plan{i}-r{k}", timeout)
-            for k in range(repeats)
-        ]
-        runs = [run for run in runs if run is not None]
-        if not runs:
-            rows.append({"plan": name, "precision": precision, "failed": True})
-            continue
         run_ms = [run["step_ms"] for run in runs]
         measured_ms = statistics.median(run_ms)
         measured_peak = max(run["peak_bytes"] for run in runs)
+        run_noise = range_noise_pct(run_ms)
         rows.append(
             {
                 "plan": name,
@@ -221,40 +249,46 @@ def measure_plans(
                 "measured_step_ms": measured_ms,
                 "measured_runs_ms": run_ms,
                 "measured_spread_pct": statistics.median(run["step_ms_spread_pct"] or 0.0 for run in runs),
+                "noise_pct": None
+                if recording_noise is None and run_noise is None
+                else combined_noise_pct(recording_noise, run_noise),
                 "step_error_pct": _error(predicted_ms, measured_ms),
                 "predicted_peak_bytes": predicted_peak,
                 "measured_peak_bytes": measured_peak,
                 "peak_error_pct": _error(predicted_peak, measured_peak),
             }
         )
-    recorded = json.loads((out / "precision_runs" / f"{label}-record-r0" / "report.json").read_text())
     return {
         "model": model,
         "procs": procs,
-        "recorded_step_ms": recorded["measured"]["step_ms"],
-        "probe_s": traces[0].precision_costs.get("probe_s"),
+        "recorded_runs_ms": recorded_ms,
+        "probe_s": first.traces[0].precision_costs.get("probe_s"),
         "rows": rows,
-        "greedy_gap": greedy_gap(predictor, precisions, limit),
+        "greedy_gap": greedy_gap(first, precisions, limit),
     }
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | procs | plan | layers | predicted ms (recordings) | measured ms (runs; spread in a run) | "
-        "step error | predicted peak MiB | measured peak MiB | peak error |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "step error | run-to-run noise % | predicted peak MiB | measured peak MiB | peak error |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    step_errors, peak_errors = [], []
+    step_errors, peak_errors, signed_errors, within_noise, with_noise = [], [], [], 0, 0
     for result in results:
         for row in result["rows"]:
             layers = precision_counts(row["precision"])
             if row.get("failed"):
-                lines.append(
-                    f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | FAILED | | | | | |"
-                )
+                cells = f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | FAILED "
+                lines.append(cells + "| " * 6 + "|")
                 continue
             step_errors.append(abs(row["step_error_pct"]))
+            signed_errors.append(row["step_error_pct"])
             peak_errors.append(abs(row["peak_error_pct"]))
+            noise = row.get("noise_pct")
+            if noise is not None:
+                with_noise += 1
+                within_noise += abs(row["step_error_pct"]) <= noise
             lines.append(
                 f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | "
                 f"{row['predicted_step_ms']:.1f} "
@@ -262,6 +296,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{row['measured_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['measured_runs_ms'])}; "
                 f"{na(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
+                f"{na(noise, '.1f')} | "
                 f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
                 f"{row['peak_error_pct']:+.1f}% |"
             )
@@ -273,6 +308,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"Step time within {TARGET_PCT:.0f}%: {within_t} of {len(step_errors)} plans "
             f"(median |error| {statistics.median(step_errors):.1f}%); peak memory within {TARGET_PCT:.0f}%: "
             f"{within_m} of {len(peak_errors)} (median |error| {statistics.median(peak_errors):.1f}%).",
+            f"Mean signed step error {statistics.fmean(signed_errors):+.1f}% "
+            f"({sum(e < 0 for e in signed_errors)} under, {sum(e > 0 for e in signed_errors)} over); "
+            "within the run-to-run noise (recordings' and plan runs' (max - min) / mean, combined): "
+            f"{within_noise} of {with_noise} plans with two runs or more.",
         ]
     lines += [
         "",
@@ -306,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per plan (median of their medians)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per plan (median of their medians)")
     parser.add_argument(
-        "--recordings", type=int, default=1, help="recording runs (prediction: median over them)"
+        "--recordings", type=int, default=2, help="recording runs (prediction: median over them)"
     )
     parser.add_argument(
         "--exact-limit", type=int, default=4096, help="most combinations the exact search prices"

@@ -8,6 +8,7 @@ import platform
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -184,6 +185,14 @@ def bench_environment(**extra: Any) -> dict[str, Any]:
 def na(value: float | None, fmt: str) -> str:
     """``value`` formatted with ``fmt`` for a table cell, "n/a" when there is none."""
     return "n/a" if value is None else format(value, fmt)
+
+
+def range_noise_pct(values: list[float]) -> float | None:
+    """Run-to-run noise of repeated measurements: (max - min) / mean in % (with two: their difference
+    over their mean); None with fewer than two."""
+    if len(values) < 2:
+        return None
+    return 100.0 * (max(values) - min(values)) / statistics.fmean(values)
 
 
 def precision_counts(precision: dict[str, str]) -> str:
