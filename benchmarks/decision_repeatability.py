@@ -8,7 +8,10 @@ user adds it: the callback records, plans, applies the plan,
 records again and keeps the plan or rolls it back (`verify.py`). From each launch's
 ``verification.json`` the script takes the plan (its layers' precisions), the predicted and the
 measured step time under it (the verified error: a real prediction, made before the plan ran), the
-baseline's measured step time, the change and its noise, and the decision with its reason. The
+change against the baseline between the two windows and, decided on, the change measured with the
+baseline and the plan run in turns (`alternation.py`), each with its noise, the change predicted
+(against the recorded configuration's prediction: the drift between the windows does not enter
+it), and the decision with its reason. The
 decision is one of: faster (kept), slower (rolled back), could not tell (then the cheaper
 configuration is kept), needed for the memory budget, loss not finite; or nothing to apply (the
 planner kept the recorded configuration). Launches of one model agree when they reach the same one.
@@ -29,7 +32,9 @@ from typing import Any
 from models import get_model, timed_fit
 from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
 
-MAX_STEPS = 80  # the baseline window ends at 30, the verify window about 25 steps later
+# the baseline window ends at 30, the verify window 20 steps later, the turns (3 rounds of two blocks
+# of 5 steps) 30 after that
+MAX_STEPS = 90
 NOTHING_TO_APPLY = "nothing to apply"
 
 
@@ -78,8 +83,12 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
         "measured_noise_pct": v["measured"].get("step_ms_noise_pct"),
         "step_error_pct": 100 * (predicted - measured) / measured if predicted and measured else None,
         "baseline_step_ms": v["baseline_step_ms"],
+        "windows_change_pct": v["windows"]["step_ms_change_pct"],
+        "windows_noise_pct": v["windows"]["noise_pct"],
+        "rounds": (v.get("alternation") or {}).get("rounds", 0),
         "change_pct": v["step_ms_change_pct"],
         "noise_pct": v["noise_pct"],
+        "predicted_change_pct": v["predicted_change_pct"],
         "decision": v["decision"],
         "outcome": outcome(v["reason"]),
         "reason": v["reason"],
@@ -89,20 +98,25 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | launch | plan | predicted ms | measured ms (noise) | verified error | baseline ms | "
-        "change (noise) | decision |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+        "change between windows (noise) | change in turns (noise; rounds) | predicted change | decision |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if not r["verified"]:
             what = "recorded configuration" if r["planned"] else "FAILED: no plan"
-            lines.append(f"| {r['model']} | {r['launch']} | {what} | | | | | | {r.get('outcome', '')} |")
+            lines.append(f"| {r['model']} | {r['launch']} | {what} | | | | | | | | {r.get('outcome', '')} |")
             continue
         lines.append(
             f"| {r['model']} | {r['launch']} | {r['plan']} | {na(r['predicted_step_ms'], '.1f')} | "
             f"{na(r['measured_step_ms'], '.1f')} (+-{na(r['measured_noise_pct'], '.1f')}%) | "
             f"{na(r['step_error_pct'], '+.1f')}% | {na(r['baseline_step_ms'], '.1f')} | "
-            f"{na(r['change_pct'], '+.1f')}% (+-{na(r['noise_pct'], '.1f')}%) | "
-            f"{r['decision']}: {r['outcome']} |"
+            f"{na(r['windows_change_pct'], '+.1f')}% (+-{na(r['windows_noise_pct'], '.1f')}%) | "
+            + (
+                f"{na(r['change_pct'], '+.1f')}% (+-{na(r['noise_pct'], '.1f')}%; {r['rounds']}) | "
+                if r["rounds"]
+                else "none | "
+            )
+            + f"{na(r['predicted_change_pct'], '+.1f')}% | {r['decision']}: {r['outcome']} |"
         )
     verified = [r for r in rows if r["verified"] and r["step_error_pct"] is not None]
     models = sorted({r["model"] for r in rows})
@@ -115,6 +129,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"Verified step-time error (predicted plan against the plan measured in the same launch): median "
             f"|error| {statistics.median(errors):.1f}% over {len(errors)} launches, mean signed "
             f"{statistics.fmean(signed):+.1f}%, range {min(signed):+.1f}% to {max(signed):+.1f}%."
+        )
+    in_turns = [r for r in verified if r["rounds"] and r["predicted_change_pct"] is not None]
+    if in_turns:
+        gaps = [r["predicted_change_pct"] - r["change_pct"] for r in in_turns]
+        lines.append(
+            "Predicted change against the change measured in turns (points): median |difference| "
+            f"{statistics.median(map(abs, gaps)):.1f} over {len(gaps)} launches, "
+            f"mean {statistics.fmean(gaps):+.1f}, range {min(gaps):+.1f} to {max(gaps):+.1f}."
         )
     lines.append(
         f"Launches of one model that reach the same outcome: {len(agree)} of {len(models)} models"

@@ -49,6 +49,11 @@ def median_noise_pct(samples: Sequence[float]) -> float | None:
     return 100.0 * 2 * 1.2533 * sigma / len(samples) ** 0.5 / statistics.median(samples)
 
 
+def change_pct(value: float | None, reference: float | None) -> float | None:
+    """How much ``value`` differs from ``reference``, in % of it (None without both)."""
+    return 100.0 * (value / reference - 1) if value and reference else None
+
+
 def error_pct(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or not measured:
         return None
@@ -120,6 +125,10 @@ def _noise(noise_pct: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}%"
+
+
+def _signed_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}%"
 
 
 def format_summary(report: dict[str, Any], top: int = 10) -> str:
@@ -208,9 +217,9 @@ def format_precision_plan(
 
 def _predicted_change(plan_ms: float | None, recorded_ms: float | None, noise_pct: float | None) -> list[str]:
     """The plan's predicted step-time change, set against the measured noise (no line without it)."""
-    if noise_pct is None or not plan_ms or not recorded_ms:
+    change = change_pct(plan_ms, recorded_ms)
+    if noise_pct is None or change is None:
         return []
-    change = 100 * (plan_ms / recorded_ms - 1)
     if abs(change) <= noise_pct:
         return [
             f"  predicted change {change:+.1f}% is within the measured step time's noise "
@@ -222,14 +231,25 @@ def _predicted_change(plan_ms: float | None, recorded_ms: float | None, noise_pc
 def format_verification(verification: Mapping[str, Any]) -> str:
     """Measured against predicted for an applied plan, and what was kept."""
     predicted, measured = verification["predicted"], verification["measured"]
-    return "\n".join(
-        [
-            f"qsync plan verified: {verification['decision']} ({verification['reason']})",
-            f"  step time   baseline measured {_ms(verification['baseline_step_ms'])}   plan measured "
-            f"{_ms(measured['step_ms'])}   predicted {_ms(predicted['step_ms'])}   "
-            f"error {_pct(verification['error_pct']['step_ms'])}",
-            f"  peak memory plan measured {format_bytes(measured['peak_bytes'])}   predicted "
-            f"{format_bytes(predicted['peak_bytes'])}   "
-            f"error {_pct(verification['error_pct']['peak_bytes'])}",
-        ]
+    lines = [
+        f"qsync plan verified: {verification['decision']} ({verification['reason']})",
+        f"  step time   baseline measured {_ms(verification['baseline_step_ms'])}   plan measured "
+        f"{_ms(measured['step_ms'])}   predicted {_ms(predicted['step_ms'])}   "
+        f"error {_pct(verification['error_pct']['step_ms'])}",
+    ]
+    turns = verification.get("alternation") or {}
+    if turns.get("rounds"):
+        pairs = ", ".join(
+            f"{b:.1f} -> {p:.1f}" for b, p in zip(turns["baseline_ms"], turns["plan_ms"], strict=True)
+        )
+        lines.append(
+            f"  in turns    {turns['rounds']} rounds, baseline -> plan ms: {pairs}; measured change "
+            f"{turns['change_pct']:+.1f}% +-{turns['noise_pct']:.1f}%, predicted "
+            f"{_signed_pct(verification.get('predicted_change_pct'))}"
+        )
+    lines.append(
+        f"  peak memory plan measured {format_bytes(measured['peak_bytes'])}   predicted "
+        f"{format_bytes(predicted['peak_bytes'])}   "
+        f"error {_pct(verification['error_pct']['peak_bytes'])}"
     )
+    return "\n".join(lines)

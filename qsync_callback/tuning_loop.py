@@ -19,9 +19,12 @@ Step by step, counted at `TuningLoop.step_boundary` (one per optimizer step):
   rank 0 gathers every rank's trace, reports (``report.json``), and in mode "apply" plans
   (`planner.choose.choose_plan`, under the run's `Constraints`, a budget share turned into bytes
   here, once) and sends the plan to every rank; all ranks apply it at the same boundary;
-- the verify window; rank 0 decides by the one rule in `verify.py`, every rank follows: keep, or
-  undo the candidate. What is kept is written once, to ``plan.json`` and the plan cache, and is
-  the loop's only state (`state_dict`): a candidate under verification never is.
+- the verify window; then, unless the loss stopped being finite, the candidate is undone and
+  re-applied in turns for ``alternate_rounds`` rounds (`alternation.py`: a drift of the machine's
+  speed cancels in each round, and a plan kept for memory has its cost measured); rank 0 decides by the
+  one rule in `verify.py`, every rank follows: keep, or undo the candidate. What is kept is
+  written once, to ``plan.json`` and the plan cache, and is the loop's only state (`state_dict`):
+  a candidate under verification never is.
 
 The fail-safe: every piece of the loop's own work runs through a `FailSafe`. The first failure
 warns once with its cause; the recorder is stopped, a candidate plan in force is undone, and the
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
 from qsync_callback.cache import cached_plan, drop_cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
@@ -47,11 +51,12 @@ from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
 from qsync_callback.report import REPORT_FILE, build_report, format_summary, format_verification, write_report
 from qsync_callback.units import check_count
-from qsync_callback.verify import verify_plan
+from qsync_callback.verify import KEEP, ROLL_BACK, verify_plan
 
 MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
 VERIFICATION_FILE = "verification.json"
+ALTERNATE = "alternate"  # rank 0's word to every rank: run the baseline and the plan in turns first
 VERIFY_WARMUP_STEPS = 4  # after switching: two cold steps, one timed, one under the profiler unrecorded
 
 Undo = Callable[[], None]
@@ -67,6 +72,7 @@ class LoopSettings:
     profile_steps: int = 5
     measure_steps: int = 10
     verify_steps: int = 3
+    alternate_rounds: int = 3
     output_dir: Path | None = None
     constraints: Constraints = field(default_factory=Constraints)
     plan_path: Path | None = None
@@ -79,6 +85,7 @@ class LoopSettings:
         check_count(self.profile_steps, "profile_steps", 1)
         check_count(self.measure_steps, "measure_steps", 0)
         check_count(self.verify_steps, "verify_steps", 1)
+        check_count(self.alternate_rounds, "alternate_rounds", 0)
         if not isinstance(self.plan_cache, (bool, Path)):
             raise ValueError(f"plan_cache: must be True, False or a directory, not {self.plan_cache!r}")
 
@@ -95,6 +102,7 @@ class LoopSettings:
         constraints: Constraints | None = None,
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
+        alternate_rounds: int = 3,
     ) -> LoopSettings:
         """The settings from a user's arguments as an integration takes them (paths as strings too)."""
         return cls(
@@ -103,6 +111,7 @@ class LoopSettings:
             profile_steps=profile_steps,
             measure_steps=measure_steps,
             verify_steps=verify_steps,
+            alternate_rounds=alternate_rounds,
             output_dir=Path(output_dir) if output_dir is not None else None,
             constraints=constraints or Constraints(),
             plan_path=Path(plan) if plan is not None else None,
@@ -226,6 +235,8 @@ class TuningLoop:
         self._constraints = settings.constraints
         self._undo_candidate: Undo | None = None
         self._loss_finite = True
+        self._verify_traces: list[Trace] | None = None  # rank 0, while the baseline and plan alternate
+        self._turns: BlockTimes | None = None
         self._resume_plan: Plan | None = None
 
     @property
@@ -240,7 +251,8 @@ class TuningLoop:
 
     @property
     def verifying(self) -> bool:
-        return self._phase == "verify" and not self.finished
+        """A candidate is on trial (its verify window, or the turns after it)."""
+        return self._phase in ("verify", "alternate") and not self.finished
 
     # ----------------------------------------------------------------- hooks, forwarded
 
@@ -255,7 +267,10 @@ class TuningLoop:
             self._safe.run(self._begin)
             if self._start_plan():
                 return
-        self._window_step(step - self._window_start)
+        if self._phase == "alternate":
+            self._alternate_step(step - self._window_start)
+        else:
+            self._window_step(step - self._window_start)
 
     def step_end(self, loss_finite: bool = True) -> None:
         """After each step (or micro-batch): its loss, for verify's finiteness check."""
@@ -263,12 +278,15 @@ class TuningLoop:
             return
         if self._recorder is not None and self._safe.ok:
             self._safe.run(self._recorder.step_end)
-        if self._phase == "verify" and not loss_finite:
+        if self.verifying and not loss_finite:
             self._loss_finite = False
 
     def train_end(self) -> None:
         """Training ended: a window cut short records nothing; a candidate is never left unverified."""
         if self.finished:
+            return
+        if self._phase == "alternate":
+            self._after_alternation()
             return
         if self._recorder is not None and self._recorder.trace is None and self._safe.ok:
             self._safe.fail("training ended before the recorded window was complete; nothing was recorded")
@@ -454,6 +472,7 @@ class TuningLoop:
             self.finished = True
             return
         self._phase = "verify"
+        self._loss_finite = True
         self._window_start = self._steps - 1
         if self._new_window(
             self.output_dir / "verify" / "trace",
@@ -512,7 +531,6 @@ class TuningLoop:
             self.plan = plan  # kept for the rest of the run: its undo is not needed
         else:
             self.candidate, self._undo_candidate = plan, undo
-            self._loss_finite = True
         return None
 
     def _after_verify(self, traces: list[Trace] | None) -> None:
@@ -521,28 +539,97 @@ class TuningLoop:
         if traces is not None:
             decision = self._safe.run(self._verify, traces, loss_finite) or ""
         decision = (self._exchange(decision) or [""])[0]
-        kept = self.candidate if decision == "keep" else None
-        if kept is not None:
-            self.plan = kept
-            self.candidate, self._undo_candidate = None, None
+        if decision == ALTERNATE:
+            self._phase = "alternate"
+            self._window_start = self._steps - 1
+            self._turns = BlockTimes(Alternation(self.settings.alternate_rounds))
+            self._alternate_step(0)
         else:
-            self._roll_back()
-        self.finished = True
-        if self._integration.collective.rank == 0:
-            self._safe.run(self._keep, kept if kept is not None else Plan.empty(self._fingerprint))
+            self._decide(decision)
 
     def _verify(self, traces: list[Trace], loss_finite: bool) -> str:
+        """Rank 0: ALTERNATE (the baseline and the plan are to run in turns first), or the decision
+        on the verify window alone (no rounds asked, or the loss stopped being finite)."""
         _save_rank_traces(traces, self.output_dir / "verify" / "trace")
+        if self.settings.alternate_rounds and loss_finite:
+            self._verify_traces = traces
+            return ALTERNATE
+        return self._write_verification(traces, loss_finite, None)
+
+    def _write_verification(
+        self, traces: list[Trace], loss_finite: bool, alternation: dict[str, Any] | None
+    ) -> str:
+        """Rank 0: verify's decision, written and printed."""
         self.verification = verify_plan(
             self.candidate,
             self.report,
             traces,
             loss_finite=loss_finite,
             memory_budget=self._constraints.memory_budget,
+            alternation=alternation,
         )
         write_report(self.verification, self.output_dir / VERIFICATION_FILE)
         self._log(format_verification(self.verification))
         return self.verification["decision"]
+
+    def _alternate_step(self, step: int) -> None:
+        """At boundary ``step`` of the turns: time the step that ended; where a block starts, every
+        rank meets, then switches to the block's configuration; after the last block, decide."""
+        turns = self._turns
+        turns.boundary(step)
+        switch = turns.alternation.switch_at(step)
+        if switch is not None and not self._agree():
+            return
+        if switch == BASELINE:
+            undo, self._undo_candidate = self._undo_candidate, None
+            if undo is not None:
+                self._safe.run(undo)
+        elif switch == PLAN:
+            error = self._apply_everywhere(self.candidate, to_keep=False)
+            if error is not None:
+                self._log(f"qsync: the plan could not be applied again in its turn ({error}); rolled back")
+                self._decide(ROLL_BACK)
+                return
+        if step == turns.alternation.done_step:
+            self._after_alternation()
+            return
+        turns.restart()
+
+    def _after_alternation(self) -> None:
+        """After the last block (or at the end of training, over the rounds complete by then): rank 0
+        decides on the turns, every rank follows; a plan kept while the baseline ran is re-applied."""
+        if not self._agree():
+            return
+        loss_finite = self._all_true(self._loss_finite)
+        texts = self._exchange(json.dumps(self._turns.times))
+        decision = ""
+        if self._integration.collective.rank == 0 and texts is not None:
+            decision = self._safe.run(self._verify_in_turns, texts, loss_finite) or ""
+        decision = (self._exchange(decision) or [""])[0]
+        if decision == KEEP and self._undo_candidate is None:
+            error = self._apply_everywhere(self.candidate, to_keep=False)
+            if error is not None:
+                self._log(f"qsync: the kept plan could not be applied again ({error}); rolled back")
+                decision = ROLL_BACK
+        self._decide(decision)
+
+    def _verify_in_turns(self, texts: Sequence[str], loss_finite: bool) -> str:
+        """Rank 0: verify's decision on the verify window and every rank's block times."""
+        turns = paired_change([json.loads(text) for text in texts])
+        return self._write_verification(self._verify_traces, loss_finite, turns)
+
+    def _decide(self, decision: str) -> None:
+        """Every rank: keep the candidate (``decision`` KEEP) or roll back; rank 0 writes what is kept."""
+        kept = self.candidate if decision == KEEP else None
+        if kept is not None:
+            self.plan = kept
+            self.candidate, self._undo_candidate = None, None
+        else:
+            self._roll_back()
+        self.finished = True
+        self._verify_traces, self._turns = None, None
+        if self._integration.collective.rank == 0:
+            self._safe.run(self._keep, kept if kept is not None else Plan.empty(self._fingerprint))
 
     def _roll_back(self) -> None:
         """Back to the last kept configuration on this rank (the candidate undone)."""

@@ -1,14 +1,17 @@
 """Verify an applied plan: measured against predicted, and whether to keep it or roll back.
 
 After a plan is applied the run is recorded again, and the plan's measured step time (the median
-of the slowest rank's unprofiled steps) is compared with the baseline's. A difference is a
-difference only beyond the noise of the two medians (`report.median_noise_pct`, combined): a
+of the slowest rank's unprofiled steps) is compared with the baseline's; when the loop then ran
+the baseline and the plan in turns (`alternation.py`), the change measured in turns is the one
+decided on (the windows' comparison is kept beside it), since a drift of the machine's speed
+between the two windows cancels there. A difference is a difference only beyond its noise (of
+the two medians, `report.median_noise_pct`, combined; in turns, `alternation.paired_change`): a
 decision on less than that is no decision. The plan is:
 
 - rolled back if the loss stopped being finite on any rank;
 - when it was needed to fit a memory budget the baseline was predicted to exceed: kept if its
-  measured peak is below the baseline's (it may cost time; the report says whether it is within
-  the budget too), else rolled back;
+  measured peak is below the baseline's (it may cost time: the reason says how much, and whether
+  it is within the budget too), else rolled back;
 - rolled back if it is slower than the baseline by more than ``SLOWER_TOLERANCE`` (2%) and more
   than the noise;
 - kept if it is faster by more than the noise;
@@ -26,7 +29,7 @@ from typing import Any
 
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.trace import Trace
-from qsync_callback.report import build_report, error_pct
+from qsync_callback.report import build_report, change_pct, error_pct
 
 SLOWER_TOLERANCE = 0.02
 KEEP, ROLL_BACK = "keep", "roll back"
@@ -37,6 +40,11 @@ def combined_noise_pct(*noise_pcts: float | None) -> float:
     return sum((n or 0.0) ** 2 for n in noise_pcts) ** 0.5
 
 
+def decided_on_memory(baseline: Mapping[str, Any], memory_budget: int | None) -> bool:
+    """Whether a plan is decided on its peak: it was needed for a budget the baseline exceeded."""
+    return memory_budget is not None and baseline["predicted"]["peak_bytes"] > memory_budget
+
+
 def verify_plan(
     plan: Plan,
     baseline: Mapping[str, Any],
@@ -44,39 +52,49 @@ def verify_plan(
     *,
     loss_finite: bool,
     memory_budget: int | None = None,
+    alternation: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compare the run recorded under ``plan`` (``traces``) with the plan's prediction and with the
-    ``baseline`` report; return the figures and ``decision`` ("keep" or "roll back") with its reason."""
+    ``baseline`` report; return the figures and ``decision`` ("keep" or "roll back") with its reason.
+
+    With ``alternation`` (`alternation.paired_change`, at least one round) the step-time decision
+    rests on the baseline and the plan run in turns; else on the two windows' medians."""
     measured = build_report(traces)["measured"]
     predicted = plan.prediction or {}
     baseline_ms = baseline["measured"]["step_ms"]
     peak, baseline_peak = measured["peak_bytes"], baseline["measured"]["peak_bytes"]
     lower_peak = peak is not None and baseline_peak is not None and peak < baseline_peak
-    noise = combined_noise_pct(
+    windows_noise = combined_noise_pct(
         baseline["measured"].get("step_ms_noise_pct"), measured.get("step_ms_noise_pct")
     )
-    for_memory = memory_budget is not None and baseline["predicted"]["peak_bytes"] > memory_budget
-    change = 100 * (measured["step_ms"] / baseline_ms - 1) if baseline_ms and measured["step_ms"] else None
+    windows_change = change_pct(measured["step_ms"], baseline_ms)
+    in_turns = alternation is not None and alternation.get("rounds", 0) > 0
+    change, noise = (
+        (alternation["change_pct"], alternation["noise_pct"]) if in_turns else (windows_change, windows_noise)
+    )
+    against = "the baseline in turns" if in_turns else "the baseline"
     if not loss_finite:
         decision, reason = ROLL_BACK, "the loss stopped being finite"
-    elif for_memory:
+    elif decided_on_memory(baseline, memory_budget):
         fits = peak is not None and peak <= memory_budget
         decision = KEEP if lower_peak else ROLL_BACK
         reason = (
             f"needed for the memory budget: measured peak {'below' if lower_peak else 'not below'} the "
             f"baseline's, {'within' if fits else 'over'} the budget"
         )
+        if change is not None:
+            reason += f"; step time {change:+.1f}% against {against} (noise +-{noise:.1f}%)"
     elif change is None:
         decision, reason = KEEP, "no step time measured to compare"
     elif change > max(100 * SLOWER_TOLERANCE, noise):
-        decision, reason = ROLL_BACK, f"{change:.1f}% slower than the baseline (noise +-{noise:.1f}%)"
+        decision, reason = ROLL_BACK, f"{change:.1f}% slower than {against} (noise +-{noise:.1f}%)"
     elif change < -noise:
-        decision, reason = KEEP, f"{-change:.1f}% faster than the baseline (noise +-{noise:.1f}%)"
+        decision, reason = KEEP, f"{-change:.1f}% faster than {against} (noise +-{noise:.1f}%)"
     else:
         decision = KEEP if lower_peak else ROLL_BACK
         cheaper = "the plan, which uses less memory" if lower_peak else "the recorded configuration"
         reason = (
-            f"could not tell: {change:+.1f}% against the baseline is within the noise (+-{noise:.1f}%, "
+            f"could not tell: {change:+.1f}% against {against} is within the noise (+-{noise:.1f}%, "
             f"or the {100 * SLOWER_TOLERANCE:.0f}% allowed); keeping the cheaper configuration, {cheaper}"
         )
     return {
@@ -86,6 +104,8 @@ def verify_plan(
         "baseline_peak_bytes": baseline_peak,
         "step_ms_change_pct": change,
         "noise_pct": noise,
+        "windows": {"step_ms_change_pct": windows_change, "noise_pct": windows_noise},
+        "alternation": dict(alternation) if alternation is not None else None,
         "memory_budget": memory_budget,
         "measured": {
             "step_ms": measured["step_ms"],
@@ -93,6 +113,9 @@ def verify_plan(
             "peak_bytes": peak,
         },
         "predicted": {"step_ms": predicted.get("step_ms"), "peak_bytes": predicted.get("peak_bytes")},
+        # the change as predicted, against the recorded configuration's prediction: what the measured
+        # change checks, free of the drift between the baseline window and the verify window
+        "predicted_change_pct": change_pct(predicted.get("step_ms"), baseline["predicted"]["step_ms"]),
         "error_pct": {
             "step_ms": error_pct(predicted.get("step_ms"), measured["step_ms"]),
             "peak_bytes": error_pct(predicted.get("peak_bytes"), peak),

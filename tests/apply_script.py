@@ -1,5 +1,6 @@
 """Run by the tests as its own program: mode "apply" under DDP on 2 CPU processes, with the plan
-cache in the directory given as the second argument (none without one).
+cache in the directory given as the second argument (none without one, or when it is empty), for
+the number of steps given as the third (30 without one).
 
 Each rank writes ``rank<k>.json`` with the precisions its model ends with, whether every loss was
 finite, and how many steps it ran."""
@@ -18,14 +19,15 @@ from test_precision_apply import GeluNet, _apply_callback, _loader, _lp_precisio
 
 def main() -> None:
     out = Path(sys.argv[1])
+    cache = Path(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] else False
     pl.seed_everything(0, verbose=False)
     model = GeluNet()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
-        max_steps=30,
-        callbacks=[_apply_callback(out, plan_cache=Path(sys.argv[2]) if len(sys.argv) > 2 else False)],
+        max_steps=int(sys.argv[3]) if len(sys.argv) > 3 else 30,
+        callbacks=[_apply_callback(out, plan_cache=cache)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

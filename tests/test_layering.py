@@ -9,10 +9,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "qsync_callback"
 # a module of the first part must not import any of the second
 FORBIDDEN = {
-    "recorder": ("predictor", "planner", "appliers", "tuning_loop", "report", "verify", "integrations"),
-    "predictor": ("planner", "appliers", "tuning_loop", "verify", "integrations"),
-    "planner": ("appliers", "tuning_loop", "verify", "integrations"),
-    "appliers": ("tuning_loop", "integrations"),
+    "recorder": (
+        "predictor",
+        "planner",
+        "appliers",
+        "tuning_loop",
+        "report",
+        "verify",
+        "alternation",
+        "integrations",
+    ),
+    "predictor": ("planner", "appliers", "tuning_loop", "verify", "alternation", "integrations"),
+    "planner": ("appliers", "tuning_loop", "verify", "alternation", "integrations"),
+    "appliers": ("tuning_loop", "alternation", "integrations"),
     "lp": ("recorder", "predictor", "planner", "appliers", "tuning_loop", "integrations"),
 }
 FRAMEWORKS = ("pytorch_lightning", "lightning", "tensorflow", "horovod", "keras")

@@ -145,7 +145,7 @@ class FailingGeluNet(GeluNet):
 def test_a_checkpoint_during_verification_holds_no_candidate_plan(tmp_path):
     qsync = _apply_callback(tmp_path, plan_cache=False)
     watcher = StateWatcher(qsync)
-    _fit([qsync, watcher], max_steps=30)
+    _fit([qsync, watcher], max_steps=60)  # verification and the turns after it end at step 51
     verifying = [state for during, state in watcher.states if during]
     assert verifying, "the run never verified a plan"
     assert all(state["plan"] is None and not state["finished"] for state in verifying)

@@ -94,3 +94,32 @@ def test_a_memory_plan_is_decided_on_memory_and_a_non_finite_loss_always_rolls_b
     assert not_smaller["decision"] == ROLL_BACK
     infinite = _verify(_samples(10, 2), _samples(5, 2), loss_finite=False)
     assert infinite["decision"] == ROLL_BACK and infinite["reason"] == "the loss stopped being finite"
+
+
+def test_in_turns_the_change_measured_in_turns_decides_and_the_windows_stand_beside_it():
+    """The plan's window ran in a slow stretch of the machine (+20% against the baseline window);
+    run in turns with the baseline, the plan was 10% faster: that is what decides."""
+    baseline = build_report([_run(_samples(10, 2))])
+    turns = {"rounds": 3, "change_pct": -10.0, "noise_pct": 2.0, "baseline_ms": [], "plan_ms": []}
+    in_turns = verify_plan(PLAN, baseline, [_run(_samples(12, 2))], loss_finite=True, alternation=turns)
+    assert in_turns["decision"] == KEEP
+    assert in_turns["reason"] == "10.0% faster than the baseline in turns (noise +-2.0%)"
+    assert in_turns["windows"]["step_ms_change_pct"] == pytest.approx(20.0)
+    assert in_turns["alternation"] == turns
+    recorded = baseline["predicted"]["step_ms"]
+    assert in_turns["predicted_change_pct"] == pytest.approx(100 * (9.0 / recorded - 1))
+    no_round = verify_plan(
+        PLAN, baseline, [_run(_samples(12, 2))], loss_finite=True, alternation={**turns, "rounds": 0}
+    )
+    assert no_round["decision"] == ROLL_BACK
+    assert no_round["reason"].startswith("20.0% slower than the baseline (")
+
+
+def test_a_memory_plan_says_what_it_costs_in_turns():
+    baseline = build_report([_run(_samples(10, 2))])
+    turns = {"rounds": 2, "change_pct": 7.5, "noise_pct": 1.5, "baseline_ms": [], "plan_ms": []}
+    result = verify_plan(
+        PLAN, baseline, [_run(_samples(10, 2), 900)], loss_finite=True, memory_budget=950, alternation=turns
+    )
+    assert result["decision"] == KEEP
+    assert result["reason"].endswith("; step time +7.5% against the baseline in turns (noise +-1.5%)")

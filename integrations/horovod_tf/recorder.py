@@ -47,6 +47,8 @@ class Recorder:
         optimizer: the optimizer the step applies (default: ``model.optimizer`` if compiled); its
             variables count as resident memory and its name scope marks update ops.
         verify_steps: calls recorded after applying a plan.
+        alternate_rounds: after those, rounds of the recorded configuration and the plan in turns,
+            as for ``QSyncCallback``; 0 by default here, since each switch re-traces the step.
         plan: a plan file to apply at the first call; None: in mode "apply" the plan kept in the
             plan cache for this job under these constraints, if any; False: none.
         memory_budget, max_step_time, precisions, levers, best_effort: what a plan is chosen
@@ -70,6 +72,7 @@ class Recorder:
         *,
         optimizer: Any = None,
         verify_steps: int = 3,
+        alternate_rounds: int = 0,
         plan: str | Path | Literal[False] | None = None,
         memory_budget: str | int | float | None = None,
         max_step_time: float | None = None,
@@ -96,6 +99,7 @@ class Recorder:
             ),
             plan=plan if plan is not False else None,
             plan_cache=plan_cache if plan is not False else False,
+            alternate_rounds=alternate_rounds,
         )
         self._loop = TuningLoop(settings, who="qsync Recorder")
         self.model = model

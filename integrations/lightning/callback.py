@@ -40,6 +40,9 @@ class QSyncCallback(pl.Callback):
             on this device are left out for it).
         levers: what a plan may change: some of "precision", "activation", "regions", "buckets".
         verify_steps: steps recorded after applying a plan.
+        alternate_rounds: after those, rounds of the recorded configuration and the plan in turns
+            (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided
+            (a drift of the machine's speed between the two recorded windows cancels in each round).
         best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply
             the closest one (the least-memory plan, or the least-violating) instead of none.
         plan: a plan file to apply at step 0, without recording or planning.
@@ -60,6 +63,7 @@ class QSyncCallback(pl.Callback):
         precisions: Iterable[str] = DEFAULT_PRECISIONS,
         levers: Iterable[str] = LEVERS,
         verify_steps: int = 3,
+        alternate_rounds: int = 3,
         best_effort: bool = False,
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
@@ -76,6 +80,7 @@ class QSyncCallback(pl.Callback):
             ),
             plan=plan,
             plan_cache=plan_cache,
+            alternate_rounds=alternate_rounds,
         )
         self._loop = TuningLoop(settings, who="QSyncCallback")
         self._run: LightningRun | None = None

@@ -1,0 +1,123 @@
+"""The baseline and the plan in turns, after the verify window: a step-time comparison that a drift
+of the machine's speed does not bias.
+
+The verify window measures the plan minutes after the baseline window measured the recorded
+configuration; on a shared host the speed of a step drifts by tens of percent over seconds, so the
+two medians can differ by more than the plan changes. After the verify window the loop therefore
+undoes and re-applies the candidate in turns, ``rounds`` times: each round runs a block of the
+recorded configuration, then a block of the plan. A block's first ``SETTLE_STEPS`` steps after the
+switch are not timed (the first step after a switch runs with cold caches and allocator), the next
+``BLOCK_STEPS`` are, boundary to boundary. Both configurations see the same stretch of the machine
+within a round, so a drift cancels in that round's change.
+
+`Alternation` is the schedule (which boundary switches, which step is timed in which block);
+`BlockTimes` is one rank's step clock over it; `paired_change` turns every rank's times into the
+change and its noise that verify decides on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qsync_callback.report import change_pct, median_noise_pct
+from qsync_callback.verify import combined_noise_pct
+
+SETTLE_STEPS = 1
+BLOCK_STEPS = 4  # at least 3: the noise of a block's median needs 3 samples
+BASELINE, PLAN = "baseline", "plan"
+
+
+@dataclass(frozen=True)
+class Alternation:
+    """The schedule of ``rounds`` rounds, counted in step boundaries from the first switch (0)."""
+
+    rounds: int
+
+    @property
+    def block_length(self) -> int:
+        return SETTLE_STEPS + BLOCK_STEPS
+
+    @property
+    def done_step(self) -> int:
+        """The boundary at which every block's last step has ended."""
+        return 2 * self.rounds * self.block_length
+
+    def switch_at(self, step: int) -> str | None:
+        """The configuration a block starting at boundary ``step`` runs (BASELINE or PLAN), or None."""
+        if step >= self.done_step or step % self.block_length:
+            return None
+        return (BASELINE, PLAN)[(step // self.block_length) % 2]
+
+    def timed_block(self, step: int) -> tuple[int, str] | None:
+        """(round, configuration) of the step that ends at boundary ``step``, if it is timed."""
+        ended = step - 1
+        if not 0 <= ended < self.done_step:
+            return None
+        block, position = divmod(ended, self.block_length)
+        if position < SETTLE_STEPS:
+            return None
+        return block // 2, (BASELINE, PLAN)[block % 2]
+
+
+@dataclass
+class BlockTimes:
+    """One rank's step clock over an `Alternation`: ``times[config][round]`` in ms."""
+
+    alternation: Alternation
+    times: dict[str, list[list[float]]] = field(init=False)
+    _last: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.times = {config: [[] for _ in range(self.alternation.rounds)] for config in (BASELINE, PLAN)}
+
+    def boundary(self, step: int) -> None:
+        """Boundary ``step`` was reached (before any switch made at it): time the step that ended."""
+        now = time.perf_counter()
+        block = self.alternation.timed_block(step)
+        if block is not None and self._last is not None:
+            round_, config = block
+            self.times[config][round_].append((now - self._last) * 1e3)
+
+    def restart(self) -> None:
+        """The next step starts now (after the loop's own work at this boundary)."""
+        self._last = time.perf_counter()
+
+
+def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> dict[str, Any]:
+    """The plan's step-time change against the recorded configuration, from every rank's block
+    times (`BlockTimes.times`), over the rounds in which both blocks were timed.
+
+    A block's step time is the median of the slowest rank's steps in it (the rank with the largest
+    median, as the report measures a step). Each round gives a change in %, plan block against
+    baseline block; the change is their mean. Its noise is the larger of two estimates: the blocks'
+    own (each median's `median_noise_pct`, combined over the pair and over the rounds) and the
+    rounds' disagreement (2 standard errors of their mean); 0 where neither can be estimated."""
+    rounds = []
+    for k in range(min(len(rank[BASELINE]) for rank in ranks)):
+        blocks = {}
+        for config in (BASELINE, PLAN):
+            timed = [list(rank[config][k]) for rank in ranks if len(rank[config][k]) > 0]
+            if len(timed) == len(ranks):
+                blocks[config] = max(timed, key=statistics.median)
+        if len(blocks) == 2:
+            rounds.append(blocks)
+    if not rounds:
+        return {"rounds": 0, "change_pct": None, "noise_pct": None, "baseline_ms": [], "plan_ms": []}
+    baseline_ms = [statistics.median(r[BASELINE]) for r in rounds]
+    plan_ms = [statistics.median(r[PLAN]) for r in rounds]
+    changes = [change_pct(p, b) for p, b in zip(plan_ms, baseline_ms, strict=True)]
+    each = [combined_noise_pct(*(median_noise_pct(r[config]) for config in (BASELINE, PLAN))) for r in rounds]
+    blocks_noise = combined_noise_pct(*each) / len(rounds)
+    rounds_noise = 2 * statistics.stdev(changes) / len(changes) ** 0.5 if len(changes) >= 2 else 0.0
+    return {
+        "rounds": len(rounds),
+        "change_pct": statistics.fmean(changes),
+        "noise_pct": max(blocks_noise, rounds_noise),
+        "round_changes_pct": changes,
+        "baseline_ms": baseline_ms,
+        "plan_ms": plan_ms,
+    }

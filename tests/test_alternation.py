@@ -1,0 +1,150 @@
+"""The baseline and the plan in turns (`qsync_callback.alternation`): the schedule, the change and
+its noise from every rank's block times, and the loop running it in real Lightning training."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_precision_apply import _apply_callback, _fit, _lp_precisions
+
+from qsync_callback.alternation import (
+    BASELINE,
+    BLOCK_STEPS,
+    PLAN,
+    SETTLE_STEPS,
+    Alternation,
+    BlockTimes,
+    paired_change,
+)
+from qsync_callback.plan import Plan
+
+APPLY_SCRIPT = Path(__file__).resolve().parent / "apply_script.py"
+
+
+def test_each_round_runs_a_baseline_block_then_a_plan_block_of_settle_and_timed_steps():
+    schedule = Alternation(rounds=2)
+    length = SETTLE_STEPS + BLOCK_STEPS
+    assert schedule.done_step == 4 * length
+    switches = {step: schedule.switch_at(step) for step in range(schedule.done_step + length)}
+    assert {s: c for s, c in switches.items() if c} == {
+        0: BASELINE,
+        length: PLAN,
+        2 * length: BASELINE,
+        3 * length: PLAN,
+    }
+    timed = [schedule.timed_block(step) for step in range(schedule.done_step + 3)]
+    # the step after each switch settles; the boundary after the last block times nothing more
+    assert timed[: SETTLE_STEPS + 1] == [None] * (SETTLE_STEPS + 1)
+    assert timed[SETTLE_STEPS + 1] == (0, BASELINE)
+    assert timed[length + SETTLE_STEPS] is None and timed[length + SETTLE_STEPS + 1] == (0, PLAN)
+    assert timed[schedule.done_step] == (1, PLAN) and timed[schedule.done_step + 1] is None
+    for block in [(0, BASELINE), (0, PLAN), (1, BASELINE), (1, PLAN)]:
+        assert timed.count(block) == BLOCK_STEPS
+
+
+def test_block_times_time_each_timed_step_from_the_restart_before_it():
+    clock = BlockTimes(Alternation(rounds=1))
+    for step in range(clock.alternation.done_step + 1):
+        clock.boundary(step)
+        clock.restart()
+        time.sleep(0.002)
+    assert [len(block) for block in clock.times[BASELINE] + clock.times[PLAN]] == [BLOCK_STEPS] * 2
+    assert all(ms >= 2.0 for block in clock.times[BASELINE] + clock.times[PLAN] for ms in block)
+
+
+def _rank(baseline, plan):
+    return {BASELINE: [list(b) for b in baseline], PLAN: [list(p) for p in plan]}
+
+
+def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
+    quiet = _rank([[10.0] * 4, [12.0] * 4], [[9.0] * 4, [10.8] * 4])
+    result = paired_change([quiet])
+    assert result["rounds"] == 2 and result["change_pct"] == pytest.approx(-10.0)
+    assert result["noise_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert result["baseline_ms"] == [10.0, 12.0] and result["plan_ms"] == [9.0, 10.8]
+    # a second rank slower in round 0's plan block: that block's time is its
+    slow = _rank([[10.0] * 4, [12.0] * 4], [[11.0] * 4, [10.8] * 4])
+    both = paired_change([quiet, slow])
+    assert both["plan_ms"] == [11.0, 10.8] and both["change_pct"] == pytest.approx((10.0 - 10.0) / 2)
+
+
+def test_rounds_that_disagree_are_noise_and_an_unfinished_round_does_not_count():
+    result = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, [11.0] * 4])])
+    assert result["change_pct"] == pytest.approx(0.0)
+    # two rounds at -10% and +10%: 2 standard errors of their mean
+    assert result["noise_pct"] == pytest.approx(2 * (200**0.5) / 2**0.5)
+    unfinished = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, []])])
+    assert unfinished["rounds"] == 1 and unfinished["change_pct"] == pytest.approx(-10.0)
+    assert paired_change([_rank([[10.0] * 4], [[]])])["change_pct"] is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ratio=st.floats(0.5, 2.0),
+    drifts=st.lists(st.floats(0.6, 1.6), min_size=1, max_size=5),
+    base=st.floats(1.0, 500.0),
+)
+def test_a_drift_shared_by_both_blocks_of_a_round_cancels(ratio, drifts, base):
+    """However the machine's speed drifts from round to round, the plan's change is what it is."""
+    baseline = [[base * d] * BLOCK_STEPS for d in drifts]
+    plan = [[base * d * ratio] * BLOCK_STEPS for d in drifts]
+    result = paired_change([_rank(baseline, plan)])
+    assert result["rounds"] == len(drifts)
+    assert result["change_pct"] == pytest.approx(100 * (ratio - 1), abs=1e-6)
+    assert result["noise_pct"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ----------------------------------------------------------------- in real Lightning training
+
+
+def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in_force(tmp_path):
+    """A 90% budget needs a layer below fp32 (on any CPU); the turns measure what it costs."""
+    callback = _apply_callback(tmp_path, plan_cache=False, alternate_rounds=2)
+    seen = []
+
+    class Watch(pl.Callback):  # after QSyncCallback: sees each step's configuration
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(dict(_lp_precisions(pl_module)))
+
+    model = _fit([callback, Watch()], max_steps=60)
+    verification = json.loads((tmp_path / "q" / "verification.json").read_text())
+    turns = verification["alternation"]
+    assert turns["rounds"] == 2 and len(turns["baseline_ms"]) == len(turns["plan_ms"]) == 2
+    assert verification["step_ms_change_pct"] == pytest.approx(turns["change_pct"])
+    assert verification["windows"]["step_ms_change_pct"] is not None
+    assert "against the baseline in turns" in verification["reason"]
+    kept = Plan.load(tmp_path / "q" / "plan.json")
+    assert verification["decision"] == "keep" and kept.precision
+    assert _lp_precisions(model) == kept.precision
+    # the model ran the recorded configuration in each baseline block and the plan in each plan block
+    switches = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1]]
+    assert [bool(seen[i]) for i in switches] == [True, False, True, False, True]  # apply, 2 rounds
+
+
+def test_two_ranks_switch_together_and_agree_on_the_turns(tmp_path):
+    """DDP over gloo: both ranks undo and re-apply at the same boundaries (a rank switching alone
+    would hang the other in a collective) and end with the same configuration."""
+    result = subprocess.run(
+        [sys.executable, str(APPLY_SCRIPT), str(tmp_path), "", "60"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps aside" not in result.stdout + result.stderr
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] == 60
+    assert per_rank[0]["precisions"] == per_rank[1]["precisions"]
+    verification = json.loads((tmp_path / "q" / "verification.json").read_text())
+    assert verification["alternation"]["rounds"] == 3
+    kept = Plan.load(tmp_path / "q" / "plan.json")
+    assert per_rank[0]["precisions"] == (kept.precision if verification["decision"] == "keep" else {})
