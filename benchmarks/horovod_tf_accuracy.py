@@ -34,6 +34,8 @@ from runs import (
     bench_environment,
     installed_version,
     launch_command,
+    na,
+    range_noise_pct,
     say_allocator,
     stderr_tail,
     write_results,
@@ -161,9 +163,10 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         )
     lines += [
         "",
-        "| model | procs | setting | runs | measured ms median [min, max] | spread % median [min, max] "
-        "| signed error % median [min, max] | mean signed error % | uncorrected: mean signed error % |",
-        "|---|---:|---|---:|---|---|---|---:|---:|",
+        "| model | procs | setting | runs | measured ms median [min, max] | run-to-run noise % "
+        "| spread % median [min, max] | signed error % median [min, max] | median abs error within the noise "
+        "| mean signed error % | uncorrected: mean signed error % |",
+        "|---|---:|---|---:|---|---:|---|---|---|---:|---:|",
     ]
     keys = list(dict.fromkeys((r["model"], r["procs"], r["setting"]) for r in rows))
     for model, procs, setting in keys:
@@ -172,17 +175,21 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         spreads = [r["spread_pct"] for r in group]
         errors = [r["signed_error_pct"] for r in group]
         before = [r["uncorrected_error_pct"] for r in group]
+        noise = range_noise_pct(measured)
+        within = "n/a" if noise is None else ("yes" if statistics.median(map(abs, errors)) <= noise else "no")
         lines.append(
             f"| {model} | {procs} | {setting} | {len(group)} | {statistics.median(measured):.2f} "
-            f"[{min(measured):.2f}, {max(measured):.2f}] | {statistics.median(spreads):.1f} "
-            f"[{min(spreads):.1f}, {max(spreads):.1f}] | {_summary(errors)} | {statistics.mean(errors):+.1f} "
-            f"| {statistics.mean(before):+.1f} |"
+            f"[{min(measured):.2f}, {max(measured):.2f}] | {na(noise, '.1f')} "
+            f"| {statistics.median(spreads):.1f} [{min(spreads):.1f}, {max(spreads):.1f}] "
+            f"| {_summary(errors)} | {within} "
+            f"| {statistics.mean(errors):+.1f} | {statistics.mean(before):+.1f} |"
         )
     lines += [
         "",
         f"batch size {batch_size} per process; error = predicted / measured - 1; uncorrected: the same "
         "traces replayed with no profiler overhead subtracted; recorded: median wall time of the "
-        "profiled steps (rank 0); spread: (p90 - p10) / median of the slowest rank's unprofiled calls",
+        "profiled steps (rank 0); spread: (p90 - p10) / median of the slowest rank's unprofiled calls; "
+        "run-to-run noise: (max - min) / mean of the runs' measured medians",
     ]
     lines += [f"FAILED: {f}" for f in failures]
     return "\n".join(lines)
