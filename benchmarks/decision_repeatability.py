@@ -95,6 +95,13 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def turns_error_pct(row: dict[str, Any]) -> float:
+    """The plan's step-time error with the drift between the windows taken out: its predicted step
+    against its measured one, both as a ratio to the recorded configuration (predicted, and measured
+    in the same rounds)."""
+    return 100.0 * ((1 + row["predicted_change_pct"] / 100) / (1 + row["change_pct"] / 100) - 1)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | launch | plan | predicted ms | measured ms (noise) | verified error | baseline ms | "
@@ -133,10 +140,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     in_turns = [r for r in verified if r["rounds"] and r["predicted_change_pct"] is not None]
     if in_turns:
         gaps = [r["predicted_change_pct"] - r["change_pct"] for r in in_turns]
+        errors = [turns_error_pct(r) for r in in_turns]
         lines.append(
             "Predicted change against the change measured in turns (points): median |difference| "
             f"{statistics.median(map(abs, gaps)):.1f} over {len(gaps)} launches, "
-            f"mean {statistics.fmean(gaps):+.1f}, range {min(gaps):+.1f} to {max(gaps):+.1f}."
+            f"mean {statistics.fmean(gaps):+.1f}, range {min(gaps):+.1f} to {max(gaps):+.1f}; as a step-time "
+            f"error (the plan's predicted step against its measured one, both referred to the baseline of "
+            f"the same round): median |error| {statistics.median(map(abs, errors)):.1f}%, mean "
+            f"{statistics.fmean(errors):+.1f}%."
         )
     lines.append(
         f"Launches of one model that reach the same outcome: {len(agree)} of {len(models)} models"

@@ -121,12 +121,16 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     candidate = Plan.from_dict(verification["plan"])
     assert "bf16" in candidate.op_precision.values() and candidate.fingerprint["layers"] == LAYERS
     assert verification["predicted"]["step_ms"] == candidate.prediction["step_ms"] > 0
-    # verify.py's rule on the run's own figures (TF measures no CPU peak: no decision keeps no plan)
+    # verify.py's rule on the run's own figures, measured with the recorded configuration and the
+    # plan in turns (each switch re-traces the step; TF measures no CPU peak: no decision keeps no plan)
+    turns = verification["alternation"]
+    assert turns["rounds"] == 3 and "in turns    3 rounds" in stdout
     change, noise = verification["step_ms_change_pct"], verification["noise_pct"]
+    assert change == turns["change_pct"] and noise == turns["noise_pct"]
     keep = change < -noise
     assert verification["decision"] == ("keep" if keep else "roll back"), verification["reason"]
     assert (change > max(100 * SLOWER_TOLERANCE, noise)) == verification["reason"].endswith(
-        f"slower than the baseline (noise +-{noise:.1f}%)"
+        f"slower than the baseline in turns (noise +-{noise:.1f}%)"
     )
     # the kept plan alone is state: plan.json holds it (or the recorded configuration); TF's rewrite
     # and the plan's env lists stay on only when it is kept

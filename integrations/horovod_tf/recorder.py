@@ -48,7 +48,7 @@ class Recorder:
             variables count as resident memory and its name scope marks update ops.
         verify_steps: calls recorded after applying a plan.
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns,
-            as for ``QSyncCallback``; 0 by default here, since each switch re-traces the step.
+            as for ``QSyncCallback`` (each switch re-traces the step).
         plan: a plan file to apply at the first call; None: in mode "apply" the plan kept in the
             plan cache for this job under these constraints, if any; False: none.
         memory_budget, max_step_time, precisions, levers, best_effort: what a plan is chosen
@@ -72,7 +72,7 @@ class Recorder:
         *,
         optimizer: Any = None,
         verify_steps: int = 3,
-        alternate_rounds: int = 0,
+        alternate_rounds: int = 3,
         plan: str | Path | Literal[False] | None = None,
         memory_budget: str | int | float | None = None,
         max_step_time: float | None = None,
