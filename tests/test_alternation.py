@@ -24,6 +24,7 @@ from qsync_callback.alternation import (
     paired_change,
 )
 from qsync_callback.plan import Plan
+from qsync_callback.report import median_noise_pct
 
 APPLY_SCRIPT = Path(__file__).resolve().parent / "apply_script.py"
 
@@ -56,7 +57,7 @@ def test_block_times_time_each_timed_step_from_the_restart_before_it():
         clock.restart()
         time.sleep(0.002)
     assert [len(block) for block in clock.times[BASELINE] + clock.times[PLAN]] == [BLOCK_STEPS] * 2
-    assert all(ms >= 2.0 for block in clock.times[BASELINE] + clock.times[PLAN] for ms in block)
+    assert all(2.0 <= ms < 1000 for block in clock.times[BASELINE] + clock.times[PLAN] for ms in block)
 
 
 def _rank(baseline, plan):
@@ -66,9 +67,17 @@ def _rank(baseline, plan):
 def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
     quiet = _rank([[10.0] * 4, [12.0] * 4], [[9.0] * 4, [10.8] * 4])
     result = paired_change([quiet])
-    assert result["rounds"] == 2 and result["change_pct"] == pytest.approx(-10.0)
-    assert result["noise_pct"] == pytest.approx(0.0, abs=1e-9)
-    assert result["baseline_ms"] == [10.0, 12.0] and result["plan_ms"] == [9.0, 10.8]
+    assert result == {
+        "rounds": 2,
+        "change_pct": pytest.approx(-10.0),
+        "noise_pct": pytest.approx(0.0, abs=1e-9),
+        "round_changes_pct": [pytest.approx(-10.0), pytest.approx(-10.0)],
+        "baseline_ms": [10.0, 12.0],
+        "plan_ms": [9.0, 10.8],
+    }
+    # the slowest rank is the one with the largest median, not the largest first step
+    spiky = _rank([[10.0] * 4, [12.0] * 4], [[30.0, 1.0, 1.0, 1.0], [10.8] * 4])
+    assert paired_change([quiet, spiky])["plan_ms"] == [9.0, 10.8]
     # a second rank slower in round 0's plan block: that block's time is its
     slow = _rank([[10.0] * 4, [12.0] * 4], [[11.0] * 4, [10.8] * 4])
     both = paired_change([quiet, slow])
@@ -82,7 +91,24 @@ def test_rounds_that_disagree_are_noise_and_an_unfinished_round_does_not_count()
     assert result["noise_pct"] == pytest.approx(2 * (200**0.5) / 2**0.5)
     unfinished = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, []])])
     assert unfinished["rounds"] == 1 and unfinished["change_pct"] == pytest.approx(-10.0)
-    assert paired_change([_rank([[10.0] * 4], [[]])])["change_pct"] is None
+    one_step = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, [9.0]])])
+    assert one_step["rounds"] == 2  # a block cut short after one timed step still counts
+    assert paired_change([_rank([[10.0] * 4], [[]])]) == {
+        "rounds": 0,
+        "change_pct": None,
+        "noise_pct": None,
+        "baseline_ms": [],
+        "plan_ms": [],
+    }
+
+
+def test_the_blocks_own_noise_shrinks_with_the_rounds_that_agree():
+    baseline, plan = [9.0, 10.0, 10.0, 11.0], [8.1, 9.0, 9.0, 9.9]
+    each = (median_noise_pct(baseline) ** 2 + median_noise_pct(plan) ** 2) ** 0.5
+    for rounds in (1, 2, 4):
+        result = paired_change([_rank([baseline] * rounds, [plan] * rounds)])
+        assert result["change_pct"] == pytest.approx(-10.0)
+        assert result["noise_pct"] == pytest.approx(each / rounds**0.5)
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,7 +8,7 @@ import pytest
 
 from qsync_callback.plan import Plan
 from qsync_callback.report import build_report, median_noise_pct
-from qsync_callback.verify import KEEP, ROLL_BACK, verify_plan
+from qsync_callback.verify import KEEP, ROLL_BACK, combined_noise_pct, verify_plan
 
 from tracebuilder import op, trace
 
@@ -71,7 +71,8 @@ def test_the_same_slowdown_in_a_noisy_run_is_no_decision_and_keeps_the_recorded_
 
 def test_no_decision_keeps_a_plan_that_uses_less_memory():
     result = _verify(_samples(10, 60), _samples(10.5, 60), plan_peak=900)
-    assert result["decision"] == KEEP and "uses less memory" in result["reason"]
+    assert result["decision"] == KEEP
+    assert result["reason"].endswith("keeping the cheaper configuration, the plan, which uses less memory")
 
 
 def test_within_the_tolerance_a_quiet_run_cannot_tell_either():
@@ -123,3 +124,85 @@ def test_a_memory_plan_says_what_it_costs_in_turns():
     )
     assert result["decision"] == KEEP
     assert result["reason"].endswith("; step time +7.5% against the baseline in turns (noise +-1.5%)")
+
+
+def test_the_noise_of_a_difference_adds_the_medians_noise_in_quadrature():
+    assert combined_noise_pct(3.0, 4.0) == pytest.approx(5.0)
+    assert combined_noise_pct(None, 2.0) == pytest.approx(2.0)
+    assert combined_noise_pct() == 0.0
+
+
+def test_the_verification_holds_every_figure_it_decided_on():
+    baseline_steps, plan_steps = _samples(10, 20, seed=5), _samples(9, 20, seed=6)
+    baseline = build_report([_run(baseline_steps, 1000)])
+    result = verify_plan(PLAN, baseline, [_run(plan_steps, 800)], loss_finite=True, memory_budget=2000)
+    windows_noise = (median_noise_pct(baseline_steps) ** 2 + median_noise_pct(plan_steps) ** 2) ** 0.5
+    assert result["noise_pct"] == pytest.approx(windows_noise)
+    assert result["windows"] == {"step_ms_change_pct": pytest.approx(-10.0), "noise_pct": result["noise_pct"]}
+    assert result["alternation"] is None
+    assert result["baseline_step_ms"] == pytest.approx(10.0) and result["baseline_peak_bytes"] == 1000
+    assert result["memory_budget"] == 2000
+    assert result["measured"] == {
+        "step_ms": pytest.approx(9.0),
+        "step_ms_noise_pct": pytest.approx(median_noise_pct(plan_steps)),
+        "peak_bytes": 800,
+    }
+    assert result["predicted"] == {"step_ms": 9.0, "peak_bytes": 1000}
+    assert result["error_pct"] == {"step_ms": pytest.approx(0.0, abs=1e-9), "peak_bytes": pytest.approx(25.0)}
+    assert result["plan"] == PLAN.to_dict()
+
+
+def test_the_edges_of_the_rule_are_no_decision():
+    """A change exactly at the noise, or exactly at the 2% a plan may cost, tells nothing."""
+    baseline = build_report([_run([10.0] * 10)])
+
+    def in_turns(change, noise, rounds=3):
+        turns = {"rounds": rounds, "change_pct": change, "noise_pct": noise, "baseline_ms": [], "plan_ms": []}
+        return verify_plan(PLAN, baseline, [_run([10.0] * 10)], loss_finite=True, alternation=turns)
+
+    assert in_turns(3.0, 3.0)["reason"].startswith("could not tell: +3.0% against the baseline in turns")
+    assert in_turns(-3.0, 3.0)["reason"].startswith("could not tell: -3.0%")
+    assert in_turns(2.0, 0.0)["reason"].endswith(
+        "(+-0.0%, or the 2% allowed); keeping the cheaper configuration, the recorded configuration"
+    )
+    assert in_turns(2.01, 0.0)["reason"] == "2.0% slower than the baseline in turns (noise +-0.0%)"
+    assert in_turns(-0.01, 0.0)["decision"] == KEEP
+    # one round is enough to decide on the turns; none, or no count at all, falls back on the windows
+    assert in_turns(-5.0, 1.0, rounds=1)["reason"] == "5.0% faster than the baseline in turns (noise +-1.0%)"
+    no_count = verify_plan(
+        PLAN,
+        baseline,
+        [_run([10.0] * 10)],
+        loss_finite=True,
+        alternation={"change_pct": -5.0, "noise_pct": 1.0},
+    )
+    assert no_count["reason"].startswith("could not tell: +0.0% against the baseline is within")
+
+
+def test_a_memory_plan_says_whether_its_peak_is_below_the_baseline_and_within_the_budget():
+    baseline = build_report([_run(_samples(10, 2), 1000)])
+
+    def memory(plan_peak, budget):
+        return verify_plan(
+            PLAN, baseline, [_run(_samples(10, 2), plan_peak)], loss_finite=True, memory_budget=budget
+        )
+
+    at_budget = memory(950, 950)
+    assert at_budget["decision"] == KEEP
+    assert at_budget["reason"].startswith(
+        "needed for the memory budget: measured peak below the baseline's, within the budget"
+    )
+    over = memory(990, 950)
+    assert over["decision"] == KEEP and "below the baseline's, over the budget" in over["reason"]
+    not_below = memory(1000, 950)
+    assert (
+        not_below["decision"] == ROLL_BACK and "measured peak not below the baseline's" in not_below["reason"]
+    )
+    # a budget the baseline meets exactly was not what the plan was needed for: decided on time
+    assert not memory(900, 1000)["reason"].startswith("needed for the memory budget")
+
+
+def test_without_a_measured_step_time_the_plan_is_kept_and_the_reason_says_why():
+    baseline = build_report([_run(_samples(10, 2))])
+    result = verify_plan(PLAN, baseline, [_run([])], loss_finite=True)
+    assert result["decision"] == KEEP and result["reason"] == "no step time measured to compare"
