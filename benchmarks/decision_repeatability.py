@@ -33,8 +33,8 @@ from models import get_model, timed_fit
 from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
 
 # the baseline window ends at 30, the verify window 20 steps later, the turns (3 rounds of two blocks
-# of 5 steps) 30 after that
-MAX_STEPS = 90
+# of 5 steps, up to 9 while they cannot tell) 30 to 90 after that
+MAX_STEPS = 150
 NOTHING_TO_APPLY = "nothing to apply"
 
 

@@ -10,6 +10,12 @@ switch are not timed (the first step after a switch runs with cold caches and al
 ``BLOCK_STEPS`` are, boundary to boundary. Both configurations see the same stretch of the machine
 within a round, so a drift cancels in that round's change.
 
+When ``rounds`` rounds cannot tell the plan from the baseline (the change within its noise, see
+`verify.can_tell`), the turns go on by ``rounds`` more, up to ``LOOKS`` times as many: the noise of
+the mean shrinks with the square root of the rounds. Looking more than once lets chance decide a
+little more often (three looks at a 2-standard-error band instead of one); a decision either way
+on a change that small costs little, and three looks bound it.
+
 `Alternation` is the schedule (which boundary switches, which step is timed in which block);
 `BlockTimes` is one rank's step clock over it; `paired_change` turns every rank's times into the
 change and its noise that verify decides on.
@@ -28,14 +34,20 @@ from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1
 BLOCK_STEPS = 4  # at least 3: the noise of a block's median needs 3 samples
+LOOKS = 3  # the turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
 BASELINE, PLAN = "baseline", "plan"
 
 
 @dataclass(frozen=True)
 class Alternation:
-    """The schedule of ``rounds`` rounds, counted in step boundaries from the first switch (0)."""
+    """The schedule: ``rounds`` rounds, then as many more at each look up to ``most_rounds``, counted
+    in step boundaries from the first switch (0)."""
 
     rounds: int
+
+    @property
+    def most_rounds(self) -> int:
+        return LOOKS * self.rounds
 
     @property
     def block_length(self) -> int:
@@ -43,8 +55,15 @@ class Alternation:
 
     @property
     def done_step(self) -> int:
-        """The boundary at which every block's last step has ended."""
-        return 2 * self.rounds * self.block_length
+        """The boundary at which every block's last step has ended, if the turns run to the end."""
+        return 2 * self.most_rounds * self.block_length
+
+    def look_at(self, step: int) -> bool:
+        """Whether boundary ``step`` ends a look's rounds short of the last: there the turns stop if
+        they can tell the plan from the baseline."""
+        round_length = 2 * self.block_length
+        done, within = divmod(step, round_length)
+        return within == 0 and done < self.most_rounds and done > 0 and done % self.rounds == 0
 
     def switch_at(self, step: int) -> str | None:
         """The configuration a block starting at boundary ``step`` runs (BASELINE or PLAN), or None."""
@@ -72,7 +91,8 @@ class BlockTimes:
     _last: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.times = {config: [[] for _ in range(self.alternation.rounds)] for config in (BASELINE, PLAN)}
+        rounds = self.alternation.most_rounds
+        self.times = {config: [[] for _ in range(rounds)] for config in (BASELINE, PLAN)}
 
     def boundary(self, step: int) -> None:
         """Boundary ``step`` was reached (before any switch made at it): time the step that ended."""

@@ -51,7 +51,7 @@ from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
 from qsync_callback.report import REPORT_FILE, build_report, format_summary, format_verification, write_report
 from qsync_callback.units import check_count
-from qsync_callback.verify import KEEP, ROLL_BACK, verify_plan
+from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, verify_plan
 
 MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
@@ -580,6 +580,9 @@ class TuningLoop:
         switch = turns.alternation.switch_at(step)
         if switch is not None and not self._agree():
             return
+        if turns.alternation.look_at(step) and self._turns_tell():
+            self._after_alternation()
+            return
         if switch == BASELINE:
             undo, self._undo_candidate = self._undo_candidate, None
             if undo is not None:
@@ -594,6 +597,24 @@ class TuningLoop:
             self._after_alternation()
             return
         turns.restart()
+
+    def _turns_tell(self) -> bool:
+        """At a look (every rank): whether the rounds so far decide (rank 0 says, every rank follows):
+        the change told from the baseline, a plan decided on its peak, or a loss no longer finite."""
+        loss_finite = self._all_true(self._loss_finite)
+        texts = self._exchange(json.dumps(self._turns.times))
+        told = ""
+        if self._integration.collective.rank == 0 and texts is not None:
+            told = self._safe.run(self._turns_decide, texts, loss_finite) or ""
+        return bool((self._exchange(told) or ["stop"])[0])
+
+    def _turns_decide(self, texts: Sequence[str], loss_finite: bool) -> str:
+        """Rank 0: "stop" when the turns so far decide, else ""."""
+        turns = paired_change([json.loads(text) for text in texts])
+        change, noise = turns["change_pct"], turns["noise_pct"]
+        if not loss_finite or decided_on_memory(self.report, self._constraints.memory_budget):
+            return "stop"
+        return "stop" if change is None or can_tell(change, noise) else ""
 
     def _after_alternation(self) -> None:
         """After the last block (or at the end of training, over the rounds complete by then): rank 0

@@ -40,6 +40,12 @@ def combined_noise_pct(*noise_pcts: float | None) -> float:
     return sum((n or 0.0) ** 2 for n in noise_pcts) ** 0.5
 
 
+def can_tell(change_pct: float, noise_pct: float) -> bool:
+    """Whether a measured change says anything: slower beyond its noise and the tolerance, or faster
+    beyond its noise."""
+    return change_pct > max(100 * SLOWER_TOLERANCE, noise_pct) or change_pct < -noise_pct
+
+
 def decided_on_memory(baseline: Mapping[str, Any], memory_budget: int | None) -> bool:
     """Whether a plan is decided on its peak: it was needed for a budget the baseline exceeded."""
     return memory_budget is not None and baseline["predicted"]["peak_bytes"] > memory_budget
@@ -86,9 +92,9 @@ def verify_plan(
             reason += f"; step time {change:+.1f}% against {against} (noise +-{noise:.1f}%)"
     elif change is None:
         decision, reason = KEEP, "no step time measured to compare"
-    elif change > max(100 * SLOWER_TOLERANCE, noise):
+    elif can_tell(change, noise) and change > 0:
         decision, reason = ROLL_BACK, f"{change:.1f}% slower than {against} (noise +-{noise:.1f}%)"
-    elif change < -noise:
+    elif can_tell(change, noise):
         decision, reason = KEEP, f"{-change:.1f}% faster than {against} (noise +-{noise:.1f}%)"
     else:
         decision = KEEP if lower_peak else ROLL_BACK

@@ -17,6 +17,7 @@ from test_precision_apply import _apply_callback, _fit, _lp_precisions
 from qsync_callback.alternation import (
     BASELINE,
     BLOCK_STEPS,
+    LOOKS,
     PLAN,
     SETTLE_STEPS,
     Alternation,
@@ -32,22 +33,24 @@ APPLY_SCRIPT = Path(__file__).resolve().parent / "apply_script.py"
 def test_each_round_runs_a_baseline_block_then_a_plan_block_of_settle_and_timed_steps():
     schedule = Alternation(rounds=2)
     length = SETTLE_STEPS + BLOCK_STEPS
-    assert schedule.done_step == 4 * length
+    assert schedule.most_rounds == LOOKS * 2 and schedule.done_step == 2 * LOOKS * 2 * length
     switches = {step: schedule.switch_at(step) for step in range(schedule.done_step + length)}
     assert {s: c for s, c in switches.items() if c} == {
-        0: BASELINE,
-        length: PLAN,
-        2 * length: BASELINE,
-        3 * length: PLAN,
+        k * length: (BASELINE, PLAN)[k % 2] for k in range(2 * schedule.most_rounds)
     }
     timed = [schedule.timed_block(step) for step in range(schedule.done_step + 3)]
     # the step after each switch settles; the boundary after the last block times nothing more
     assert timed[: SETTLE_STEPS + 1] == [None] * (SETTLE_STEPS + 1)
     assert timed[SETTLE_STEPS + 1] == (0, BASELINE)
     assert timed[length + SETTLE_STEPS] is None and timed[length + SETTLE_STEPS + 1] == (0, PLAN)
-    assert timed[schedule.done_step] == (1, PLAN) and timed[schedule.done_step + 1] is None
-    for block in [(0, BASELINE), (0, PLAN), (1, BASELINE), (1, PLAN)]:
-        assert timed.count(block) == BLOCK_STEPS
+    last = schedule.most_rounds - 1
+    assert timed[schedule.done_step] == (last, PLAN) and timed[schedule.done_step + 1] is None
+    for round_ in range(schedule.most_rounds):
+        for config in (BASELINE, PLAN):
+            assert timed.count((round_, config)) == BLOCK_STEPS
+    # the turns look after 2 rounds, 4, ... and not at the end, where they stop anyway
+    looks = [step for step in range(schedule.done_step + length) if schedule.look_at(step)]
+    assert looks == [2 * k * 2 * length for k in range(1, LOOKS)]
 
 
 def test_block_times_time_each_timed_step_from_the_restart_before_it():
@@ -56,8 +59,9 @@ def test_block_times_time_each_timed_step_from_the_restart_before_it():
         clock.boundary(step)
         clock.restart()
         time.sleep(0.002)
-    assert [len(block) for block in clock.times[BASELINE] + clock.times[PLAN]] == [BLOCK_STEPS] * 2
-    assert all(2.0 <= ms < 1000 for block in clock.times[BASELINE] + clock.times[PLAN] for ms in block)
+    blocks = clock.times[BASELINE] + clock.times[PLAN]
+    assert [len(block) for block in blocks] == [BLOCK_STEPS] * 2 * LOOKS
+    assert all(2.0 <= ms < 1000 for block in blocks for ms in block)
 
 
 def _rank(baseline, plan):
@@ -142,6 +146,7 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
     model = _fit([callback, Watch()], max_steps=60)
     verification = json.loads((tmp_path / "q" / "verification.json").read_text())
     turns = verification["alternation"]
+    # decided on its peak: the turns stop at their first look, after 2 rounds
     assert turns["rounds"] == 2 and len(turns["baseline_ms"]) == len(turns["plan_ms"]) == 2
     assert verification["step_ms_change_pct"] == pytest.approx(turns["change_pct"])
     assert verification["windows"]["step_ms_change_pct"] is not None

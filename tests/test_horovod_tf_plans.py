@@ -21,7 +21,7 @@ from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.integrations.horovod_tf.mixed_precision import AMP_OPTION, ENV_PREFIX
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.verify import SLOWER_TOLERANCE
+from qsync_callback.verify import SLOWER_TOLERANCE, can_tell
 
 from keras_steps import NO_BF16_CPU, cpu_runs_bf16, mlp_and_step
 from tf_launch import EXAMPLE, run_horovod, run_python
@@ -124,9 +124,11 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     # verify.py's rule on the run's own figures, measured with the recorded configuration and the
     # plan in turns (each switch re-traces the step; TF measures no CPU peak: no decision keeps no plan)
     turns = verification["alternation"]
-    assert turns["rounds"] == 3 and "in turns    3 rounds" in stdout
+    assert turns["rounds"] in (3, 6, 9) and f"in turns    {turns['rounds']} rounds" in stdout
     change, noise = verification["step_ms_change_pct"], verification["noise_pct"]
     assert change == turns["change_pct"] and noise == turns["noise_pct"]
+    # the turns went on past a look only where they could not tell, and stopped where they could
+    assert (turns["rounds"] < 9) <= can_tell(change, noise)
     keep = change < -noise
     assert verification["decision"] == ("keep" if keep else "roll back"), verification["reason"]
     assert (change > max(100 * SLOWER_TOLERANCE, noise)) == verification["reason"].endswith(

@@ -8,7 +8,7 @@ import pytest
 
 from qsync_callback.plan import Plan
 from qsync_callback.report import build_report, median_noise_pct
-from qsync_callback.verify import KEEP, ROLL_BACK, combined_noise_pct, verify_plan
+from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, combined_noise_pct, verify_plan
 
 from tracebuilder import op, trace
 
@@ -206,3 +206,10 @@ def test_without_a_measured_step_time_the_plan_is_kept_and_the_reason_says_why()
     baseline = build_report([_run(_samples(10, 2))])
     result = verify_plan(PLAN, baseline, [_run([])], loss_finite=True)
     assert result["decision"] == KEEP and result["reason"] == "no step time measured to compare"
+
+
+def test_a_change_tells_only_beyond_its_noise_and_a_slowdown_only_beyond_the_tolerance_too():
+    assert not can_tell(2.0, 0.0) and can_tell(2.01, 0.0)
+    assert can_tell(-0.01, 0.0) and not can_tell(0.0, 0.0)
+    assert not can_tell(3.0, 3.0) and not can_tell(-3.0, 3.0)
+    assert can_tell(3.1, 3.0) and can_tell(-3.1, 3.0)

@@ -42,7 +42,8 @@ class QSyncCallback(pl.Callback):
         verify_steps: steps recorded after applying a plan.
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns
             (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided
-            (a drift of the machine's speed between the two recorded windows cancels in each round).
+            (a drift of the machine's speed between the two recorded windows cancels in each round);
+            while they cannot tell the plan from the baseline, as many more, up to 3 times as many.
         best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply
             the closest one (the least-memory plan, or the least-violating) instead of none.
         plan: a plan file to apply at step 0, without recording or planning.
