@@ -51,6 +51,10 @@ def test_each_round_runs_a_baseline_block_then_a_plan_block_of_settle_and_timed_
     # the turns look after 2 rounds, 4, ... and not at the end, where they stop anyway
     looks = [step for step in range(schedule.done_step + length) if schedule.look_at(step)]
     assert looks == [2 * k * 2 * length for k in range(1, LOOKS)]
+    one = Alternation(rounds=1)
+    assert [step for step in range(one.done_step + 1) if one.look_at(step)] == [
+        k * 2 * length for k in range(1, LOOKS)
+    ]
 
 
 def test_block_times_time_each_timed_step_from_the_restart_before_it():
