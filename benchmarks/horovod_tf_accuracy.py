@@ -44,6 +44,7 @@ from runs import (
 from qsync_callback.jsonio import read_json
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import change_pct
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"
@@ -90,25 +91,6 @@ def example_command(
     return cmd
 
 
-def run(
-    model: str,
-    procs: int,
-    batch_size: int,
-    run_dir: Path,
-    extra: Sequence[str] = (),
-    setting: str = EXAMPLE_DEFAULTS,
-) -> tuple[int, float]:
-    """One run of the example (with the ``extra`` arguments, under ``setting``); returns (exit code,
-    wall seconds). Logs go into ``run_dir``."""
-    return launch_command(
-        example_command(model, procs, batch_size, run_dir, extra, setting), run_dir, TIMEOUT_S
-    )
-
-
-def _pct(a: float, b: float) -> float:
-    return 100.0 * (a / b - 1)
-
-
 def read_row(
     model: str, procs: int, repeat: int, run_dir: Path, setting: str = EXAMPLE_DEFAULTS
 ) -> dict[str, Any]:
@@ -135,8 +117,8 @@ def read_row(
         "recorded_ms": recorded,
         "predicted_ms": predicted,
         "uncorrected_ms": uncorrected,
-        "signed_error_pct": _pct(predicted, measured),
-        "uncorrected_error_pct": _pct(uncorrected, measured),
+        "signed_error_pct": change_pct(predicted, measured),
+        "uncorrected_error_pct": change_pct(uncorrected, measured),
         "profiler_us_per_event": report["profiler_overhead_us"],
         "profiler_ms_per_step": max(charged),
     }
@@ -295,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, failures = [], []
     load_at_start = os.getloadavg()
     for model, procs, setting, repeat, run_dir in setting_runs(args, "horovod_tf_runs", settings):
-        rc, wall_s = run(model, procs, args.batch_size, run_dir, extra, setting)
+        command = example_command(model, procs, args.batch_size, run_dir, extra, setting)
+        rc, wall_s = launch_command(command, run_dir, TIMEOUT_S)
         try:
             rows.append(read_row(model, procs, repeat, run_dir, setting))
         except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero

@@ -62,6 +62,7 @@ from qsync_callback.predictor.tensor_fusion import can_price_fusion
 from qsync_callback.recorder.tf_recorder import PROBE_RUN
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import convert_xspace, find_xspace, load_xspace
+from qsync_callback.report import change_pct
 
 FUSION = "fusion threshold + cycle time"
 FUSION_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME")  # Horovod's names
@@ -92,10 +93,6 @@ def run(
         unset = [arg for key, value in env.items() if value is None for arg in ("-u", key)]
         cmd = ["env", *unset, *(f"{k}={v}" for k, v in env.items() if v is not None), *cmd]
     return launch_command(cmd, run_dir, TIMEOUT_S)
-
-
-def _error_pct(predicted: float | None, measured: float | None) -> float | None:
-    return 100.0 * (predicted / measured - 1) if predicted and measured else None
 
 
 def plan_kind(plan: Plan, reconstruction: bool = False) -> str:
@@ -140,7 +137,7 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         record["measured_ms"] = verification["measured"]["step_ms"]
         record["outcome"] = "kept" if verification["decision"] == "keep" else "rolled back"
         record["detail"] = verification["reason"]
-    record["error_pct"] = _error_pct(record["predicted_ms"], record["measured_ms"])
+    record["error_pct"] = change_pct(record["predicted_ms"], record["measured_ms"])
     return record
 
 
@@ -216,7 +213,7 @@ def fusion_run(
             failures.append(f"{run_dir.name}: exit {rc}, {exc}\n{stderr_tail(run_dir)}")
             continue
         record[key] = report["measured"]["step_ms"]
-    record["error_pct"] = _error_pct(record["predicted_ms"], record["measured_ms"])
+    record["error_pct"] = change_pct(record["predicted_ms"], record["measured_ms"])
     return record, failures
 
 

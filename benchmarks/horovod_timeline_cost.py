@@ -22,8 +22,16 @@ import statistics
 import sys
 from typing import Any
 
-from horovod_tf_accuracy import each_run, finish, horovod_arguments, quick, read_row, run
-from runs import say_allocator, stderr_tail
+from horovod_tf_accuracy import (
+    TIMEOUT_S,
+    each_run,
+    example_command,
+    finish,
+    horovod_arguments,
+    quick,
+    read_row,
+)
+from runs import launch_command, say_allocator, stderr_tail
 
 TIMELINE_FLAG = "--horovod-timeline"
 
@@ -59,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         order = (False, True) if repeat % 2 else (True, False)
         for timeline in order:
             folder = run_dir / ("with" if timeline else "without")
-            rc, _ = run(model, procs, args.batch_size, folder, [TIMELINE_FLAG] if timeline else [])
+            command = example_command(
+                model, procs, args.batch_size, folder, [TIMELINE_FLAG] if timeline else []
+            )
+            rc, _ = launch_command(command, folder, TIMEOUT_S)
             try:
                 measured[timeline] = read_row(model, procs, repeat, folder)["measured_ms"]
             except Exception as exc:  # noqa: BLE001 - report every failed run, then exit non-zero

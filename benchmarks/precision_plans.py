@@ -62,6 +62,7 @@ from qsync_callback.predictor.indicator import sensitivity
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import change_pct
 from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
@@ -159,10 +160,6 @@ def greedy_gap(predictor: Predictor, precisions: list[str], limit: int) -> dict[
     return row
 
 
-def _error(predicted: float, measured: float | None) -> float | None:
-    return None if not measured else 100.0 * (predicted - measured) / measured
-
-
 def _run_plan(script: Path, args: list[str], run_dir: Path, timeout: float) -> dict[str, Any] | None:
     """One run of a plan; its report's measured figures, or None if it failed."""
     rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
@@ -252,10 +249,10 @@ def measure_plans(
                 "noise_pct": None
                 if recording_noise is None and run_noise is None
                 else combined_noise_pct(recording_noise, run_noise),
-                "step_error_pct": _error(predicted_ms, measured_ms),
+                "step_error_pct": change_pct(predicted_ms, measured_ms),
                 "predicted_peak_bytes": predicted_peak,
                 "measured_peak_bytes": measured_peak,
-                "peak_error_pct": _error(predicted_peak, measured_peak),
+                "peak_error_pct": change_pct(predicted_peak, measured_peak),
             }
         )
     return {

@@ -3,9 +3,11 @@ cache in the directory given as the second argument (none without one, or when i
 the number of steps given as the third (30 without one).
 
 Each rank writes ``rank<k>.json`` with the precisions its model ends with, whether every loss was
-finite, and how many steps it ran."""
+finite, and how many steps it ran. The tests start it with `run_two_ranks`."""
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_precision_apply import GeluNet, _apply_callback, _loader, _lp_precisions  # noqa: E402
+
+
+def run_two_ranks(out: Path, cache: Path | None = None, steps: int = 30) -> subprocess.CompletedProcess:
+    """This program, run in ``out`` (its output directory too) with the plan cache ``cache``."""
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(out), str(cache or ""), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=out,
+    )
 
 
 def main() -> None:

@@ -2,11 +2,7 @@
 its noise from every rank's block times, and the loop running it in real Lightning training."""
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -27,7 +23,7 @@ from qsync_callback.alternation import (
 from qsync_callback.plan import Plan
 from qsync_callback.report import median_noise_pct
 
-APPLY_SCRIPT = Path(__file__).resolve().parent / "apply_script.py"
+from apply_script import run_two_ranks
 
 
 def test_each_round_runs_a_baseline_block_then_a_plan_block_of_settle_and_timed_steps():
@@ -166,14 +162,7 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
 def test_two_ranks_switch_together_and_agree_on_the_turns(tmp_path):
     """DDP over gloo: both ranks undo and re-apply at the same boundaries (a rank switching alone
     would hang the other in a collective) and end with the same configuration."""
-    result = subprocess.run(
-        [sys.executable, str(APPLY_SCRIPT), str(tmp_path), "", "60"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=tmp_path,
-    )
+    result = run_two_ranks(tmp_path, steps=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps aside" not in result.stdout + result.stderr
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -4,11 +4,7 @@ under, what survives a rollback or a failure, what a step is, and argument check
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -21,8 +17,9 @@ from qsync_callback.recorder.torch_recorder import batch_shapes_of, torch_finger
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.tuning_loop import apply_plan
 
+from apply_script import run_two_ranks
+
 JOB = f"{GeluNet.__module__}.GeluNet"
-APPLY_SCRIPT = Path(__file__).resolve().parent / "apply_script.py"
 
 
 def _fingerprint(batch_size=512):
@@ -85,14 +82,7 @@ def test_two_ranks_drop_a_cached_plan_that_cannot_be_applied_together(tmp_path):
         JOB,
         tmp_path / "cache",
     )
-    result = subprocess.run(
-        [sys.executable, str(APPLY_SCRIPT), str(tmp_path), str(tmp_path / "cache")],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=tmp_path,
-    )
+    result = run_two_ranks(tmp_path, tmp_path / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the kept plan cannot be applied here" in result.stdout + result.stderr
     assert "steps aside" not in result.stdout + result.stderr
