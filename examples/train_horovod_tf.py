@@ -8,15 +8,13 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/train_horovod_tf.py --mode apply --horovod-timeline
                                                    # also price gradient groups and fusion settings
 
-Threads (``--threads``, ``--inter-threads``, ``--cycle-time-ms``, ``--pin``), as measured on the
-project's 2-core VM with two processes (``benchmarks/horovod_tf_accuracy.py --settings ...``): by
-default each process gets TF intra- and inter-op pools of cores / processes on this host threads
-(1 and 1 there; TF's own pools, as many threads as cores each, made steps 15-30% slower and no
-steadier); Horovod's cycle time stays Horovod's 1 ms (0.2 or 5 ms changed neither the spread nor
-the CPU time Horovod's and Gloo's threads take per step). ``--pin all`` binds each process, all its
-threads, to its share of the cores: the spread of step times within a run drops by a sixth to a
-third and the CNN runs 6% faster, but the MLP 9% slower (its all-reduce work on Horovod's and
-Gloo's threads then waits for its own core), so it is an option, not the default.
+Threads (``--threads``, ``--inter-threads``, ``--cycle-time-ms``, ``--pin``; compared by
+``benchmarks/horovod_tf_accuracy.py --settings ...``): by default each process gets TF intra- and
+inter-op pools of cores / processes on this host (1 and 1 for two processes on 2 cores; TF's own
+pools, as many threads as cores each, oversubscribe the cores); Horovod's cycle time stays
+Horovod's 1 ms. ``--pin all`` binds each process, all its threads, to its share of the cores:
+steadier steps, but a step whose all-reduce work on Horovod's and Gloo's threads then waits for its
+own core can run slower, so it is an option, not the default.
 
 The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the recorded
 window rank 0 prints measured against predicted step time and writes ``<output_dir>/report.json``;

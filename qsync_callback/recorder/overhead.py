@@ -21,18 +21,19 @@ counts the events of each kind (`kineto.event_kind`) the profiler recorded there
 scalar instead of a tensor, for one, records four more ops nested in the add, converting the
 scalar, and four memory events). A loop's extra time per iteration is the sum over kinds of its
 events per iteration times the cost of one event of that kind; the three loops give three
-equations for the three costs (0.49-0.56 us per op, under 0.1 us per memory event and 2.8-2.9 us
-per hooked layer, over the 14 one-process runs of `benchmarks/prediction_accuracy.py` in
-session 6).
+equations for the three costs (0.50-1.18 us per op, at most 0.13 us per memory event and 2.8-5.0 us
+per hooked layer, over the 21 one-process runs of `benchmarks/prediction_accuracy.py` in
+session 7: the trace's ``profiler_overhead_us``).
 
 In a whole training step recording costs more than these hot loops say: the interpreter runs cold
 between large ops, the profiler's buffers grow, and the recorder's own hooks (layer ranges, the
-storage watch of `live_memory.py`) run. Whole steps of the benchmark models cost up to 20 times the
-loops' figure (benchmarks/README.md): no loop is a steady stand-in for a real step. Nor
-is a neighbour: the unprofiled step after a profiler session takes thousands of page faults more
-under glibc malloc (the session's buffers are handed back to the system, and the step takes pages
-again), and the allocator's thresholds, raised by the profiler's large blocks, make the steps after
-the window take none where those before it took thousands.
+storage watch of `live_memory.py`) run. Whole steps of the benchmark models cost up to 26 times
+the loops' figure (session 7's prediction-accuracy table, benchmarks/README.md): no loop is a
+steady stand-in for a real step. Nor is a neighbour: the unprofiled step after a profiler session
+takes thousands of page faults more under glibc malloc (the session's buffers are handed back to
+the system, and the step takes pages again), and the allocator's thresholds, raised by the
+profiler's large blocks, make the steps after the window take none where those before it took
+thousands.
 
 So the loops give what an op, a memory event and a layer range cost each, and the run's measured
 steps give the rest (`calibrate_on_steps`): the recorded steps' median less the unprofiled steps'

@@ -376,12 +376,10 @@ class ProfilerCalibration:
     The two loops give two equations (extra time per call = events per call @ cost per event) for
     the two costs, solved by least squares with none negative (`overhead_per_event`). The loops
     run on the process's TF thread pools, as the step does; they are traced and warmed up when the
-    calibration is made. On the project's 2-core VM, shared with other jobs, over 80 runs of the
-    example: an op event 0 to 3 us, another 0 to 4 us (the two loops tell them apart poorly on a
-    drifting machine); what they add up to per step is steadier: a median 0.23 ms for the MLP and
-    0.32-0.36 ms for the CNN (130 to 230 events a step), of which the replay removes about a third
-    (the rest falls off the critical path, or in gaps shorter than their charge). The calibration
-    takes about 0.15 s.
+    calibration is made. On the project's 2-core VM, over the 12 runs of session 7's
+    `benchmarks/horovod_tf_accuracy.py` table: an op event 0 to 2.3 us, another 1.4 to 8.5 us (the
+    two loops tell them apart poorly on a drifting machine); what they add up to per step is
+    steadier: 0.21 to 0.59 ms.
     """
 
     CHAIN = 32
