@@ -57,6 +57,7 @@ MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
 VERIFICATION_FILE = "verification.json"
 ALTERNATE = "alternate"  # rank 0's word to every rank: run the baseline and the plan in turns first
+GO_ON = "go on"  # ... and at a look: the turns cannot tell yet, run more rounds
 VERIFY_WARMUP_STEPS = 4  # after switching: two cold steps, one timed, one under the profiler unrecorded
 
 Undo = Callable[[], None]
@@ -580,8 +581,7 @@ class TuningLoop:
         switch = turns.alternation.switch_at(step)
         if switch is not None and not self._agree():
             return
-        if turns.alternation.look_at(step) and self._turns_tell():
-            self._after_alternation()
+        if turns.alternation.look_at(step) and self._after_alternation(last=False):
             return
         if switch == BASELINE:
             undo, self._undo_candidate = self._undo_candidate, None
@@ -598,45 +598,39 @@ class TuningLoop:
             return
         turns.restart()
 
-    def _turns_tell(self) -> bool:
-        """At a look (every rank): whether the rounds so far decide (rank 0 says, every rank follows):
-        the change told from the baseline, a plan decided on its peak, or a loss no longer finite."""
-        loss_finite = self._all_true(self._loss_finite)
-        texts = self._exchange(json.dumps(self._turns.times))
-        told = ""
-        if self._integration.collective.rank == 0 and texts is not None:
-            told = self._safe.run(self._turns_decide, texts, loss_finite) or ""
-        return bool((self._exchange(told) or ["stop"])[0])
-
-    def _turns_decide(self, texts: Sequence[str], loss_finite: bool) -> str:
-        """Rank 0: "stop" when the turns so far decide, else ""."""
-        turns = paired_change([json.loads(text) for text in texts])
-        change, noise = turns["change_pct"], turns["noise_pct"]
-        if not loss_finite or decided_on_memory(self.report, self._constraints.memory_budget):
-            return "stop"
-        return "stop" if change is None or can_tell(change, noise) else ""
-
-    def _after_alternation(self) -> None:
-        """After the last block (or at the end of training, over the rounds complete by then): rank 0
-        decides on the turns, every rank follows; a plan kept while the baseline ran is re-applied."""
+    def _after_alternation(self, last: bool = True) -> bool:
+        """After the last block, at a look, or at the end of training (over the rounds complete by
+        then): rank 0 decides on the turns, every rank follows (a plan kept while the baseline ran is
+        re-applied). At a look (not ``last``) the turns go on instead while they cannot tell the plan
+        from the baseline; returns whether they ended."""
         if not self._agree():
-            return
+            return True
         loss_finite = self._all_true(self._loss_finite)
         texts = self._exchange(json.dumps(self._turns.times))
         decision = ""
         if self._integration.collective.rank == 0 and texts is not None:
-            decision = self._safe.run(self._verify_in_turns, texts, loss_finite) or ""
+            decision = self._safe.run(self._verify_in_turns, texts, loss_finite, last) or ""
         decision = (self._exchange(decision) or [""])[0]
+        if decision == GO_ON:
+            return False
         if decision == KEEP and self._undo_candidate is None:
             error = self._apply_everywhere(self.candidate, to_keep=False)
             if error is not None:
                 self._log(f"qsync: the kept plan could not be applied again ({error}); rolled back")
                 decision = ROLL_BACK
         self._decide(decision)
+        return True
 
-    def _verify_in_turns(self, texts: Sequence[str], loss_finite: bool) -> str:
-        """Rank 0: verify's decision on the verify window and every rank's block times."""
+    def _verify_in_turns(self, texts: Sequence[str], loss_finite: bool, last: bool) -> str:
+        """Rank 0: GO_ON at a look where the turns cannot tell the plan from the baseline yet (and
+        the plan is decided on its step time, its loss finite); else verify's decision on the verify
+        window and every rank's block times, written."""
         turns = paired_change([json.loads(text) for text in texts])
+        change, noise = turns["change_pct"], turns["noise_pct"]
+        undecided = change is not None and not can_tell(change, noise)
+        on_time = loss_finite and not decided_on_memory(self.report, self._constraints.memory_budget)
+        if not last and undecided and on_time:
+            return GO_ON
         return self._write_verification(self._verify_traces, loss_finite, turns)
 
     def _decide(self, decision: str) -> None:
