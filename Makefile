@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	# torch==2.13.0 is a CPU build on this machine's disk; a looser range pulls a multi-GB CUDA build.
 	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e ".[lightning,horovod-tf,dev]"
+	$(VENV)/bin/pip install --quiet -e ".[lightning,horovod-tf,dev,plots]"
 	# Horovod 0.28.1 only builds from source, against the TensorFlow just installed: no build isolation
 	# (so its build deps must be in the venv first), TF and Gloo on, MPI/PyTorch/MXNet off (our torch
 	# side uses torch.distributed). CMake: the system's 3.25, named through HOROVOD_CMAKE so that no
