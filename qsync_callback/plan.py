@@ -367,16 +367,19 @@ class Plan:
             self.validate_for(layers, source=source)
 
     def validate_for(self, layers: Iterable[str], source: str = "<plan>") -> None:
-        """Raise QSyncInputError if precision, activation or fused_regions name layers not in `layers`.
+        """Raise QSyncInputError if precision or fused_regions name layers not in `layers`, or
+        activation a module that holds none of them (a layer, or a dotted prefix of layers' names:
+        the block ``net.3`` of ``net.3.conv1``).
 
         Buckets are not checked: they may name parameters rather than layers.
         """
         known = set(layers)
+        modules = {".".join(layer.split(".")[:k]) for layer in known for k in range(1, layer.count(".") + 1)}
         unknown: list[str] = []
         seen: set[str] = set()
         names = [
             *self.precision,
-            *self.activation,
+            *(name for name in self.activation if name not in modules),
             *(name for region in self.fused_regions for name in region),
         ]
         for name in names:

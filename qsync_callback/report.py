@@ -17,6 +17,8 @@ from typing import Any
 
 from qsync_callback.jsonio import write_text_atomic
 from qsync_callback.plan import FULL_PRECISION, Plan
+from qsync_callback.planner.activation import NOTHING_TO_FREE
+from qsync_callback.planner.memory_plan import MemoryChoice
 from qsync_callback.planner.precision import PrecisionChoice
 from qsync_callback.precision_links import precision_links
 from qsync_callback.predictor.predict import predict
@@ -212,6 +214,57 @@ def format_precision_plan(
         damage = 0.0 if p == FULL_PRECISION else indicator[layer].get(p, 0.0)
         row = f"  {layer[:40]:<40} {p:<9} {100 * share:9.1f}% {damage:10.3g}  {passes_to.get(layer, '')}"
         lines.append(row.rstrip())
+    return "\n".join(lines)
+
+
+def format_memory_plan(
+    choice: MemoryChoice, baseline: Mapping[str, Any], noise_pct: float | None = None
+) -> str:
+    """The plan chosen to meet a memory budget with every lever allowed, as a table: each layer or
+    module it changes, with its precision, its activation policy (keep / recompute / offload), the
+    bytes that policy frees at once and the time it costs (each priced alone on the plan's precision:
+    `planner.activation.Option`); then every candidate priced, and the modules left out, why."""
+    chosen, prediction = choice.chosen, choice.chosen.prediction
+    limit = "none" if choice.max_step_ms is None else _ms(choice.max_step_ms)
+    lines = [
+        f"qsync memory plan ({'meets' if choice.feasible else 'DOES NOT meet'} the constraints; "
+        f"chosen: {chosen.name})",
+        f"  step time   predicted {_ms(prediction.step_ms)} (recorded configuration "
+        f"{_ms(baseline['step_ms'])}, limit {limit})",
+        f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
+        f"{format_bytes(baseline['peak_bytes'])}, budget {format_bytes(choice.memory_budget)})",
+        *_predicted_change(prediction.step_ms, baseline["step_ms"], noise_pct),
+        f"  {'layer or module':<40} {'precision':<9} {'activation':<10} {'frees':>10} {'costs':>9}",
+    ]
+    options = {(o.module, o.policy): o for o in (chosen.activation.options if chosen.activation else [])}
+    plan = chosen.plan
+    for name in sorted({*plan.precision, *plan.activation}):
+        policy = plan.activation.get(name, "keep")
+        option = options.get((name, policy))
+        frees = format_bytes(option.freed_bytes) if option else ""
+        costs = f"{option.cost_us / 1e3:.2f} ms" if option else ""
+        precision = plan.precision.get(name, FULL_PRECISION if name in plan.precision else "")
+        lines.append(f"  {name[:40]:<40} {precision:<9} {policy:<10} {frees:>10} {costs:>9}".rstrip())
+    if not (plan.precision or plan.activation):
+        lines.append("  (none: the recorded configuration)")
+    lines.append("  candidates priced:")
+    for candidate in choice.candidates:
+        p = candidate.prediction
+        lines.append(
+            f"    {candidate.name:<24} step {_ms(p.step_ms)}, peak {format_bytes(p.peak_bytes)}, "
+            f"{len(candidate.plan.precision)} layer(s) lowered, {len(candidate.plan.activation)} "
+            "activation polic(ies)"
+        )
+    refused = chosen.activation.refused if chosen.activation else {}
+    idle = sorted(name for name, why in refused.items() if why == NOTHING_TO_FREE)
+    if idle:
+        lines.append(
+            f"  {len(idle)} module(s) left out, as they {NOTHING_TO_FREE.replace('saves', 'save')}: "
+            f"{', '.join(idle[:4])}{', ...' * (len(idle) > 4)}"
+        )
+    lines.extend(
+        f"  left out: {name}: {why}" for name, why in sorted(refused.items()) if why != NOTHING_TO_FREE
+    )
     return "\n".join(lines)
 
 

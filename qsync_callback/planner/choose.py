@@ -2,8 +2,10 @@
 traces carry, under one set of `Constraints`.
 
 Today that is the per-layer precision planner (`precision.py`: traces recorded with per-layer
-probes and layer statistics), and for TensorFlow runs the op-type and gradient-groups planner
-(`tf_plans.py`: traces with op-type costs or Horovod's settings). A new plan kind adds its planner
+probes and layer statistics); under a memory budget with the activation lever allowed on a torch
+run, precision and per-module recompute/offload chosen together (`memory_plan.py`); and for
+TensorFlow runs the op-type and gradient-groups planner (`tf_plans.py`: traces with op-type costs or
+Horovod's settings). A new plan kind adds its planner
 here, next to a predictor transform and an applier; never a branch in an integration.
 """
 
@@ -15,16 +17,21 @@ from typing import Any
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Constraints
 from qsync_callback.planner import PlanChoice
+from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
 from qsync_callback.recorder.trace import Trace
-from qsync_callback.report import format_precision_plan, median_noise_pct, slowest_rank
+from qsync_callback.report import format_memory_plan, format_precision_plan, median_noise_pct, slowest_rank
 
 
 def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Mapping[str, Any]) -> PlanChoice:
     """The best plan for ``traces`` under ``constraints`` (a memory budget in bytes by now);
     ``recorded`` is the recorded configuration's prediction (report["predicted"]), for the table.
     Raises QSyncInputError when no allowed lever can be planned from these traces."""
+    if _plans_memory(traces, constraints):
+        choice = plan_memory(traces, constraints)
+        table = format_memory_plan(choice, recorded, _noise(traces))
+        return PlanChoice(choice.chosen.plan, choice.feasible, table)
     if "precision" in constraints.levers and traces and traces[0].precision_costs.get("layers"):
         choice, indicator = plan_precision(
             traces,
@@ -34,9 +41,7 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
             best_effort=constraints.best_effort,
         )
         choice.plan.constraints = constraints.to_dict()
-        slowest = slowest_rank(traces)
-        noise = median_noise_pct(traces[slowest].measured["step_ms"]) if slowest is not None else None
-        table = format_precision_plan(choice, indicator, recorded, traces[0].layers, noise)
+        table = format_precision_plan(choice, indicator, recorded, traces[0].layers, _noise(traces))
         return PlanChoice(choice.plan, choice.feasible, table)
     if has_tf_candidates(traces):
         return choose_tf_plan(traces, constraints)
@@ -49,3 +54,25 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
         f"nothing to plan: the levers allowed ({', '.join(constraints.levers)}) have no planner for "
         "what these traces recorded"
     )
+
+
+def _plans_memory(traces: Sequence[Trace], constraints: Constraints) -> bool:
+    """Whether a budget is to be met with the activation lever: a torch run with layers, a budget,
+    the lever allowed (and, where precision is allowed too, the probes it needs recorded: else the
+    precision planner says what is missing)."""
+    return (
+        "activation" in constraints.levers
+        and (
+            "precision" not in constraints.levers or bool(traces and traces[0].precision_costs.get("layers"))
+        )
+        and constraints.memory_budget is not None
+        and bool(traces)
+        and traces[0].framework == "torch"
+        and bool(traces[0].layers)
+    )
+
+
+def _noise(traces: Sequence[Trace]) -> float | None:
+    """The measured step time's noise on the slowest rank (`median_noise_pct`)."""
+    slowest = slowest_rank(traces)
+    return median_noise_pct(traces[slowest].measured["step_ms"]) if slowest is not None else None

@@ -228,6 +228,15 @@ class MemoryCurve:
         breakdown["freed_resident"] = live_by_category.get("resident", 0)
         return MemoryPrediction(int(peak), peak_step, breakdown, step_peaks)
 
+    def levels(self, extra: Sequence[dict[int, Events]] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per step: the time of each event and the bytes alive right after it (the resident bytes
+        included), with the tensors of ``extra`` merged in as `predict` merges them."""
+        out = {}
+        for step in sorted(set(self._steps).union(*extra)):
+            times, deltas, _ = _merged(self._steps.get(step), [e[step] for e in extra if step in e])
+            out[step] = (times, self._resident + np.add.accumulate(deltas))
+        return out
+
 
 _CURVE_CATEGORIES = (*CATEGORIES, "resident")
 _CODES = {c: k for k, c in enumerate(_CURVE_CATEGORIES)}

@@ -6,12 +6,13 @@ the liveness model of each rank (`memory.py`); the prediction is the largest ran
 
 A plan is priced as changes to the recorded graph and liveness: per-layer precision
 (`precision.py`: changed op durations and extra tensors on the graphs compiled once, with no copy)
-and per-op-type precision (`op_precision.py`, time only: transformed copies of the graphs). A
-plan with decisions this version cannot price yet (fused regions, activation policies) is refused
-with a message naming them, never silently priced as if empty. Horovod's tensor fusion (``communication``:
-fusion threshold and cycle time; ``buckets``: gradient groups) is priced by regrouping the recorded
-all-reduces (`tensor_fusion.py`, time only) on traces with Horovod's timeline records; on others it
-is refused, saying what is missing.
+per-op-type precision (`op_precision.py`, time only: transformed copies of the graphs), and
+per-module activation policies (`activation.py`: recompute and offload, as added op time on the same
+compiled graphs and synthetic tensors). A plan with decisions this version cannot price yet (fused
+regions) is refused with a message naming them, never silently priced as if empty. Horovod's tensor
+fusion (``communication``: fusion threshold and cycle time; ``buckets``: gradient groups) is priced
+by regrouping the recorded all-reduces (`tensor_fusion.py`, time only) on traces with Horovod's
+timeline records; on others it is refused, saying what is missing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
+from qsync_callback.predictor.activation import KEEP, ActivationPricing, check_activation_plan
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import MemoryCurve, tensor_lifetimes
 from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan
@@ -69,18 +71,12 @@ class Prediction:
 def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> None:
     """Refuse a plan made for another run, or with decisions this version cannot price."""
     plan.check_for(traces[0].fingerprint, [layer["name"] for layer in traces[0].layers], source=source)
-    unpriced = [
-        name
-        for name, decisions in (
-            ("fused_regions", plan.fused_regions),
-            ("activation", plan.activation),
-        )
-        if decisions
-    ]
-    if unpriced:
+    if plan.fused_regions:
+        raise QSyncInputError(f"{source}: the plan's fused_regions decisions cannot be priced yet")
+    if _acting(plan.activation) and (plan.op_precision or plan.buckets or plan.communication):
         raise QSyncInputError(
-            f"{source}: this version prices precision plans only; "
-            f"the plan's {', '.join(unpriced)} decisions cannot be priced yet"
+            f"{source}: activation policies cannot be priced together with per-op-type precision or "
+            "fusion decisions yet"
         )
     if plan.buckets or plan.communication:
         reason = can_price_fusion(traces)
@@ -91,6 +87,12 @@ def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> N
             raise QSyncInputError(f"{source}: the plan's {names} decisions cannot be priced: {reason}")
     check_precision_plan(traces, plan.precision, source)
     check_op_precision_plan(traces, plan.op_precision, source)
+    check_activation_plan(traces, plan.activation, source)
+
+
+def _acting(activation: Mapping[str, str]) -> dict[str, str]:
+    """The policies of ``activation`` that change something (all but keep)."""
+    return {name: policy for name, policy in activation.items() if policy != KEEP}
 
 
 class Predictor:
@@ -98,7 +100,8 @@ class Predictor:
 
     The recorded steps' graphs (compiled for replay, `replay.CompiledGraph`) and memory curves are
     built once. A precision plan is priced on them as changed op durations (`PrecisionDurations`)
-    and extra tensors (`PrecisionLives`), with no copy: a planner prices many plans quickly. A plan
+    and extra tensors (`PrecisionLives`), and so is an activation plan on top of it
+    (`ActivationPricing`), with no copy: a planner prices many plans quickly. A plan
     with per-op-type precision or fusion decisions transforms copies of the graphs, compiled anew.
     """
 
@@ -115,6 +118,7 @@ class Predictor:
         self._precision_lives = [
             PrecisionLives(t, rank_lives) for t, rank_lives in zip(self.traces, lives, strict=True)
         ]
+        self._activation = ActivationPricing(self._graphs, self._compiled, self.traces, lives)
         self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
 
@@ -125,8 +129,11 @@ class Predictor:
         else:
             check_plan(self.traces, plan, plan_source)
         if not (plan.op_precision or plan.buckets or plan.communication):
+            activation = _acting(plan.activation)
             runs = self._durations(plan.precision)
-            return self._price(plan.precision, self._compiled, runs, [0.0] * len(runs))
+            if activation:
+                runs = self._activation.durations(activation, runs, range(len(runs)))
+            return self._price(plan.precision, self._compiled, runs, [0.0] * len(runs), activation)
         graphs = [
             apply_precision(g, self.traces, plan.precision) if plan.precision else g for g in self._graphs
         ]
@@ -138,16 +145,40 @@ class Predictor:
         compiled = [CompiledGraph(g) for g in graphs]
         return self._price(plan.precision, compiled, [(c.dur, frozenset()) for c in compiled], corrections)
 
-    def estimate(self, precision: Mapping[str, str]) -> Prediction:
-        """A quick estimate of a precision plan for ranking moves, not for choosing a plan: step time
-        from one recorded step (the one the recorded configuration's median comes from), peak
-        memory as `predict` prices it."""
+    def estimate(
+        self, precision: Mapping[str, str], activation: Mapping[str, str] | None = None
+    ) -> Prediction:
+        """A quick estimate of a precision (and activation) plan for ranking moves, not for choosing a
+        plan: step time from one recorded step (the one the recorded configuration's median comes
+        from), peak memory as `predict` prices it."""
         check_precision_plan(self.traces, precision, "<estimate>")
+        activation = _acting(activation or {})
         if self._typical is None:
             replayed = [c.run().step_us for c in self._compiled]
             self._typical = _closest(replayed, statistics.median(replayed))
         at = self._typical
-        return self._price(precision, [self._compiled[at]], self._durations(precision, [at]), [0.0])
+        runs = self._durations(precision, [at])
+        if activation:
+            runs = self._activation.durations(activation, runs, [at])
+        return self._price(precision, [self._compiled[at]], runs, [0.0], activation)
+
+    @property
+    def activation(self) -> ActivationPricing:
+        """The activation policies' pricing on the recorded steps (module spans, saved tensors)."""
+        return self._activation
+
+    @property
+    def curves(self) -> list[MemoryCurve]:
+        """Each rank's recorded memory curve (do not change them)."""
+        return self._curves
+
+    def extra_lives(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> list[list[dict]]:
+        """Per rank: the synthetic tensors of a precision and activation plan (`MemoryCurve.predict`'s
+        ``extra``)."""
+        acting = self._activation.lives(_acting(activation))
+        return [
+            [*lives(precision), *extra] for lives, extra in zip(self._precision_lives, acting, strict=True)
+        ]
 
     def _price(
         self,
@@ -155,18 +186,19 @@ class Predictor:
         compiled: Sequence[CompiledGraph],
         runs: Sequence[tuple[np.ndarray, frozenset[int]]],
         corrections: Sequence[float],
+        activation: Mapping[str, str] | None = None,
     ) -> Prediction:
-        """Replay each step graph with its op durations, price the memory with ``precision``'s extra
-        tensors, and gather the prediction (step time: the median step; shares and layer times: the
-        step closest to it)."""
+        """Replay each step graph with its op durations, price the memory with ``precision``'s and
+        ``activation``'s extra tensors, and gather the prediction (step time: the median step; shares
+        and layer times: the step closest to it)."""
         timings = [c.run(dur, moved) for c, (dur, moved) in zip(compiled, runs, strict=True)]
         step_us = [t.step_us + c for t, c in zip(timings, corrections, strict=True)]
         median_us = statistics.median(step_us)
         typical = _closest([t.step_us for t in timings], median_us)
         graph, dur = compiled[typical], runs[typical][0]
         memory = [
-            curve.predict(lives(precision))
-            for curve, lives in zip(self._curves, self._precision_lives, strict=True)
+            curve.predict(extra)
+            for curve, extra in zip(self._curves, self.extra_lives(precision, activation or {}), strict=True)
         ]
         largest = max(memory, key=lambda m: m.peak_bytes)
         return Prediction(

@@ -27,6 +27,10 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                         # for a graph rewrite chosen by op type (TF), under
                                         # "op_types" (below)
       "layer_statistics": {...},        # per-layer value statistics for the precision indicator
+      "activation_costs": {"copy": {"tier": "disk", "to_store": {"alpha_us": .., "us_per_byte": ..},
+                                    "from_store": {...}, ...},   # the offload store's fitted copies
+                           "refused": {"net.2": "called twice per step", ...}},
+                                        # modules that cannot take an activation policy, and why
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024, "next": "net.1"}, ...],
                                         # "next": the next child of its nn.Sequential, or null
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "...",
@@ -178,6 +182,7 @@ class Trace:
     precision: dict[str, str] = field(default_factory=dict)
     precision_costs: dict[str, Any] = field(default_factory=dict)
     layer_statistics: dict[str, Any] = field(default_factory=dict)
+    activation_costs: dict[str, Any] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
     profiler_overhead_us: dict[str, float] = field(default_factory=dict)
@@ -355,6 +360,13 @@ _PRECISION_COSTS = Fields(
         ),
     }
 )
+_COPY_FIT = Fields(required={"alpha_us": FINITE, "us_per_byte": FINITE}, rest=ANY)
+_ACTIVATION_COSTS = Fields(
+    optional={
+        "copy": Fields(required={"to_store": _COPY_FIT, "from_store": _COPY_FIT}, rest=ANY),
+        "refused": MapOf(STRING),
+    }
+)
 _TRACE = Fields(
     required={
         "rank": COUNT,
@@ -374,6 +386,7 @@ _TRACE = Fields(
         "precision": MapOf(Scalar(lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}")),
         "precision_costs": _PRECISION_COSTS,
         "layer_statistics": Fields(),  # `statistics_schema.check_statistics` where not empty
+        "activation_costs": _ACTIVATION_COSTS,
         "layers": ListOf(
             Fields(
                 required={"name": STRING, "type": STRING},

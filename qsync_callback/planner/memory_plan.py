@@ -1,0 +1,105 @@
+"""Meet a memory budget with every lever allowed: per-layer precision and per-module activation
+policies chosen together, for the least predicted step time.
+
+The candidates, each priced by the full predictor:
+
+- **precision alone** (`precision.plan_precision` under the budget: QSync's allocator, the
+  indicator as today), where the precision lever is allowed;
+- **activation on top of precision**: the precision plan chosen with no budget (the fastest the
+  indicator allows, or none), then the activation policies of least cost that bring it within the
+  budget (`activation.exact_activation`), where both levers are allowed;
+- **activation alone** (`activation.exact_activation` on the recorded precision).
+
+Of those that meet the budget (and the step-time limit, if one is set) the fastest is chosen; the
+indicator breaks a tie (the plan that lowers less precision). Where none meets it, the candidate of
+least predicted peak is returned, marked as not meeting the constraints (the caller refuses it
+unless best effort was asked for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from qsync_callback.plan import Constraints, Plan
+from qsync_callback.planner.activation import ActivationChoice, exact_activation
+from qsync_callback.planner.precision import plan_precision
+from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.recorder.trace import Trace
+
+
+@dataclass
+class MemoryCandidate:
+    """One way of meeting the budget: its plan, prediction, summed indicator (0: no precision
+    lowered), and the activation choice it holds (None: precision only)."""
+
+    name: str
+    plan: Plan
+    prediction: Prediction
+    indicator: float
+    activation: ActivationChoice | None = None
+
+
+@dataclass
+class MemoryChoice:
+    """The chosen candidate, whether it meets the constraints, and every candidate priced."""
+
+    chosen: MemoryCandidate
+    feasible: bool
+    memory_budget: int
+    max_step_ms: float | None
+    candidates: list[MemoryCandidate] = field(default_factory=list)
+
+
+def _meets(candidate: MemoryCandidate, budget: int, max_step_ms: float | None) -> bool:
+    prediction = candidate.prediction
+    return prediction.peak_bytes <= budget and (max_step_ms is None or prediction.step_ms <= max_step_ms)
+
+
+def _indicator(precision: Mapping[str, str], indicator: Mapping[str, Mapping[str, float]]) -> float:
+    return sum(indicator.get(layer, {}).get(p, 0.0) for layer, p in precision.items())
+
+
+def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoice:
+    """The fastest plan under ``constraints.memory_budget`` (bytes) with the levers they allow (see
+    the module docstring)."""
+    budget = constraints.memory_budget
+    assert budget is not None, "plan_memory needs a budget in bytes (Constraints.resolved)"
+    predictor = Predictor(traces)
+    candidates: list[MemoryCandidate] = []
+    base_precision: dict[str, str] = {}
+    indicator: Mapping[str, Mapping[str, float]] = {}
+    precision_allowed = "precision" in constraints.levers and traces[0].precision_costs.get("layers")
+    if precision_allowed:
+        under_budget, indicator = plan_precision(
+            traces,
+            constraints.precisions,
+            max_step_ms=constraints.max_step_ms,
+            memory_budget=budget,
+            best_effort=True,  # its closest plan, where it cannot meet the budget, is a candidate too
+        )
+        plan = under_budget.plan
+        candidates.append(
+            MemoryCandidate("precision", plan, under_budget.prediction, _indicator(plan.precision, indicator))
+        )
+        fastest, _ = plan_precision(traces, constraints.precisions, max_step_ms=constraints.max_step_ms)
+        base_precision = dict(fastest.plan.precision)
+    if "activation" in constraints.levers:
+        tops = [("activation", {})]
+        if base_precision:
+            tops.insert(0, ("precision + activation", base_precision))
+        for name, precision in tops:
+            choice = exact_activation(predictor, precision, budget)
+            plan = Plan(precision=dict(precision), activation=dict(choice.activation))
+            candidates.append(
+                MemoryCandidate(name, plan, choice.prediction, _indicator(precision, indicator), choice)
+            )
+    meeting = [c for c in candidates if _meets(c, budget, constraints.max_step_ms)]
+    if meeting:
+        chosen = min(meeting, key=lambda c: (round(c.prediction.step_ms, 3), c.indicator))
+    else:
+        chosen = min(candidates, key=lambda c: (c.prediction.peak_bytes, c.prediction.step_ms))
+    chosen.plan.prediction = chosen.prediction.figures()
+    chosen.plan.constraints = constraints.to_dict()
+    chosen.plan.fingerprint = dict(traces[0].fingerprint)
+    return MemoryChoice(chosen, bool(meeting), budget, constraints.max_step_ms, candidates)

@@ -1,0 +1,406 @@
+"""What a per-module activation policy does to the recorded step: recompute and offload priced as
+changes to the recorded graph and liveness (G10's inactive periods; checkpointing as PyTorch's
+non-reentrant `torch.utils.checkpoint` runs it).
+
+A policy names a **module**: a recorded layer, or any module holding recorded layers (a block such
+as ``net.0``, whose name is a dotted prefix of its layers' names; `module_layers`). Checkpointing a
+single leaf saves little (it keeps its input, and its output is saved by the next layer); a block
+drops everything saved inside it.
+
+A module's ops in one recorded step (`ModuleSpan`): the forward ops of its layers, with the ops of
+no layer between them and after them up to the next layer's op (a residual add written in the
+block's ``forward``); and the backward ops of its layers, with the ops of no layer before them back
+to the previous layer's (the add's backward runs before the block's). The ops of no layer before
+the model's first layer or after its last (the loss) belong to no module.
+
+What it saved: the recorded activations (born in forward, freed in backward, `memory.TensorLife`)
+freed by one of its backward ops: born in its forward (``inside``), or born before it and last held
+by it (``held``: its input, say). Those its last forward op made are its output (``outputs``): the
+next module holds them too (it is handed them; it saves them where it needs them), so neither
+policy frees them; an offload still copies them.
+
+- **Recompute.** The forward keeps the module's input and drops what the module saves inside: each
+  such tensor dies at the end of the op after the one that made it (its consumer), instead of in
+  backward. Right before the module's first backward op, its forward runs again (the forward ops'
+  time and host gaps, at the plan's precision), and the tensors are made again then, all of them,
+  with the largest total of the forward's own temporaries alive at once; they die where they died in
+  the recording.
+- **Offload.** Every tensor it saved (``inside`` and ``held``) is copied to the store on a copy lane
+  of its own (one queue for both directions, in request order; each copy takes ``alpha + beta *
+  bytes`` of that direction, `Trace.activation_costs["copy"]`): a copy to the store is requested when
+  the op that made the tensor ends (for ``held``: the module's first forward op), and the tensor is
+  freed when both its copy is done and its consumer has run. The copies back are requested when the
+  backward reaches the next offloaded module in forward order (its first backward op starts; the
+  last one offloaded: its own first backward op), and the tensor is alive again from then. The
+  module's first backward op waits until its tensors are back: only a late copy costs time.
+
+Time is priced on the compiled graphs (`replay.CompiledGraph`), on top of the precision plan's op
+durations: the recompute's time is added to the module's first backward op; an offload's wait is
+found by replaying once, laying out the copy lane on the replayed times, and adding each module's
+wait to its first backward op (twice: the second pass sees the first's waits). Memory is priced on
+the recorded clock as synthetic tensors (`memory.lifetime_events`), merged into the curve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.predictor.graph import op_node
+from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
+from qsync_callback.predictor.replay import CompiledGraph
+from qsync_callback.recorder.trace import Op, Trace
+
+RECOMPUTE, OFFLOAD, KEEP = "recompute", "offload", "keep"
+_REMADE_US = 1e-3  # the recompute's tensors are made this long before the first backward op
+
+
+def module_layers(layers: Sequence[str]) -> dict[str, frozenset[str]]:
+    """Every module that holds recorded layers, by name (each layer, and each dotted prefix of a
+    layer's name): the layers it holds."""
+    out: dict[str, set[str]] = {}
+    for layer in layers:
+        parts = layer.split(".")
+        for k in range(1, len(parts) + 1):
+            out.setdefault(".".join(parts[:k]), set()).add(layer)
+    return {name: frozenset(members) for name, members in out.items()}
+
+
+def nested_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
+    """The (outer, inner) pairs of ``names`` where one module holds the other."""
+    return [(a, b) for a in names for b in names if a != b and b.startswith(a + ".")]
+
+
+@dataclass
+class ModuleSpan:
+    """One module's ops and saved tensors in one recorded step (see the module docstring)."""
+
+    forward: list[Op]
+    backward: list[Op]
+    inside: list[TensorLife] = field(default_factory=list)
+    held: list[TensorLife] = field(default_factory=list)
+    outputs: list[TensorLife] = field(default_factory=list)
+    forward_temporaries: int = 0  # the most bytes of its forward's own temporaries alive at once
+    freed_at: dict[int, float] = field(default_factory=dict)  # id(life) -> its consumer's end
+
+    @property
+    def saved(self) -> list[TensorLife]:
+        """What an offload copies to the store: everything the module saved."""
+        return self.inside + self.held + self.outputs
+
+    @property
+    def first_backward(self) -> Op:
+        return self.backward[0]
+
+
+def _extend(ordered: list[Op], members: set[int], forward: bool) -> list[Op]:
+    """The ops of ``ordered`` (one step, one phase, by start) from the module's first member to its
+    last, with the ops of no layer after the last (forward) or before the first (backward) up to the
+    nearest op of a layer; none where no op of a layer lies beyond them."""
+    at = [k for k, op in enumerate(ordered) if op.id in members]
+    lo, hi = at[0], at[-1]
+    if forward:
+        k = hi + 1
+        while k < len(ordered) and ordered[k].layer is None:
+            k += 1
+        if k < len(ordered):
+            hi = k - 1
+    else:
+        k = lo - 1
+        while k >= 0 and ordered[k].layer is None:
+            k -= 1
+        if k >= 0:
+            lo = k + 1
+    return ordered[lo : hi + 1]
+
+
+def module_spans(
+    trace: Trace, lives: Sequence[TensorLife], modules: Sequence[str]
+) -> dict[tuple[int, str], ModuleSpan]:
+    """Per (recorded step, module): its `ModuleSpan`, for the modules with forward and backward ops
+    on the training thread in that step."""
+    members_of = module_layers([layer["name"] for layer in trace.layers])
+    by_step: dict[int, dict[str, list[Op]]] = {}
+    for op in trace.ops:
+        if op.thread == "main" and op.kind in ("forward", "backward"):
+            by_step.setdefault(op.step, {"forward": [], "backward": []})[op.kind].append(op)
+    spans: dict[tuple[int, str], ModuleSpan] = {}
+    for step, phases in by_step.items():
+        forward = sorted(phases["forward"], key=lambda o: o.start_us)
+        backward = sorted(phases["backward"], key=lambda o: o.start_us)
+        for name in modules:
+            layers = members_of.get(name, frozenset())
+            fwd = {op.id for op in forward if op.layer in layers}
+            bwd = {op.id for op in backward if op.layer in layers}
+            if fwd and bwd:
+                spans[(step, name)] = ModuleSpan(_extend(forward, fwd, True), _extend(backward, bwd, False))
+    _attach_lives(spans, lives)
+    return spans
+
+
+def _attach_lives(spans: dict[tuple[int, str], ModuleSpan], lives: Sequence[TensorLife]) -> None:
+    """Give each span the activations it saved, when each would be freed by its consumer, and its
+    forward's most temporaries alive at once."""
+    for (step, _), span in spans.items():
+        forward_ids = [op.id for op in span.forward]
+        position = {op_id: k for k, op_id in enumerate(forward_ids)}
+        last = forward_ids[-1]
+        backward_ids = {op.id for op in span.backward}
+        temporaries: list[tuple[float, int]] = []
+        for life in lives:
+            if life.step != step or life.birth_op is None or life.death_op is None:
+                continue
+            born_inside = life.birth_op.id in position
+            if life.category == "activations" and life.death_op.id in backward_ids:
+                if life.birth_op.id == last:
+                    span.outputs.append(life)
+                elif born_inside:
+                    span.inside.append(life)
+                    consumer = span.forward[min(position[life.birth_op.id] + 1, len(span.forward) - 1)]
+                    span.freed_at[id(life)] = consumer.end_us
+                else:
+                    span.held.append(life)
+                    span.freed_at[id(life)] = max(life.birth_us, span.forward[0].end_us)
+            elif life.category == "temporaries" and born_inside and life.death_op.id in position:
+                temporaries += [(life.birth_us, life.bytes), (life.death_us, -life.bytes)]
+        temporaries.sort()
+        span.forward_temporaries = int(max(np.cumsum([b for _, b in temporaries]), default=0))
+
+
+def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
+    fit = costs[direction]
+    return float(fit["alpha_us"] + fit["us_per_byte"] * nbytes)
+
+
+def _lane(requests: Sequence[tuple[float, float, object]]) -> dict[object, tuple[float, float]]:
+    """Lay out copies on one queue in request order: key -> (start, end)."""
+    done, free = {}, -np.inf
+    for at, took, key in sorted(requests, key=lambda r: r[0]):
+        start = max(at, free)
+        free = start + took
+        done[key] = (start, free)
+    return done
+
+
+def check_activation_plan(traces: Sequence[Trace], activation: Mapping[str, str], source: str) -> None:
+    """Refuse an activation plan this trace cannot price or this run cannot carry out: a module of no
+    recorded layer, modules nested in each other both with a policy, one the recorder refused (with
+    its reason), or an offload where the trace has no fitted copy cost."""
+    acting = [name for name, policy in activation.items() if policy != KEEP]
+    if not acting:
+        return
+    modules = module_layers([layer["name"] for layer in traces[0].layers])
+    unknown = [name for name in acting if name not in modules]
+    if unknown:
+        raise QSyncInputError(
+            f"{source}: activation names modules that hold no recorded layer: {', '.join(unknown)}"
+        )
+    nested = nested_pairs(acting)
+    if nested:
+        outer, inner = nested[0]
+        raise QSyncInputError(
+            f"{source}: activation: {inner!r} is inside {outer!r}; give a policy to one of them"
+        )
+    refused = traces[0].activation_costs.get("refused", {})
+    for name in acting:
+        if name in refused:
+            raise QSyncInputError(f"{source}: activation: {name!r} cannot take a policy: {refused[name]}")
+    if any(activation[name] == OFFLOAD for name in acting):
+        missing = [t.rank for t in traces if "copy" not in t.activation_costs]
+        if missing:
+            raise QSyncInputError(
+                f"{source}: offload cannot be priced: rank {missing[0]}'s trace has no fitted copy cost "
+                "(record it with QSyncCallback(mode='apply'))"
+            )
+
+
+class ActivationPricing:
+    """Activation policies priced on the recorded graphs (compiled once) and curves of all ranks."""
+
+    def __init__(
+        self,
+        graphs: Sequence[nx.DiGraph],
+        compiled: Sequence[CompiledGraph],
+        traces: Sequence[Trace],
+        lives: Sequence[Sequence[TensorLife]],
+    ):
+        self._traces = list(traces)
+        self._compiled = list(compiled)
+        self.modules = sorted(module_layers([layer["name"] for layer in traces[0].layers]))
+        self._spans = [
+            module_spans(t, rank_lives, self.modules) for t, rank_lives in zip(traces, lives, strict=True)
+        ]
+        # per graph: (rank, step) of each rank's step in it
+        self._steps_in = [[(t.rank, t.steps[g].index) for t in self._traces] for g in range(len(graphs))]
+        self._events: dict[tuple[int, str, str, str | None], dict[int, Events]] = {}
+
+    def spans(self, rank_position: int) -> dict[tuple[int, str], ModuleSpan]:
+        """The `ModuleSpan`s of the trace at ``rank_position``."""
+        return self._spans[rank_position]
+
+    def recompute_us(self, activation: Mapping[str, str], g: int, dur: np.ndarray) -> dict[int, float]:
+        """Per op index of graph ``g``: the recompute time added before it (its module's forward ops'
+        durations ``dur`` and host gaps)."""
+        comp = self._compiled[g]
+        added: dict[int, float] = {}
+        for k, (rank, step) in enumerate(self._steps_in[g]):
+            for name, policy in activation.items():
+                span = self._spans[k].get((step, name))
+                if policy != RECOMPUTE or span is None:
+                    continue
+                ids = [comp.index[op_node(rank, op.id)] for op in span.forward]
+                first = comp.index[op_node(rank, span.first_backward.id)]
+                added[first] = added.get(first, 0.0) + float(np.sum(dur[ids]) + np.sum(comp.gap[ids]))
+        return added
+
+    def durations(
+        self,
+        activation: Mapping[str, str],
+        runs: Sequence[tuple[np.ndarray, frozenset[int]]],
+        graphs: Sequence[int],
+    ) -> list[tuple[np.ndarray, frozenset[int]]]:
+        """``runs`` (op durations per graph at positions ``graphs``, `PrecisionDurations`) with the
+        recomputes' time and the offloads' waits added."""
+        out = []
+        for g, (dur, moved) in zip(graphs, runs, strict=True):
+            planned = dur.copy()
+            for index, us in self.recompute_us(activation, g, dur).items():
+                planned[index] += us
+            if any(policy == OFFLOAD for policy in activation.values()):
+                base = planned.copy()
+                for _ in range(2):
+                    waits = self._offload_waits(activation, g, self._compiled[g].run(planned, moved))
+                    planned = base.copy()
+                    for index, us in waits.items():
+                        planned[index] += us
+            out.append((planned, moved))
+        return out
+
+    def _offloaded(self, activation: Mapping[str, str], k: int, step: int) -> list[tuple[str, ModuleSpan]]:
+        """The offloaded modules' spans of rank position ``k`` in ``step``, in forward order."""
+        found = [
+            (name, self._spans[k][(step, name)])
+            for name, policy in activation.items()
+            if policy == OFFLOAD and (step, name) in self._spans[k]
+        ]
+        return sorted(found, key=lambda item: item[1].forward[0].start_us)
+
+    def _copy_requests(
+        self, offloaded: Sequence[tuple[str, ModuleSpan]], costs: Mapping, when
+    ) -> tuple[list[tuple[float, float, object]], dict[str, float]]:
+        """The copy lane's requests of ``offloaded`` (to the store, then back) at the times ``when``
+        gives an op (``when(op, start=True)``), and each module's time its tensors are asked back."""
+        requests: list[tuple[float, float, object]] = []
+        asked: dict[str, float] = {}
+        for position, (name, span) in enumerate(offloaded):
+            inside = {id(life) for life in span.inside}
+            trigger = offloaded[position + 1][1] if position + 1 < len(offloaded) else span
+            asked[name] = when(trigger.first_backward, True)
+            for life in span.saved:
+                made = life.birth_op if id(life) in inside else span.forward[0]
+                requests.append(
+                    (when(made, False), _copy_us(costs, "to_store", life.bytes), ("out", id(life)))
+                )
+                requests.append((asked[name], _copy_us(costs, "from_store", life.bytes), ("in", id(life))))
+        return requests, asked
+
+    def _offload_waits(self, activation: Mapping[str, str], g: int, timing) -> dict[int, float]:
+        """Per op index of graph ``g``: how long it waits for its module's tensors to come back."""
+        comp = self._compiled[g]
+        waits: dict[int, float] = {}
+        for k, (rank, step) in enumerate(self._steps_in[g]):
+            offloaded = self._offloaded(activation, k, step)
+            if not offloaded:
+                continue
+
+            def when(op: Op, start: bool, rank: int = rank) -> float:
+                i = comp.index[op_node(rank, op.id)]
+                return float(timing.start[i] if start else timing.end[i])
+
+            requests, _ = self._copy_requests(offloaded, self._traces[k].activation_costs["copy"], when)
+            lane = _lane(requests)
+            for _, span in offloaded:
+                back = max((lane[("in", id(life))][1] for life in span.saved), default=-np.inf)
+                first = comp.index[op_node(rank, span.first_backward.id)]
+                waits[first] = waits.get(first, 0.0) + max(0.0, back - float(timing.start[first]))
+        return waits
+
+    def lives(self, activation: Mapping[str, str]) -> list[list[dict[int, Events]]]:
+        """Per rank position: the synthetic tensors of ``activation`` (`memory.lifetime_events`)."""
+        out = []
+        for k, trace in enumerate(self._traces):
+            rank_events = []
+            recompute = sorted(name for name, policy in activation.items() if policy == RECOMPUTE)
+            for name in recompute:
+                key = (k, name, RECOMPUTE, None)
+                if key not in self._events:
+                    self._events[key] = lifetime_events(self._recompute_lives(k, name))
+                rank_events.append(self._events[key])
+            offloaded = tuple(sorted(name for name, policy in activation.items() if policy == OFFLOAD))
+            if offloaded:
+                key = (k, ",".join(offloaded), OFFLOAD, None)
+                if key not in self._events:
+                    self._events[key] = lifetime_events(self._offload_lives(k, activation, trace))
+                rank_events.append(self._events[key])
+            out.append(rank_events)
+        return out
+
+    def _recompute_lives(self, k: int, name: str) -> list[TensorLife]:
+        """Each tensor saved inside the module gone from its consumer's end until the recompute, and
+        the recompute's temporaries (see the module docstring)."""
+        out = []
+        for (step, module), span in self._spans[k].items():
+            if module != name:
+                continue
+            remade = span.first_backward.start_us - _REMADE_US
+            for life in span.inside:
+                gone = span.freed_at[id(life)]
+                if gone < remade:
+                    out.append(
+                        TensorLife(-1, -life.bytes, step, gone, remade, None, None, "activations", name)
+                    )
+            if span.forward_temporaries:
+                out.append(
+                    TensorLife(
+                        -1,
+                        span.forward_temporaries,
+                        step,
+                        remade,
+                        span.first_backward.start_us,
+                        None,
+                        None,
+                        "temporaries",
+                        name,
+                    )
+                )
+        return out
+
+    def _offload_lives(self, k: int, activation: Mapping[str, str], trace: Trace) -> list[TensorLife]:
+        """Each offloaded tensor gone from when its copy to the store is done (and its consumer has
+        run) until its copy back is asked for (see the module docstring)."""
+        out = []
+        steps = {step for step, _ in self._spans[k]}
+        for step in sorted(steps):
+            offloaded = self._offloaded(activation, k, step)
+            if not offloaded:
+                continue
+            requests, asked = self._copy_requests(
+                offloaded,
+                trace.activation_costs["copy"],
+                lambda op, start: op.start_us if start else op.end_us,
+            )
+            lane = _lane(requests)
+            for name, span in offloaded:
+                for life in span.inside + span.held:
+                    gone = max(span.freed_at[id(life)], lane[("out", id(life))][1])
+                    if gone < asked[name]:
+                        out.append(
+                            TensorLife(
+                                -1, -life.bytes, step, gone, asked[name], None, None, "activations", name
+                            )
+                        )
+        return out
