@@ -1,0 +1,173 @@
+"""Pricing and choosing activation policies (recompute, offload) on a hand-written step whose
+answers are worked out by hand: a block ``b`` of two layers and a residual add, then a ``head``."""
+
+import itertools
+
+import pytest
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Constraints, Plan
+from qsync_callback.planner.activation import NOTHING_TO_FREE, exact_activation, greedy_activation
+from qsync_callback.planner.memory_plan import plan_memory
+from qsync_callback.predictor.activation import module_layers, nested_pairs
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.report import format_memory_plan
+
+from tracebuilder import op, trace
+
+COPY = {
+    "tier": "disk",
+    "to_store": {"alpha_us": 1.0, "us_per_byte": 0.01},
+    "from_store": {"alpha_us": 1.0, "us_per_byte": 0.01},
+}
+
+
+def _step(activation_costs=None):
+    """Forward: b.l1 makes A (100 B), b.l2 makes B (200 B), the add (no layer) makes C (50 B, the
+    block's output, saved by the head), the head makes D (10 B). Backward in reverse, each freeing
+    what its forward op's layer saved. Peak: A+B+C+D = 360 B at 26 us."""
+    ops = [
+        op(0, "aten::conv", "forward", "main", 0, 10, layer="b.l1", seq=1),
+        op(1, "aten::bn", "forward", "main", 10, 10, layer="b.l2", seq=2),
+        op(2, "aten::add", "forward", "main", 20, 5, seq=3),
+        op(3, "aten::linear", "forward", "main", 25, 10, layer="head", seq=4),
+        op(4, "LinearBackward", "backward", "main", 40, 10, layer="head", seq=4),
+        op(5, "AddBackward", "backward", "main", 50, 2, seq=3),
+        op(6, "BnBackward", "backward", "main", 52, 10, layer="b.l2", seq=2),
+        op(7, "ConvBackward", "backward", "main", 62, 10, layer="b.l1", seq=1),
+    ]
+    events = [
+        [1, 0xA, 100, 0],
+        [11, 0xB, 200, 1],
+        [21, 0xC, 50, 2],
+        [26, 0xD, 10, 3],
+        [45, 0xD, -10, 4],
+        [48, 0xC, -50, 4],
+        [60, 0xB, -200, 6],
+        [70, 0xA, -100, 7],
+    ]
+    layers = [{"name": n, "type": "X"} for n in ("b.l1", "b.l2", "head")]
+    costs = {"copy": COPY} if activation_costs is None else activation_costs
+    return trace(ops, 80, memory_events=events, layers=layers, activation_costs=costs)
+
+
+@pytest.fixture
+def predictor():
+    return Predictor([_step()])
+
+
+def test_modules_are_the_layers_and_their_dotted_prefixes():
+    assert module_layers(["b.l1", "b.l2", "head"]) == {
+        "b": frozenset({"b.l1", "b.l2"}),
+        "b.l1": frozenset({"b.l1"}),
+        "b.l2": frozenset({"b.l2"}),
+        "head": frozenset({"head"}),
+    }
+    assert nested_pairs(["b", "b.l1", "head", "bb"]) == [("b", "b.l1")]
+
+
+def test_a_block_span_takes_the_ops_of_no_layer_inside_it(predictor):
+    span = predictor.activation.spans(0)[(0, "b")]
+    assert [o.id for o in span.forward] == [0, 1, 2]  # the add after its layers
+    assert [o.id for o in span.backward] == [5, 6, 7]  # the add's backward before them
+    assert sorted(life.bytes for life in span.inside) == [100, 200]
+    assert span.held == [] and span.outputs == []  # C is saved (and freed) by the head
+
+
+def test_recompute_frees_the_blocks_tensors_after_their_consumer_and_pays_its_forward_again(predictor):
+    recorded = predictor.predict()
+    assert (recorded.step_ms * 1e3, recorded.peak_bytes) == (80.0, 360)
+    planned = predictor.predict(Plan(activation={"b": "recompute"}))
+    # A is gone after b.l2 (20 us), B after the add (25 us): at 26 us only C and D; the peak is A+B
+    # at 11 us, and again when the recompute makes A and B before the add's backward (C, D freed)
+    assert planned.peak_bytes == 300
+    assert planned.step_ms * 1e3 == pytest.approx(80 + 25)  # the block's forward: 10 + 10 + 5 us
+
+
+def test_offload_frees_after_the_copy_and_waits_only_for_a_late_copy_back(predictor):
+    planned = predictor.predict(Plan(activation={"b": "offload"}))
+    assert planned.peak_bytes == 300  # as recompute: A gone at 20 us (copy done at 12), B at 25 (23)
+    # asked back when the block's own backward starts (50 us; no offloaded module after it): A takes
+    # 1 + 1 us, B 1 + 2 us on the one lane, so the add's backward waits until 55 us
+    assert planned.step_ms * 1e3 == pytest.approx(85.0)
+
+
+def test_a_single_layer_keeps_its_output_so_neither_policy_frees_it(predictor):
+    planned = predictor.predict(Plan(activation={"b.l1": "offload"}))
+    assert planned.peak_bytes == 360
+    assert planned.step_ms * 1e3 == pytest.approx(82.0)  # A is still copied out and back
+
+
+@pytest.mark.parametrize(
+    "activation, message",
+    [
+        ({"c": "recompute"}, "not in the model"),
+        ({"b": "recompute", "b.l1": "offload"}, "'b.l1' is inside 'b'"),
+    ],
+)
+def test_plans_that_cannot_be_priced_are_refused(predictor, activation, message):
+    with pytest.raises(QSyncInputError, match=message):
+        predictor.predict(Plan(activation=activation))
+
+
+def test_offload_without_a_fitted_copy_cost_is_refused_and_not_offered():
+    predictor = Predictor([_step(activation_costs={})])
+    with pytest.raises(QSyncInputError, match="no fitted copy cost"):
+        predictor.predict(Plan(activation={"b": "offload"}))
+    choice = exact_activation(predictor, {}, 300)
+    assert choice.activation == {"b": "recompute"}
+    assert {o.policy for o in choice.options} == {"recompute"}
+
+
+def test_a_module_the_recorder_refused_is_left_out_with_its_reason():
+    predictor = Predictor([_step({"copy": COPY, "refused": {"b": "called twice per step"}})])
+    with pytest.raises(QSyncInputError, match="called twice per step"):
+        predictor.predict(Plan(activation={"b": "recompute"}))
+    choice = exact_activation(predictor, {}, 300)
+    assert choice.refused["b"] == "called twice per step"
+    assert not choice.feasible  # b.l2 offloaded is the closest: B gone from 25 us, A+B+C at 21 us
+    assert choice.activation == {"b.l2": "offload"}
+    assert choice.prediction.peak_bytes == 350
+
+
+@pytest.mark.parametrize("budget", [360, 330, 300])
+def test_the_milp_finds_the_cheapest_plan_that_fits_as_enumeration_does(predictor, budget):
+    choice = exact_activation(predictor, {}, budget)
+    modules = ["b", "b.l1", "b.l2", "head"]
+    best = None
+    for policies in itertools.product(["keep", "recompute", "offload"], repeat=len(modules)):
+        activation = {m: p for m, p in zip(modules, policies, strict=True) if p != "keep"}
+        if nested_pairs(list(activation)):
+            continue
+        prediction = predictor.predict(Plan(activation=activation))
+        if prediction.peak_bytes <= budget and (best is None or prediction.step_ms < best[1]):
+            best = (activation, prediction.step_ms)
+    assert choice.feasible
+    assert choice.prediction.step_ms == pytest.approx(best[1])
+    assert choice.prediction.peak_bytes <= budget
+
+
+def test_a_budget_nothing_meets_returns_the_least_peak_found(predictor):
+    for plan in (exact_activation, greedy_activation):
+        choice = plan(predictor, {}, 250)
+        assert not choice.feasible
+        assert choice.prediction.peak_bytes == 300
+    assert exact_activation(predictor, {}, 250).refused == {"b.l1": NOTHING_TO_FREE}  # A: its output
+
+
+def test_the_greedy_meets_what_the_milp_meets_here(predictor):
+    assert greedy_activation(predictor, {}, 300).prediction.peak_bytes <= 300
+
+
+def test_plan_memory_with_the_activation_lever_only_and_its_table(predictor):
+    constraints = Constraints.from_arguments(memory_budget=300, levers=("activation",))
+    choice = plan_memory(predictor.traces, constraints)
+    assert choice.feasible
+    assert choice.chosen.plan.activation == {"b": "offload"}  # 5 us against recompute's 25
+    assert choice.chosen.plan.prediction == {"step_ms": pytest.approx(0.085), "peak_bytes": 300}
+    assert [c.name for c in choice.candidates] == ["activation"]
+    recorded = predictor.predict().figures()
+    table = format_memory_plan(choice, recorded)
+    assert "meets the constraints; chosen: activation" in table
+    assert "b                                                  offload" in table
+    assert "1 module(s) left out, as they save nothing either policy could free: b.l1" in table
