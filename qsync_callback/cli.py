@@ -6,6 +6,11 @@
                   [--levers precision,...] [--best-effort] [--out PLAN]
                                                     choose a plan (`planner/choose.py`), under the
                                                     same constraints the callback takes
+    qsync liveness TRACE_DIR --out DIR [--memory-budget 6GB|60%]
+                                                    saved tensors and their inactive periods, each
+                                                    op's kernels, the memory curve by kind: JSON,
+                                                    CSV, a Perfetto counter track and PNG plots
+                                                    (`liveness_report.py`)
 
 ``qsync plan`` needs a trace recorded with ``QSyncCallback(mode="apply")`` (it carries the
 per-precision probes and the indicator's statistics).
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.liveness_report import format_liveness, liveness_of, write_liveness_files
 from qsync_callback.plan import LEVERS, PRECISIONS, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.predictor.predict import predict
@@ -71,14 +77,24 @@ def _parser() -> argparse.ArgumentParser:
         "--levers", default=",".join(LEVERS), help="what a plan may change, comma-separated (default: all)"
     )
     plan.add_argument("--out", help="write the plan here (JSON)")
+    liveness = sub.add_parser(
+        "liveness", help="tensor liveness: saved tensors, kernels, memory curve by kind"
+    )
+    liveness.add_argument("trace_dir", help="a trace directory (rank<k>/trace.json inside)")
+    liveness.add_argument("--out", required=True, help="write the files into this directory")
+    liveness.add_argument(
+        "--memory-budget", help="draw this budget: 6GB, 512MiB, 60%% (of the recorded peak)"
+    )
     return parser
 
 
 def _check_arguments(args: argparse.Namespace) -> Constraints | None:
     """Refuse bad arguments before any trace is read (QSyncInputError naming the option); for
-    ``qsync plan``, its constraints."""
+    ``qsync plan`` and ``qsync liveness``, their constraints."""
     if getattr(args, "top", 1) < 1:
         raise QSyncInputError(f"--top: expected a positive number of ops, not {args.top}")
+    if args.command == "liveness":
+        return _constraints(args.memory_budget)
     if args.command != "plan":
         return None
     if args.max_step_ms is not None and not (math.isfinite(args.max_step_ms) and args.max_step_ms > 0):
@@ -92,14 +108,14 @@ def _check_arguments(args: argparse.Namespace) -> Constraints | None:
             f"--precisions: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(PRECISIONS)}"
         )
     levers = [lever.strip() for lever in args.levers.split(",") if lever.strip()]
+    max_step_s = args.max_step_ms / 1e3 if args.max_step_ms is not None else None
+    return _constraints(args.memory_budget, max_step_s, precisions, levers, args.best_effort)
+
+
+def _constraints(*arguments: object) -> Constraints:
+    """`Constraints.from_arguments`, its ValueError said as the option (QSyncInputError)."""
     try:
-        return Constraints.from_arguments(
-            args.memory_budget,
-            args.max_step_ms / 1e3 if args.max_step_ms is not None else None,
-            precisions,
-            levers,
-            args.best_effort,
-        )
+        return Constraints.from_arguments(*arguments)
     except ValueError as exc:  # "<argument>: <what is wrong>", said as the option
         argument, _, what = str(exc).partition(": ")
         raise QSyncInputError(f"--{argument.replace('_', '-')}: {what}") from None
@@ -116,6 +132,14 @@ def _plan(args: argparse.Namespace, constraints: Constraints, traces: list) -> N
         choice.plan.constraints = constraints.to_dict()
         choice.plan.save(args.out)
         _out(f"written to {args.out}")
+
+
+def _liveness(args: argparse.Namespace, constraints: Constraints, traces: list) -> None:
+    """``qsync liveness``: write the files (a budget share is of the predicted peak), print a summary."""
+    liveness = liveness_of(traces, args.trace_dir)
+    budget = constraints.resolved(liveness.peak_bytes).memory_budget
+    paths = write_liveness_files(liveness, args.out, budget)
+    _out(format_liveness(liveness, budget, paths))
 
 
 def _out(text: str) -> None:
@@ -137,7 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         constraints = _check_arguments(args)
         traces = load_trace_dir(args.trace_dir)
-        if constraints is not None:
+        if args.command == "liveness":
+            _liveness(args, constraints, traces)
+        elif constraints is not None:
             _plan(args, constraints, traces)
         elif args.command == "report":
             report = build_report(traces, top=args.top)

@@ -219,8 +219,8 @@ class MemoryCurve:
                 peak, peak_step, peak_at = candidates[top], step, (deltas[: top + 1], categories[: top + 1])
         live_by_category: dict[str, int] = {}
         if peak_at is not None:
-            sums = np.bincount(peak_at[1], weights=peak_at[0], minlength=len(_CURVE_CATEGORIES))
-            live_by_category = dict(zip(_CURVE_CATEGORIES, (int(v) for v in sums), strict=True))
+            sums = np.bincount(peak_at[1], weights=peak_at[0], minlength=len(CURVE_CATEGORIES))
+            live_by_category = dict(zip(CURVE_CATEGORIES, (int(v) for v in sums), strict=True))
         breakdown = {
             c: self.resident_bytes.get(c, 0) + live_by_category.get(c, 0)
             for c in ("parameters", "buffers", "gradient_buckets", *CATEGORIES)
@@ -238,8 +238,8 @@ class MemoryCurve:
         return out
 
 
-_CURVE_CATEGORIES = (*CATEGORIES, "resident")
-_CODES = {c: k for k, c in enumerate(_CURVE_CATEGORIES)}
+CURVE_CATEGORIES = (*CATEGORIES, "resident")  # the category of each code in `lifetime_events`
+_CODES = {c: k for k, c in enumerate(CURVE_CATEGORIES)}
 
 
 def lifetime_events(lives: Sequence[TensorLife]) -> dict[int, Events]:
