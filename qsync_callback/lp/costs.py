@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -293,12 +293,18 @@ def cache_key(device: torch.device | str) -> dict[str, Any]:
     }
 
 
-def cache_path(device: torch.device | str, cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """The cache file for ``device``: named by a hash of ``cache_key(device)``."""
-    key = json.dumps(cache_key(device), sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+def cache_path(
+    device: torch.device | str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    kind: str = "cast-costs",
+    key: Mapping[str, Any] | None = None,
+) -> str:
+    """The cache file of a ``kind`` of fit (the cast costs; the offload copy costs) for ``device``:
+    named by a hash of ``key``, by default ``cache_key(device)``."""
+    text = json.dumps(cache_key(device) if key is None else key, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     directory = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
-    return os.path.join(directory, f"cast-costs-{digest}.json")
+    return os.path.join(directory, f"{kind}-{digest}.json")
 
 
 def _cache_problem(data: Any, key: dict[str, Any], pairs: list[str]) -> str | None:
