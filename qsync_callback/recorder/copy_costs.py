@@ -1,0 +1,166 @@
+"""The offload tier's copy cost on this machine: ``time = alpha + beta * bytes``, each way, cached
+per device like the cast costs (`qsync_callback.lp.costs.cast_costs`).
+
+`fit_copy_costs` measures with the real store (`qsync_callback.offload_store.store_for`: files on
+local disk for the CPU, pinned host memory for CUDA): tensors of `COPY_SIZES` bytes (64 KiB .. 32
+MiB) are put in it and got back, `COPY_REPEATS` times each after one untimed round. The seconds of
+each copy are the store's own (`OffloadStore.step_stats`: the disk thread's clock around each
+file's write and read, CUDA events around each copy), so they are what the store pays on its own
+lane, not what the training thread waits. The median per size is fitted by `fit_linear_cost`
+(least squares weighted to the relative error, as the cast costs are: the sizes span three
+decades); the medians are returned beside the fit, with its r2, since a copy's cost need not be
+linear over that span (a buffer big enough to be mapped afresh by the C allocator pays its page
+faults on every read back), and so is the bandwidth measured at the largest size. About 0.3 s of
+copies on the disk here.
+
+On the disk tier a write lands in the kernel's page cache and a read of a file just written comes
+from it; that is also what the store meets in training while the machine has memory to spare.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.lp.costs import cache_key, cache_path, fit_linear_cost
+from qsync_callback.offload_store import store_for
+
+COPY_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22, 2**24, 2**25)
+"""Bytes of the tensors moved: 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 32 MiB."""
+COPY_REPEATS = 3
+CACHE_KIND = "copy-costs"
+CACHE_FORMAT = "qsync-copy-costs"
+CACHE_VERSION = 1
+DIRECTIONS = ("to_store", "from_store")
+_FIT_FIELDS = ("alpha_us", "us_per_byte", "r2", "bytes_per_s", "median_us")
+
+
+def _key(device: torch.device, directory: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """What a fit is valid for: the device's `cache_key`, the tier, and on the CPU the directory the
+    files go under (its disk)."""
+    if device.type == "cpu":
+        where = os.path.realpath(tempfile.gettempdir() if directory is None else os.fspath(directory))
+        return {**cache_key(device), "tier": "disk", "directory": where}
+    return {**cache_key(device), "tier": "pinned"}
+
+
+def fit_copy_costs(
+    device: torch.device | str, directory: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    """Measure the copies to ``device``'s offload tier and back, and fit each direction (see the
+    module docstring). Returns ``{"tier": .., "device": .., "sizes": [...], "to_store": {"alpha_us":
+    .., "us_per_byte": .., "r2": .., "bytes_per_s": .., "median_us": [one per size]}, "from_store":
+    {...}, "source": "measured"}``; OSError if the store could not write."""
+    device = torch.device(device)
+    store = store_for(device, directory, max_pending_bytes=0)
+    times: dict[str, dict[int, list[float]]] = {d: {size: [] for size in COPY_SIZES} for d in DIRECTIONS}
+    try:
+        for round_ in range(COPY_REPEATS + 1):  # round 0 warms the store up
+            for size in COPY_SIZES:
+                key = store.put(torch.ones(size, dtype=torch.uint8, device=device))
+                store.flush()
+                store.prefetch([key])
+                store.get(key)
+                store.flush()
+                stats = store.step_stats()
+                store.release(key)
+                if round_:
+                    for direction in DIRECTIONS:
+                        times[direction][size].append(stats[direction]["seconds"] * 1e6)
+        failure = store.failure()
+    finally:
+        store.close()
+    if failure is not None:
+        raise OSError(f"cannot measure the offload copy costs: {failure}")
+    out: dict[str, Any] = {"tier": store.tier, "device": str(device), "sizes": list(COPY_SIZES)}
+    for direction in DIRECTIONS:
+        medians = [statistics.median(times[direction][size]) for size in COPY_SIZES]
+        fit = fit_linear_cost(COPY_SIZES, medians)
+        out[direction] = {
+            "alpha_us": fit["beta_us"],
+            "us_per_byte": fit["alpha_us_per_element"],
+            "r2": fit["r2"],
+            "bytes_per_s": COPY_SIZES[-1] / (medians[-1] / 1e6),
+            "median_us": medians,
+        }
+    out["source"] = "measured"
+    return out
+
+
+def _cache_problem(data: Any, key: dict[str, Any]) -> str | None:
+    """Why ``data`` is not a valid copy-cost cache document for ``key``; None if it is."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    if data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
+        return f"not a {CACHE_FORMAT} version {CACHE_VERSION} document"
+    if data.get("key") != key:
+        return "made for another device, directory or software"
+    costs = data.get("costs")
+    if (
+        not isinstance(costs, dict)
+        or costs.get("tier") != key["tier"]
+        or costs.get("sizes") != list(COPY_SIZES)
+    ):
+        return "does not hold this tier's fit"
+    for direction in DIRECTIONS:
+        fit = costs.get(direction)
+        if not isinstance(fit, dict) or sorted(fit) != sorted(_FIT_FIELDS):
+            return f"bad entry for {direction}"
+        medians = fit["median_us"]
+        if not isinstance(medians, list) or len(medians) != len(COPY_SIZES):
+            return f"bad medians for {direction}"
+        values = [*(fit[name] for name in _FIT_FIELDS if name != "median_us"), *medians]
+        if not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+        ):
+            return f"bad numbers for {direction}"
+        if fit["alpha_us"] < 0 or fit["us_per_byte"] < 0 or fit["bytes_per_s"] <= 0:
+            return f"negative cost for {direction}"
+    return None
+
+
+def copy_costs(
+    device: torch.device | str,
+    directory: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """``fit_copy_costs(device, directory)``, cached in a JSON file per device and tier (and, on the
+    CPU, per directory), as the cast costs are (``lp.costs.cache_path``, kind ``copy-costs``).
+
+    A valid cache file for this key is returned without copying anything, its ``source`` saying
+    which file; one that cannot be read or holds no valid fit for this key is refitted and
+    overwritten, with a one-line warning; one that cannot be written only warns."""
+    device = torch.device(device)
+    key = _key(device, directory)
+    path = cache_path(device, cache_dir, kind=CACHE_KIND, key=key)
+    if os.path.exists(path):
+        try:
+            data = read_json(path, "copy-cost cache")
+            problem = _cache_problem(data, key)
+        except QSyncInputError as error:
+            problem = str(error).removeprefix(f"{path}: ")
+        if problem is None:
+            return {**data["costs"], "source": f"cache {path}"}
+        warnings.warn(f"{path}: ignoring the copy-cost cache ({problem}); refitting", stacklevel=2)
+    costs = fit_copy_costs(device, directory)
+    document = {
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "key": key,
+        "costs": {name: value for name, value in costs.items() if name != "source"},
+    }
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", "copy-cost cache")
+    except (OSError, QSyncInputError) as error:
+        warnings.warn(f"cannot write the copy-cost cache: {error}", stacklevel=2)
+    return costs
