@@ -452,6 +452,9 @@ def _unlink(path: str) -> None:
         pass
 
 
+_PENDING_TIMINGS = 256  # copies whose CUDA events the pinned store keeps before folding them in
+
+
 class PinnedStore(OffloadStore):
     """The CUDA tier: pinned host memory, both copies on one side stream."""
 
@@ -472,6 +475,8 @@ class PinnedStore(OffloadStore):
             out.copy_(source, non_blocking=True)
             end.record(self._stream)
         self._timings.append((direction, nbytes, start, end))
+        if len(self._timings) > _PENDING_TIMINGS:  # nobody asked for the stats lately: fold them in
+            self._settle(wait=False)
         return end
 
     def _move_out(self, copy: _Copy) -> None:
@@ -511,24 +516,29 @@ class PinnedStore(OffloadStore):
         self._stream.synchronize()
 
     def step_stats(self) -> dict[str, Any]:
-        self._settle()
+        self._settle(wait=True)
         return super().step_stats()
 
-    def _settle(self) -> None:
-        """Bring the copies' times (their CUDA events, waited for) into the stats."""
+    def _settle(self, wait: bool) -> None:
+        """Bring the times of the copies done (all of them, waited for, with ``wait``) into the
+        stats, and let go of their events."""
         with self._lock:
             timings, self._timings = self._timings, []
-        for _, _, _, end in timings:
-            end.synchronize()
+        if wait:
+            for _, _, _, end in timings:
+                end.synchronize()
+        finished = [timing[3].query() for timing in timings]
         with self._lock:
-            for direction, nbytes, start, end in timings:
-                moves = self._stats.to_store if direction == "to" else self._stats.from_store
-                moves.add(nbytes, start.elapsed_time(end) / 1e3)
+            for (direction, nbytes, start, end), done in zip(timings, finished, strict=True):
+                if done:
+                    moves = self._stats.to_store if direction == "to" else self._stats.from_store
+                    moves.add(nbytes, start.elapsed_time(end) / 1e3)
+            self._timings[:0] = [timing for timing, done in zip(timings, finished, strict=True) if not done]
 
     def _shutdown(self) -> None:
         self._stream.synchronize()
         with self._lock:
-            for copy in self._copies.values():
+            for copy in list(self._copies.values()):
                 copy.tier_state = copy.fetched = None
 
 

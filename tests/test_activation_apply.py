@@ -469,6 +469,26 @@ def test_a_disk_that_refuses_writes_keeps_training_and_says_what_failed(tmp_path
     assert len(out["directories"]) == 1 and out["left"] == []
 
 
+def test_a_store_that_cannot_be_made_keeps_training_and_says_why(tmp_path):
+    torch.manual_seed(0)
+    model = _net()
+    ((x, y),) = _batches(1)
+    model.eval()  # the same dropout masks (none) and BatchNorm statistics for both passes
+    nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    missing = tmp_path / "missing"  # no such directory: the store's own cannot be made in it
+    applier = ActivationApplier(model, directory=str(missing))
+    undo = applier(OFFLOAD)
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    failure = applier.failure()
+    assert failure.startswith("cannot make the offload store of cpu: ") and str(missing) in failure
+    assert applier.step_stats() == {}
+    undo()
+    assert applier.failure() is None
+
+
 def test_the_files_go_with_a_process_that_never_undid(tmp_path):
     out = _run_python(
         f"""

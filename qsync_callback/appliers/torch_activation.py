@@ -296,6 +296,7 @@ class _Offloader:
         self._max_pending_bytes = max_pending_bytes
         self.stores: dict[torch.device, OffloadStore] = {}
         self._last: weakref.ref[_Call] | None = None
+        self._fault: str | None = None  # a store that could not be made
 
     def wrap(self, module: nn.Module) -> Callable[..., Any]:
         forward = module.forward
@@ -322,9 +323,15 @@ class _Offloader:
             return tensor
         store = self.stores.get(tensor.device)
         if store is None:
-            store = self.stores[tensor.device] = store_for(
-                tensor.device, self._directory, self._max_pending_bytes
-            )
+            if self._fault is not None:
+                return tensor
+            try:
+                store = self.stores[tensor.device] = store_for(
+                    tensor.device, self._directory, self._max_pending_bytes
+                )
+            except (OSError, RuntimeError) as error:  # no directory there, no CUDA stream: keep it
+                self._fault = f"cannot make the offload store of {tensor.device}: {error}"
+                return tensor
         if not call.saved:  # the first of this call in a store: it follows the last call that was
             call.previous = self._last
             self._last = weakref.ref(call)
@@ -344,7 +351,8 @@ class _Offloader:
         return packed.store.get(packed.key)
 
     def failure(self) -> str | None:
-        return next((f for f in (s.failure() for s in self.stores.values()) if f is not None), None)
+        faults = (self._fault, *(store.failure() for store in self.stores.values()))
+        return next((fault for fault in faults if fault is not None), None)
 
     def close(self) -> None:
         for store in self.stores.values():
@@ -425,8 +433,9 @@ class ActivationApplier:
         return [(module, policy) for module, policy, _ in chosen.values()]
 
     def failure(self) -> str | None:
-        """The first fault of the plan in force's stores (a write that failed: the tensor stayed in
-        memory), as one line; None if there is none or no plan is in force."""
+        """The first fault of the plan in force's offload (a store that could not be made, a write
+        that failed: the tensors stayed in memory), as one line; None if there is none or no plan
+        is in force."""
         offloader = self._offloader
         return offloader.failure() if offloader is not None else None
 
