@@ -111,6 +111,49 @@ def test_recompute_gives_bit_identical_losses_and_running_stats_from_step_zero_a
         )
 
 
+class _Residual(nn.Module):
+    """A ResNet basic block: two conv-BN pairs, an in-place ReLU inside, the skip added."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.drop = nn.Dropout2d(0.2)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.drop(self.bn2(self.conv2(out))) + x)
+
+
+def test_recompute_of_residual_blocks_with_batch_norm_keeps_losses_and_statistics_bit_identical():
+    def run(plan):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), _Residual(8), _Residual(8), nn.Flatten(), nn.Linear(8 * 8 * 8, 4)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        undo = ActivationApplier(model)(plan)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(8):
+            x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        undo()
+        return losses, _buffers(model)
+
+    base_losses, base_buffers = run(Plan())
+    losses, buffers = run(Plan(activation={"1": "recompute", "2": "recompute"}))
+    assert losses == base_losses
+    assert _equal_buffers(buffers, base_buffers) and buffers["1.bn1.num_batches_tracked"].item() == 8
+
+
 def _saved_bytes_in_forward(model, x):
     """Bytes autograd saves (outside any checkpoint) in one forward, once per storage, the
     parameters (which the model holds anyway) left out."""

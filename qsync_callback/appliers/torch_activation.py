@@ -51,9 +51,8 @@ from torch.utils.checkpoint import checkpoint
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.lp.swap import _under_mha  # one test of "MultiheadAttention reads it directly"
 from qsync_callback.offload_store import DEFAULT_MAX_PENDING_BYTES, OffloadStore, store_for
-from qsync_callback.plan import Plan
+from qsync_callback.plan import KEEP, RECOMPUTE, Plan
 
-KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 MIN_OFFLOAD_BYTES = 64 * 2**10
 """A saved tensor's storage must hold at least this many bytes to be offloaded (64 KiB: below it a
 file's open, write and unlink cost more than the memory is worth)."""
