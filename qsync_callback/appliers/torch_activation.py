@@ -6,7 +6,10 @@ runs as it is: nothing is saved for backward there.
 
 - **recompute**: the forward runs through ``torch.utils.checkpoint.checkpoint`` (non-reentrant,
   ``preserve_rng_state=True``): what its ops save for backward is let go after forward, and made
-  again by running the forward again just before its backward needs it. The RNG states (the CPU's
+  again by running the forward again just before its backward needs it. Its tensor arguments are
+  kept (checkpoint saves them to run it again): a single layer whose saved tensors are its input
+  frees nothing, a block frees everything saved inside it. The run again calls the forward, not
+  the module: the module's own hooks do not fire twice, its children's do. The RNG states (the CPU's
   and those of the devices of its tensor arguments, keyword arguments included) are replayed, so a
   dropout draws the same mask and the losses are bit-identical to the run without the policy. A
   forward that updates buffers (BatchNorm's running statistics in training) would update them
