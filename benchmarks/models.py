@@ -353,11 +353,17 @@ class StepTimer(pl.Callback):
 
 
 def timed_fit(
-    spec: ModelSpec, max_steps: int, callbacks: Sequence[pl.Callback] = (), procs: int = 1
+    spec: ModelSpec,
+    max_steps: int,
+    callbacks: Sequence[pl.Callback] = (),
+    procs: int = 1,
+    batches: int | None = None,
 ) -> tuple[pl.Trainer, StepTimer, pl.LightningModule, DataLoader]:
     """Fit ``spec``'s model for ``max_steps`` on CPU (DDP over gloo when ``procs`` > 1) with
     ``callbacks`` and a `StepTimer` after them: work a callback does at the start of step b is then
-    timed in step b - 1. No logger, progress bar or checkpoints."""
+    timed in step b - 1. No logger, progress bar or checkpoints. ``batches``: a data set of that
+    many batches, gone through for as many epochs as the steps need (default: one batch per step,
+    all of them in memory for the whole run)."""
     pl.seed_everything(SEED, verbose=False)
     timer = StepTimer()
     trainer = pl.Trainer(
@@ -371,7 +377,7 @@ def timed_fit(
         enable_model_summary=False,
         logger=False,
     )
-    module, loader = spec.build(), spec.dataloader(max_steps * procs)
+    module, loader = spec.build(), spec.dataloader(batches or max_steps * procs)
     trainer.fit(module, loader)
     return trainer, timer, module, loader
 

@@ -38,7 +38,12 @@ PLAN_FORMAT = "qsync-plan"
 PLAN_VERSION = 1
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "int8")
 FULL_PRECISION = "fp32"  # what a layer runs at when a plan says nothing about it
-ACTIVATION_POLICIES = ("keep", "offload", "recompute")
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+ACTIVATION_POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
+MIN_OFFLOAD_BYTES = 64 * 2**10
+"""An offloaded module moves a saved tensor only if its storage holds at least this many bytes (64
+KiB: below it a file's open, write and unlink cost more than the memory is worth); the applier
+and the pricing both keep to it."""
 # communication settings a plan may hold: name -> (type, what it is); both apply to a whole run
 COMMUNICATION_SETTINGS = {
     "fusion_threshold_bytes": (int, "the largest fused gradient buffer, bytes (0: no fusion)"),

@@ -8,7 +8,10 @@ hooks to it and supplies, through `Integration`, only what is framework-specific
 - a `WindowRecorder` per recorded window, which says at which of its step boundaries every rank
   must meet (``meet_before`` / ``meet_after``) and when its window is done (``done_step``);
 - appliers, one per plan field it can carry out (`Applier`): each takes a Plan, refuses before
-  changing anything what it cannot carry out (`QSyncInputError`), and returns an undo.
+  changing anything what it cannot carry out (`QSyncInputError`), and returns an undo. An applier
+  whose decisions can fail after they were applied (an offload store whose disk filled up) also has
+  ``failure() -> str | None``: while a plan with offload decisions is in force, every rank polls it
+  at each step boundary, and a failure on any rank rolls the plan back everywhere (`_plan_failed`).
 
 Step by step, counted at `TuningLoop.step_boundary` (one per optimizer step):
 
@@ -46,7 +49,7 @@ from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, 
 from qsync_callback.cache import cached_plan, drop_cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
-from qsync_callback.plan import LEVER_FIELDS, LEVERS, Constraints, Plan
+from qsync_callback.plan import LEVER_FIELDS, LEVERS, OFFLOAD, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
 from qsync_callback.report import REPORT_FILE, build_report, format_summary, format_verification, write_report
@@ -235,6 +238,7 @@ class TuningLoop:
         self._fingerprint: dict[str, Any] = {}
         self._constraints = settings.constraints
         self._undo_candidate: Undo | None = None
+        self._undo_plan: Undo | None = None
         self._loss_finite = True
         self._verify_traces: list[Trace] | None = None  # rank 0, while the baseline and plan alternate
         self._turns: BlockTimes | None = None
@@ -251,6 +255,13 @@ class TuningLoop:
         return self._constraints
 
     @property
+    def watching(self) -> bool:
+        """A plan with offload decisions is in force: every step boundary polls its appliers for a
+        failure (`_plan_failed`), even once the loop is done."""
+        in_force = self.candidate or self.plan
+        return in_force is not None and OFFLOAD in in_force.activation.values()
+
+    @property
     def verifying(self) -> bool:
         """A candidate is on trial (its verify window, or the turns after it)."""
         return self._phase in ("verify", "alternate") and not self.finished
@@ -259,7 +270,7 @@ class TuningLoop:
 
     def step_boundary(self, integration: Integration) -> None:
         """Before each (optimizer) step."""
-        if self.finished:
+        if self._plan_failed() or self.finished:
             return
         step = self._steps
         self._steps += 1
@@ -307,10 +318,15 @@ class TuningLoop:
             self.finished = True
 
     def close(self) -> None:
-        """Stop recording (teardown); a candidate still unverified is undone."""
+        """Stop recording (teardown); a candidate still unverified is undone, and so is a kept plan
+        with offload decisions (its stores closed, their files removed: the run is over; the plan
+        cache re-applies it at the next launch)."""
         self._close_recorder()
         if self.verifying:
             self._roll_back()
+        if self.watching and self._undo_plan is not None:
+            undo, self._undo_plan = self._undo_plan, None
+            self._safe.run(undo)
 
     def state_dict(self) -> dict[str, Any]:
         """Only a kept plan is state: a candidate under verification is never saved."""
@@ -529,7 +545,7 @@ class TuningLoop:
             reasons = self._exchange(error) or [error]
             return next((r for r in reasons if r), "another rank could not apply it")
         if to_keep:
-            self.plan = plan  # kept for the rest of the run: its undo is not needed
+            self.plan, self._undo_plan = plan, undo  # kept; undone only if it fails (`_plan_failed`)
         else:
             self.candidate, self._undo_candidate = plan, undo
         return None
@@ -637,7 +653,7 @@ class TuningLoop:
         """Every rank: keep the candidate (``decision`` KEEP) or roll back; rank 0 writes what is kept."""
         kept = self.candidate if decision == KEEP else None
         if kept is not None:
-            self.plan = kept
+            self.plan, self._undo_plan = kept, self._undo_candidate
             self.candidate, self._undo_candidate = None, None
         else:
             self._roll_back()
@@ -645,6 +661,38 @@ class TuningLoop:
         self._verify_traces, self._turns = None, None
         if self._integration.collective.rank == 0:
             self._safe.run(self._keep, kept if kept is not None else Plan.empty(self._fingerprint))
+
+    def _plan_failed(self) -> bool:
+        """Every rank, while a plan with offload decisions is in force: whether an applier reported
+        a failure on any rank (`Integration` appliers' ``failure``); if so the plan is undone on every
+        rank, the recorded configuration kept, and the loop is done."""
+        if self._integration is None or not self.watching:
+            return False
+        fault = self._safe.run(self._applier_failure)
+        if self._all_true(fault is None and self._safe.ok):
+            return False
+        reasons = self._exchange(fault or "") or [fault or ""]
+        reason = next((r for r in reasons if r), "another rank's plan failed")
+        self._log(f"qsync: the plan in force failed ({reason}); rolled back to the recorded configuration")
+        self._close_recorder()
+        self._roll_back()
+        undo, self._undo_plan, self.plan = self._undo_plan, None, None
+        if undo is not None:
+            undo()
+        self.finished = True
+        self._verify_traces, self._turns = None, None
+        if self._integration.collective.rank == 0:
+            self._safe.run(self._keep, Plan.empty(self._fingerprint))
+        return True
+
+    def _applier_failure(self) -> str | None:
+        """The first failure an applier of this run reports, or None."""
+        for applier in self._integration.appliers().values():
+            failure = getattr(applier, "failure", None)
+            found = failure() if callable(failure) else None
+            if found:
+                return found
+        return None
 
     def _roll_back(self) -> None:
         """Back to the last kept configuration on this rank (the candidate undone)."""

@@ -15,17 +15,18 @@ from qsync_callback.report import format_memory_plan
 
 from tracebuilder import op, trace
 
+KIB = 4 * 2**10  # the unit of the step's tensors: "100" is 100 of them (400 KiB)
 COPY = {
     "tier": "disk",
-    "to_store": {"alpha_us": 1.0, "us_per_byte": 0.01},
-    "from_store": {"alpha_us": 1.0, "us_per_byte": 0.01},
+    "to_store": {"alpha_us": 1.0, "us_per_byte": 0.01 / KIB},
+    "from_store": {"alpha_us": 1.0, "us_per_byte": 0.01 / KIB},
 }
 
 
 def _step(activation_costs=None):
-    """Forward: b.l1 makes A (100 B), b.l2 makes B (200 B), the add (no layer) makes C (50 B, the
-    block's output, saved by the head), the head makes D (10 B). Backward in reverse, each freeing
-    what its forward op's layer saved. Peak: A+B+C+D = 360 B at 26 us."""
+    """Forward: b.l1 makes A (100 units), b.l2 makes B (200), the add (no layer) makes C (50, the
+    block's output, saved by the head), the head makes D (10: under `MIN_OFFLOAD_BYTES`). Backward
+    in reverse, each freeing what its forward op's layer saved. Peak: A+B+C+D = 360 at 26 us."""
     ops = [
         op(0, "aten::conv", "forward", "main", 0, 10, layer="b.l1", seq=1),
         op(1, "aten::bn", "forward", "main", 10, 10, layer="b.l2", seq=2),
@@ -37,14 +38,14 @@ def _step(activation_costs=None):
         op(7, "ConvBackward", "backward", "main", 62, 10, layer="b.l1", seq=1),
     ]
     events = [
-        [1, 0xA, 100, 0],
-        [11, 0xB, 200, 1],
-        [21, 0xC, 50, 2],
-        [26, 0xD, 10, 3],
-        [45, 0xD, -10, 4],
-        [48, 0xC, -50, 4],
-        [60, 0xB, -200, 6],
-        [70, 0xA, -100, 7],
+        [1, 0xA, 100 * KIB, 0],
+        [11, 0xB, 200 * KIB, 1],
+        [21, 0xC, 50 * KIB, 2],
+        [26, 0xD, 10 * KIB, 3],
+        [45, 0xD, -10 * KIB, 4],
+        [48, 0xC, -50 * KIB, 4],
+        [60, 0xB, -200 * KIB, 6],
+        [70, 0xA, -100 * KIB, 7],
     ]
     layers = [{"name": n, "type": "X"} for n in ("b.l1", "b.l2", "head")]
     costs = {"copy": COPY} if activation_costs is None else activation_costs
@@ -70,23 +71,23 @@ def test_a_block_span_takes_the_ops_of_no_layer_inside_it(predictor):
     span = predictor.activation.spans(0)[(0, "b")]
     assert [o.id for o in span.forward] == [0, 1, 2]  # the add after its layers
     assert [o.id for o in span.backward] == [5, 6, 7]  # the add's backward before them
-    assert sorted(life.bytes for life in span.inside) == [100, 200]
+    assert sorted(life.bytes for life in span.inside) == [100 * KIB, 200 * KIB]
     assert span.held == [] and span.outputs == []  # C is saved (and freed) by the head
 
 
 def test_recompute_frees_the_blocks_tensors_after_their_consumer_and_pays_its_forward_again(predictor):
     recorded = predictor.predict()
-    assert (recorded.step_ms * 1e3, recorded.peak_bytes) == (80.0, 360)
+    assert (recorded.step_ms * 1e3, recorded.peak_bytes) == (80.0, 360 * KIB)
     planned = predictor.predict(Plan(activation={"b": "recompute"}))
     # A is gone after b.l2 (20 us), B after the add (25 us): at 26 us only C and D; the peak is A+B
     # at 11 us, and again when the recompute makes A and B before the add's backward (C, D freed)
-    assert planned.peak_bytes == 300
+    assert planned.peak_bytes == 300 * KIB
     assert planned.step_ms * 1e3 == pytest.approx(80 + 25)  # the block's forward: 10 + 10 + 5 us
 
 
 def test_offload_frees_after_the_copy_and_waits_only_for_a_late_copy_back(predictor):
     planned = predictor.predict(Plan(activation={"b": "offload"}))
-    assert planned.peak_bytes == 300  # as recompute: A gone at 20 us (copy done at 12), B at 25 (23)
+    assert planned.peak_bytes == 300 * KIB  # as recompute: A gone at 20 us (copy done at 12), B at 25 (23)
     # asked back when the block's own backward starts (50 us; no offloaded module after it): A takes
     # 1 + 1 us, B 1 + 2 us on the one lane, so the add's backward waits until 55 us
     assert planned.step_ms * 1e3 == pytest.approx(85.0)
@@ -94,7 +95,7 @@ def test_offload_frees_after_the_copy_and_waits_only_for_a_late_copy_back(predic
 
 def test_a_single_layer_keeps_its_output_so_neither_policy_frees_it(predictor):
     planned = predictor.predict(Plan(activation={"b.l1": "offload"}))
-    assert planned.peak_bytes == 360
+    assert planned.peak_bytes == 360 * KIB
     assert planned.step_ms * 1e3 == pytest.approx(82.0)  # A is still copied out and back
 
 
@@ -114,7 +115,7 @@ def test_offload_without_a_fitted_copy_cost_is_refused_and_not_offered():
     predictor = Predictor([_step(activation_costs={})])
     with pytest.raises(QSyncInputError, match="no fitted copy cost"):
         predictor.predict(Plan(activation={"b": "offload"}))
-    choice = exact_activation(predictor, {}, 300)
+    choice = exact_activation(predictor, {}, 300 * KIB)
     assert choice.activation == {"b": "recompute"}
     assert {o.policy for o in choice.options} == {"recompute"}
 
@@ -123,14 +124,14 @@ def test_a_module_the_recorder_refused_is_left_out_with_its_reason():
     predictor = Predictor([_step({"copy": COPY, "refused": {"b": "called twice per step"}})])
     with pytest.raises(QSyncInputError, match="called twice per step"):
         predictor.predict(Plan(activation={"b": "recompute"}))
-    choice = exact_activation(predictor, {}, 300)
+    choice = exact_activation(predictor, {}, 300 * KIB)
     assert choice.refused["b"] == "called twice per step"
     assert not choice.feasible  # b.l2 offloaded is the closest: B gone from 25 us, A+B+C at 21 us
     assert choice.activation == {"b.l2": "offload"}
-    assert choice.prediction.peak_bytes == 350
+    assert choice.prediction.peak_bytes == 350 * KIB
 
 
-@pytest.mark.parametrize("budget", [360, 330, 300])
+@pytest.mark.parametrize("budget", [360 * KIB, 330 * KIB, 300 * KIB])
 def test_the_milp_finds_the_cheapest_plan_that_fits_as_enumeration_does(predictor, budget):
     choice = exact_activation(predictor, {}, budget)
     modules = ["b", "b.l1", "b.l2", "head"]
@@ -149,25 +150,31 @@ def test_the_milp_finds_the_cheapest_plan_that_fits_as_enumeration_does(predicto
 
 def test_a_budget_nothing_meets_returns_the_least_peak_found(predictor):
     for plan in (exact_activation, greedy_activation):
-        choice = plan(predictor, {}, 250)
+        choice = plan(predictor, {}, 250 * KIB)
         assert not choice.feasible
-        assert choice.prediction.peak_bytes == 300
-    assert exact_activation(predictor, {}, 250).refused == {"b.l1": NOTHING_TO_FREE}  # A: its output
+        assert choice.prediction.peak_bytes == 300 * KIB
+    assert exact_activation(predictor, {}, 250 * KIB).refused == {"b.l1": NOTHING_TO_FREE}  # A: its output
 
 
 def test_the_greedy_meets_what_the_milp_meets_here(predictor):
-    assert greedy_activation(predictor, {}, 300).prediction.peak_bytes <= 300
+    assert greedy_activation(predictor, {}, 300 * KIB).prediction.peak_bytes <= 300 * KIB
 
 
 def test_plan_memory_with_the_activation_lever_only_and_its_table(predictor):
-    constraints = Constraints.from_arguments(memory_budget=300, levers=("activation",))
+    constraints = Constraints.from_arguments(memory_budget=300 * KIB, levers=("activation",))
     choice = plan_memory(predictor.traces, constraints)
     assert choice.feasible
     assert choice.chosen.plan.activation == {"b": "offload"}  # 5 us against recompute's 25
-    assert choice.chosen.plan.prediction == {"step_ms": pytest.approx(0.085), "peak_bytes": 300}
+    assert choice.chosen.plan.prediction == {"step_ms": pytest.approx(0.085), "peak_bytes": 300 * KIB}
     assert [c.name for c in choice.candidates] == ["activation"]
     recorded = predictor.predict().figures()
     table = format_memory_plan(choice, recorded)
     assert "meets the constraints; chosen: activation" in table
     assert "b                                                  offload" in table
     assert "1 module(s) left out, as they save nothing either policy could free: b.l1" in table
+
+
+def test_an_offload_moves_no_tensor_under_the_size_the_applier_moves(predictor):
+    # the head saved C (its input, 200 KiB) and D (its output, 40 KiB: stays): C goes out after the
+    # head's forward op and is asked back at its backward (40 us): 1 + 0.5 us each way
+    assert predictor.predict(Plan(activation={"head": "offload"})).step_ms * 1e3 == pytest.approx(81.5)

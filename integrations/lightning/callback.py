@@ -38,7 +38,9 @@ class QSyncCallback(pl.Callback):
             over the fastest plan's predicted step time.
         precisions: the precisions a plan may use (fp32 always included; those a layer cannot run
             on this device are left out for it).
-        levers: what a plan may change: some of "precision", "activation", "regions", "buckets".
+        levers: what a plan may change: some of "precision", "activation" (per module: keep,
+            recompute or offload its saved activations; chosen only to meet ``memory_budget``),
+            "regions", "buckets".
         verify_steps: steps recorded after applying a plan.
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns
             (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided
@@ -120,12 +122,16 @@ class QSyncCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._loop.finished or batch_idx % max(trainer.accumulate_grad_batches, 1) != 0:
+        if batch_idx % max(trainer.accumulate_grad_batches, 1) != 0:
+            return
+        if self._loop.finished and not self._loop.watching:  # a kept offload plan is watched
             return
         if self._run is None:
             constraints = self._loop.settings.constraints
             precisions = constraints.precisions if "precision" in constraints.levers else ()
-            self._run = LightningRun(trainer, pl_module, batch, precisions)
+            self._run = LightningRun(
+                trainer, pl_module, batch, precisions, "activation" in constraints.levers
+            )
         self._loop.step_boundary(self._run)
 
     def on_train_batch_end(

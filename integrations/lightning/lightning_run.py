@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
+from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.tuning_loop import Applier
@@ -50,15 +51,26 @@ class LightningRun:
     """One Lightning training run, as the tuning loop sees it; ``batch`` is the first step's."""
 
     def __init__(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, precisions: tuple[str, ...]
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        precisions: tuple[str, ...],
+        activation: bool = True,
     ):
         self.trainer = trainer
         self.pl_module = pl_module
         self.collective = StrategyCollective(trainer)
         self.job = f"{type(pl_module).__module__}.{type(pl_module).__qualname__}"
         self.precisions = precisions
+        self.activation = activation  # the activation lever is allowed: record what it needs
+        self._recorder: TorchRecorder | None = None
         self._batch_shapes = batch_shapes_of(batch)
         self._fingerprint: dict[str, Any] = {}
+        self._appliers = {
+            "precision": precision_applier(pl_module),
+            "activation": ActivationApplier(pl_module),  # one object: the loop polls its failure()
+        }
 
     def fingerprint(self) -> dict[str, Any]:
         self._fingerprint = torch_fingerprint(
@@ -71,7 +83,7 @@ class LightningRun:
     ) -> TorchRecorder:
         device = self.pl_module.device
         name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
-        return TorchRecorder(
+        self._recorder = TorchRecorder(
             self.pl_module,
             self.trainer.optimizers,
             trace_dir,
@@ -85,10 +97,19 @@ class LightningRun:
             fingerprint=self._fingerprint,
             probe_precisions=self.precisions if planning else (),
             layer_statistics=planning,
+            activation_costs=planning and self.activation,
+            offload_stats=self._appliers["activation"].step_stats,
         )
+        return self._recorder
 
     def appliers(self) -> Mapping[str, Applier]:
-        return {"precision": precision_applier(self.pl_module)}
+        recorder, activation = self._recorder, self._appliers["activation"]
+        if recorder is not None and recorder.module_calls is not None:  # the calls the window counted
+            activation.calls_per_step, activation.call_problems = (
+                recorder.module_calls,
+                recorder.call_problems,
+            )
+        return self._appliers
 
     def log(self, text: str) -> None:
         rank_zero_info(text)

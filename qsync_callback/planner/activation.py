@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from qsync_callback.plan import Plan
-from qsync_callback.predictor.activation import OFFLOAD, RECOMPUTE, nested_pairs
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan
+from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Prediction, Predictor
 
 NOTHING_TO_FREE = "saves nothing either policy could free"

@@ -25,7 +25,8 @@ policy frees them; an offload still copies them.
   time and host gaps, at the plan's precision), and the tensors are made again then, all of them,
   with the largest total of the forward's own temporaries alive at once; they die where they died in
   the recording.
-- **Offload.** Every tensor it saved (``inside`` and ``held``) is copied to the store on a copy lane
+- **Offload.** Every tensor it saved (``inside``, ``held`` and ``outputs``) of at least
+  `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane
   of its own (one queue for both directions, in request order; each copy takes ``alpha + beta *
   bytes`` of that direction, `Trace.activation_costs["copy"]`): a copy to the store is requested when
   the op that made the tensor ends (for ``held``: the module's first forward op), and the tensor is
@@ -50,12 +51,12 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import KEEP, MIN_OFFLOAD_BYTES, OFFLOAD, RECOMPUTE
 from qsync_callback.predictor.graph import op_node
 from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
 from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.recorder.trace import Op, Trace
 
-RECOMPUTE, OFFLOAD, KEEP = "recompute", "offload", "keep"
 _REMADE_US = 1e-3  # the recompute's tensors are made this long before the first backward op
 
 
@@ -298,9 +299,10 @@ class ActivationPricing:
         asked: dict[str, float] = {}
         for position, (name, span) in enumerate(offloaded):
             inside = {id(life) for life in span.inside}
+            moved = [life for life in span.saved if life.bytes >= MIN_OFFLOAD_BYTES]
             trigger = offloaded[position + 1][1] if position + 1 < len(offloaded) else span
             asked[name] = when(trigger.first_backward, True)
-            for life in span.saved:
+            for life in moved:
                 made = life.birth_op if id(life) in inside else span.forward[0]
                 requests.append(
                     (when(made, False), _copy_us(costs, "to_store", life.bytes), ("out", id(life)))
@@ -324,7 +326,10 @@ class ActivationPricing:
             requests, _ = self._copy_requests(offloaded, self._traces[k].activation_costs["copy"], when)
             lane = _lane(requests)
             for _, span in offloaded:
-                back = max((lane[("in", id(life))][1] for life in span.saved), default=-np.inf)
+                back = max(
+                    (lane[key][1] for life in span.saved if (key := ("in", id(life))) in lane),
+                    default=-np.inf,
+                )
                 first = comp.index[op_node(rank, span.first_backward.id)]
                 waits[first] = waits.get(first, 0.0) + max(0.0, back - float(timing.start[first]))
         return waits
@@ -396,6 +401,8 @@ class ActivationPricing:
             lane = _lane(requests)
             for name, span in offloaded:
                 for life in span.inside + span.held:
+                    if life.bytes < MIN_OFFLOAD_BYTES:
+                        continue
                     gone = max(span.freed_at[id(life)], lane[("out", id(life))][1])
                     if gone < asked[name]:
                         out.append(

@@ -25,8 +25,8 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Plan
-from qsync_callback.predictor.activation import KEEP, ActivationPricing, check_activation_plan
+from qsync_callback.plan import KEEP, Plan
+from qsync_callback.predictor.activation import ActivationPricing, check_activation_plan
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import MemoryCurve, tensor_lifetimes
 from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan

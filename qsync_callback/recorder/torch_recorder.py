@@ -49,7 +49,7 @@ import json
 import mmap
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,11 @@ except ImportError:  # not on Windows
 import orjson
 import torch
 
+from qsync_callback.appliers.torch_activation import CallProbe, activation_refusals
 from qsync_callback.lp.modules import LPModule
 from qsync_callback.model_layers import layer_table, layers_of
+from qsync_callback.predictor.activation import module_layers
+from qsync_callback.recorder.copy_costs import copy_costs
 from qsync_callback.recorder.kineto import (
     CALIBRATION_RANGE,
     CLOCK_SYNC,
@@ -219,6 +222,8 @@ class TorchRecorder:
         probe_precisions: Sequence[str] = (),
         layer_statistics: bool = False,
         measure_steps: int = 0,
+        activation_costs: bool = False,
+        offload_stats: Callable[[], Mapping[str, Any]] | None = None,
     ):
         if warmup_steps < 2 or profile_steps < 1:
             raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
@@ -234,6 +239,11 @@ class TorchRecorder:
         self.device = device
         self.fingerprint = dict(fingerprint or {})
         self.probe_precisions = list(probe_precisions)
+        self._activation_costs = activation_costs
+        self._calls: CallProbe | None = None
+        self.module_calls: dict[str, int] | None = None  # per module, in the warm-up step
+        self.call_problems: dict[str, str] = {}
+        self._offload_stats = offload_stats
         self._statistics = LayerStatistics(model) if layer_statistics else None
         self._statistics_data: dict[str, Any] = {}
         self.unprofiled_ms: list[float] = []
@@ -374,6 +384,8 @@ class TorchRecorder:
             self._calibration_extra = calibration_extra_times()
         self._saved = SavedActivations(self._ranges, self.model.parameters())
         self._saved.start()
+        if self._activation_costs:
+            self._calls = CallProbe(self.model).__enter__()
 
     def _start_session(self) -> None:
         self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
@@ -432,6 +444,10 @@ class TorchRecorder:
             gc.enable()
         if self.probe_precisions:
             self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
+        if self._activation_costs:
+            self.trace.activation_costs = self._activation_costs_of(self.trace)
+        if self._offload_stats is not None:
+            self._offload_stats()  # the measured steps' moves start from here
         self._write()
         gc.collect(1)
         return self.trace
@@ -491,7 +507,24 @@ class TorchRecorder:
         has measured the steps after it; `overhead.calibrate_on_steps`)."""
         if self.trace is not None and "profiler_share" not in self.trace.measured and self.unprofiled_ms:
             self.trace.measured["profiler_share"] = calibrate_on_steps(self.trace, self.unprofiled_ms)
+        if (
+            self.trace is not None
+            and self._offload_stats is not None
+            and "offload" not in self.trace.measured
+        ):
+            moved = {device: stats for device, stats in self._offload_stats().items() if stats}
+            if moved:  # what the offload store moved over the steps since the window closed
+                self.trace.measured["offload"] = {"steps": self.measure_steps, "stores": moved}
         self._write()
+
+    def _activation_costs_of(self, trace: Trace) -> dict[str, Any]:
+        """What the activation planner needs from this run: the offload store's copy cost on this
+        device (`copy_costs`, cached) and the modules that cannot take a policy, with the reason
+        (`activation_refusals`, on the calls counted in the warm-up step)."""
+        modules = module_layers([layer["name"] for layer in trace.layers])
+        refused = activation_refusals(self.model, modules, self.module_calls, self.call_problems)
+        device = "cuda" if self.device.startswith("cuda") else self.device
+        return {"copy": copy_costs(device), "refused": refused}
 
     def _write(self) -> None:
         if self.trace is not None:
@@ -505,6 +538,10 @@ class TorchRecorder:
         if self._saved is not None:
             self._saved_bytes = self._saved.stop()
             self._saved = None
+        if self._calls is not None:
+            calls, self._calls = self._calls, None
+            calls.__exit__(None, None, None)
+            self.module_calls, self.call_problems = dict(calls.calls), dict(calls.problems)
 
     def close(self) -> None:
         """Stop profiling, remove the hooks and the Kineto parts of a window that did not close;

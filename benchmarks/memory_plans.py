@@ -1,0 +1,293 @@
+"""Memory plans (precision, recompute, offload) under budgets, predicted against measured, on real
+Lightning runs; beside torch's own selective-activation-checkpointing solver and the other plans of
+small instances.
+
+For each model: one recording with ``QSyncCallback(mode="apply")`` that plans nothing (it probes
+every layer's precisions, counts each module's calls and fits the offload store's copy cost). Then,
+for each budget (a share of the recorded configuration's predicted peak), from its traces:
+
+- **ours**: `planner.memory_plan.plan_memory` with the precision and activation levers, and with
+  the activation lever alone;
+- **sac_ilp**: torch's `sac_estimator` + `sac_ilp` (`sac_anchor.py`, with the stand-ins CPU needs),
+  its modules recomputed whole by our recompute applier, as its whole-module answer;
+- **others** (the small instance): every plan of one or two of the activation options that free
+  the most (`planner.activation.activation_options`) that the predictor says fits the budget.
+
+Each distinct plan then runs ``--repeats`` times in a fresh process with
+``QSyncCallback(mode="report", plan=...)``: applied at step 0, recorded, and its measured step time
+(median of the unprofiled steps) and measured peak (the recorder's independent measurement: live
+storages and the allocator's counter, `recorder/live_memory.py`) set against the prediction made
+from the recording. Plans with offload also report the bytes the store moved per step and its
+measured bandwidth. The table says, per budget, whether each plan was predicted to fit and whether it
+did, and how our plan's measured step time compares with the best other plan that fit.
+
+    python benchmarks/memory_plans.py [--models resnet,attention,mlp] [--budgets 0.5,0.7,0.85]
+        [--repeats 2] [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from models import get_model, timed_fit
+from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
+from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
+
+from qsync_callback.plan import Constraints, Plan
+from qsync_callback.planner.activation import activation_options
+from qsync_callback.planner.memory_plan import plan_memory
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.torch_recorder import window_close_step
+from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import change_pct
+
+WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
+MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
+PRECISIONS = ("fp32", "bf16", "int8")
+OTHER_OPTIONS = 4  # the small instance: plans of one or two of this many options
+BATCHES = 8  # a data set of 8 batches, gone through again each epoch: the activations dominate the
+# peak, not a data set of one batch per step held in memory (as a loader reading from disk would)
+
+
+def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None) -> None:
+    """One training run (in a subprocess): the recording (mode "apply") or one plan (mode "report")."""
+    from qsync_callback.integrations.lightning import QSyncCallback
+
+    callback = QSyncCallback(
+        mode=mode,
+        warmup_steps=WARMUP_STEPS,
+        profile_steps=PROFILE_STEPS,
+        measure_steps=MEASURE_STEPS,
+        output_dir=run_dir,
+        precisions=PRECISIONS,
+        levers=("precision", "activation"),
+        max_step_time=1e6 if mode == "apply" else None,  # plan nothing: this run only records
+        plan=plan,
+        plan_cache=False,
+    )
+    timed_fit(get_model(model), MAX_STEPS, [callback], 1, batches=BATCHES)
+
+
+def _run(script: Path, args: list[str], run_dir: Path, timeout: float) -> dict[str, Any] | None:
+    """One run; its report's measured figures, or None if it failed."""
+    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
+    report_path = run_dir / "report.json"
+    if rc != 0 or not report_path.exists():
+        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        return None
+    return json.loads(report_path.read_text())["measured"]
+
+
+def _sac_plans(model: str, budgets: dict[float, int], measured_peak: int) -> dict[float, dict[str, Any]]:
+    """torch's sac_ilp answer per budget share: its whole-module recompute plan, or why it has none."""
+    spec = get_model(model)
+    module = spec.build()
+    batch = next(iter(spec.dataloader(1)))
+    stats = collect_sac_stats(module, batch, lightning_loss, lightning_optimizer)
+    out = {}
+    for share, budget in budgets.items():
+        result = solve_sac_plan(stats, budget, measured_peak_bytes=measured_peak)
+        out[share] = {"fits": result.fits, "reason": result.reason, "activation": dict(result.recompute)}
+    return out
+
+
+def candidate_plans(
+    predictor: Predictor, model: str, shares: list[float], measured_peak: int
+) -> list[dict[str, Any]]:
+    """Every plan to run, per budget share: ours (two lever sets), sac_ilp's, the small instance's."""
+    traces = predictor.traces
+    recorded_peak = predictor.predict().peak_bytes
+    budgets = {share: int(share * recorded_peak) for share in shares}
+    sac = _sac_plans(model, budgets, measured_peak)
+    options, _ = activation_options(predictor, {})
+    top = sorted(options, key=lambda o: -o.freed_bytes)[:OTHER_OPTIONS]
+    plans = []
+    for share, budget in budgets.items():
+        for who, levers in (
+            ("ours", ("precision", "activation")),
+            ("ours: activation only", ("activation",)),
+        ):
+            choice = plan_memory(traces, Constraints(memory_budget=budget, levers=levers))
+            plans.append({"share": share, "who": who, "plan": choice.chosen.plan, "fits": choice.feasible})
+        answer = sac[share]
+        if answer["activation"]:
+            plans.append({"share": share, "who": "sac_ilp", "plan": Plan(activation=answer["activation"])})
+        else:
+            print(
+                f"[benchmark] {model} at {share:.0%}: sac_ilp has no plan: {answer['reason']}",
+                file=sys.stderr,
+            )
+        for k in (1, 2):
+            for combo in itertools.combinations(top, k):
+                activation = {o.module: o.policy for o in combo}
+                if len(activation) < k or any(
+                    a != b and b.startswith(a + ".") for a in activation for b in activation
+                ):
+                    continue
+                plan = Plan(activation=activation)
+                if predictor.predict(plan).peak_bytes <= budget:
+                    plans.append({"share": share, "who": "other", "plan": plan})
+    for row in plans:
+        row["plan"].fingerprint = dict(traces[0].fingerprint)
+        prediction = predictor.predict(row["plan"])
+        row.update(
+            budget_bytes=budgets[row["share"]],
+            predicted_step_ms=prediction.step_ms,
+            predicted_peak_bytes=prediction.peak_bytes,
+        )
+        row.setdefault("fits", prediction.peak_bytes <= budgets[row["share"]])
+    return plans
+
+
+def measure_model(model: str, out: Path, shares: list[float], repeats: int, timeout: float) -> dict[str, Any]:
+    """Record ``model``, choose every plan for every budget, run each distinct plan ``repeats``
+    times (in rounds), and set measured against predicted."""
+    script = Path(__file__).resolve()
+    runs_dir = out / "memory_runs"
+    record_dir = runs_dir / f"{model}-record"
+    measured = _run(script, ["--worker", model, "--worker-mode", "apply"], record_dir, timeout)
+    if measured is None:
+        raise RuntimeError(f"recording {model} failed")
+    predictor = Predictor(load_trace_dir(record_dir / "trace"))
+    recorded = predictor.predict()
+    plans = candidate_plans(predictor, model, shares, measured["peak_bytes"])
+    distinct: dict[str, list[dict[str, Any]]] = {}
+    for row in plans:
+        row["key"] = json.dumps({"p": row["plan"].precision, "a": row["plan"].activation}, sort_keys=True)
+        distinct.setdefault(row["key"], [])
+    files = {}
+    for i, key in enumerate(distinct):
+        row = next(r for r in plans if r["key"] == key)
+        files[key] = runs_dir / f"{model}-plan{i}.json"
+        row["plan"].save(files[key])
+    for k in range(repeats):
+        for i, key in enumerate(distinct):
+            print(
+                f"[benchmark] {model}: plan {i + 1} of {len(distinct)}, run {k + 1} ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            args = ["--worker", model, "--worker-mode", "report", "--worker-plan", str(files[key])]
+            run = _run(script, args, runs_dir / f"{model}-plan{i}-r{k}", timeout)
+            if run is not None:
+                distinct[key].append(run)
+    rows = []
+    for row in plans:
+        runs = distinct[row["key"]]
+        plan = row.pop("plan")
+        row.update(precision=plan.precision, activation=plan.activation)
+        row.pop("key")
+        if not runs:
+            rows.append({**row, "failed": True})
+            continue
+        run_ms = [run["step_ms"] for run in runs]
+        peak = max(run["peak_bytes"] for run in runs)
+        offload = [run.get("offload") for run in runs if run.get("offload")]
+        rows.append(
+            {
+                **row,
+                "measured_step_ms": statistics.median(run_ms),
+                "measured_runs_ms": run_ms,
+                "noise_pct": range_noise_pct(run_ms),
+                "step_error_pct": change_pct(row["predicted_step_ms"], statistics.median(run_ms)),
+                "measured_peak_bytes": peak,
+                "peak_error_pct": change_pct(row["predicted_peak_bytes"], peak),
+                "within_budget": peak <= row["budget_bytes"],
+                "offload": offload[0] if offload else None,
+            }
+        )
+    return {
+        "model": model,
+        "recorded": {
+            "predicted_step_ms": recorded.step_ms,
+            "predicted_peak_bytes": recorded.peak_bytes,
+            "measured_step_ms": measured["step_ms"],
+            "measured_peak_bytes": measured["peak_bytes"],
+        },
+        "rows": rows,
+    }
+
+
+def _mib(value: float | None) -> str:
+    return na(None if value is None else value / 2**20, ".1f")
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | budget | plan | precision lowered | activation | fits (predicted / measured) | "
+        "predicted ms | measured ms (noise) | step error | predicted peak MiB | measured peak MiB | "
+        "peak error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fits_kept, fits_total, step_errors, peak_errors = 0, 0, [], []
+    for result in results:
+        for row in result["rows"]:
+            if row.get("failed"):
+                lines.append(
+                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED | | | | | | | | |"
+                )
+                continue
+            activation = ", ".join(f"{m}: {p}" for m, p in sorted(row["activation"].items())) or "-"
+            if row["fits"]:
+                fits_total += 1
+                fits_kept += row["within_budget"]
+            step_errors.append(abs(row["step_error_pct"]))
+            peak_errors.append(abs(row["peak_error_pct"]))
+            fits = f"{'yes' if row['fits'] else 'no'} / {'yes' if row['within_budget'] else 'no'}"
+            noise = na(row["noise_pct"], ".1f")
+            lines.append(
+                f"| {result['model']} | {row['share']:.0%} | {row['who']} | {len(row['precision'])} | "
+                f"{activation} | {fits} | "
+                f"{row['predicted_step_ms']:.1f} | {row['measured_step_ms']:.1f} ({noise}%) | "
+                f"{row['step_error_pct']:+.1f}% | {_mib(row['predicted_peak_bytes'])} | "
+                f"{_mib(row['measured_peak_bytes'])} | {row['peak_error_pct']:+.1f}% |"
+            )
+    if step_errors:
+        lines += [
+            "",
+            f"Plans predicted to fit that measured within the budget: {fits_kept} of {fits_total}. "
+            f"Median |step error| {statistics.median(step_errors):.1f}%, median |peak error| "
+            f"{statistics.median(peak_errors):.1f}% over {len(step_errors)} plan rows.",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet,attention,mlp")
+    parser.add_argument("--budgets", default="0.5,0.7,0.85", help="shares of the recorded predicted peak")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per plan")
+    parser.add_argument("--quick", action="store_true", help="smoke run: resnet, 85%%, 1 run per plan")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-mode", default="report", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        run_worker(args.worker, args.worker_dir, args.worker_mode, args.worker_plan)
+        return 0
+    models = args.models.split(",")
+    shares = [float(s) for s in args.budgets.split(",")]
+    if args.quick:
+        models, shares, args.repeats = ["resnet"], [0.85], 1
+    for name in models:
+        get_model(name)  # fail fast on a bad name
+    say_allocator()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = bench_environment(budgets=shares)
+    results = [measure_model(name, args.out, shares, args.repeats, args.timeout) for name in models]
+    write_results(args.out, "memory_plans", markdown(results), {"environment": env, "results": results})
+    failed = any(row.get("failed") for result in results for row in result["rows"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
