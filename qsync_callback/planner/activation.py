@@ -22,6 +22,7 @@ what is inside it). Offload is a candidate only where the trace carries the stor
 - **Greedy** (`greedy_activation`): take the policies in order of bytes freed at the peak per
   microsecond of cost, each priced by the predictor's estimate with those already taken, until the
   budget is met; for instances the MILP is too slow for, and so that its gap is measured.
+  `choose_activation` runs it where the MILP found nothing that meets the budget.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class Option:
     module: str
     policy: str
     cost_us: float
-    changes: list[dict[int, tuple[np.ndarray, np.ndarray]]]
-    freed_bytes: int  # the most bytes it frees at once in a recorded step (for the greedy's order)
+    changes: list[dict[int, tuple[np.ndarray, np.ndarray]]]  # taken alone
+    joined: list[dict[int, tuple[np.ndarray, np.ndarray]]]  # in any plan it joins (`_changes`)
+    freed_bytes: int  # the most bytes it frees at once, alone (for the greedy's order)
 
 
 @dataclass
@@ -69,12 +71,13 @@ class ActivationChoice:
 
 
 def _changes(
-    predictor: Predictor, activation: Mapping[str, str]
+    predictor: Predictor, activation: Mapping[str, str], joined: bool = False
 ) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
     """Per rank position and step: the times of ``activation``'s synthetic tensors' events and the
-    change of the bytes alive right after each."""
+    change of the bytes alive right after each; ``joined``: an offload as if the module after it
+    were offloaded too (what it frees in any plan it joins, `ActivationPricing.lives`)."""
     out = []
-    for rank_events in predictor.activation.lives(activation):
+    for rank_events in predictor.activation.lives(activation, neighbours_offloaded=joined):
         steps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for events in rank_events:
             for step, (times, deltas, _) in events.items():
@@ -123,25 +126,35 @@ def activation_options(
             if freed <= 0:
                 continue
             cost = predictor.estimate(precision, {name: policy}).step_ms - base.step_ms
-            options.append(Option(name, policy, max(0.0, cost * 1e3), changes, int(freed)))
+            joined = _changes(predictor, {name: policy}, joined=True) if policy == OFFLOAD else changes
+            options.append(Option(name, policy, max(0.0, cost * 1e3), changes, joined, int(freed)))
     return options, refused
 
 
 def _moments(
-    predictor: Predictor, precision: Mapping[str, str], options: Sequence[Option], budget: int
+    predictor: Predictor,
+    precision: Mapping[str, str],
+    options: Sequence[Option],
+    budget: int,
+    joined: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The MILP's memory rows: each option's change at every moment that could break ``budget``,
-    and the room left there (budget less the bytes alive with no option)."""
+    """The MILP's memory rows: each option's change (``joined``: as in any plan it joins) at every
+    moment that could break ``budget``, and the room left there (budget less the bytes alive with no
+    option)."""
     rows, room = [], []
     extra = predictor.extra_lives(precision, {})
     for k, curve in enumerate(predictor.curves):
         for step, (times, level) in curve.levels(extra[k]).items():
-            moments = [times] + [o.changes[k][step][0] for o in options if step in o.changes[k]]
+            moments = [times] + [
+                (o.joined if joined else o.changes)[k][step][0]
+                for o in options
+                if step in (o.joined if joined else o.changes)[k]
+            ]
             at = np.unique(np.concatenate(moments))
             base = _at((times, level), at)
-            change = np.array([_at(o.changes[k].get(step), at) for o in options]).reshape(
-                len(options), len(at)
-            )
+            change = np.array(
+                [_at((o.joined if joined else o.changes)[k].get(step), at) for o in options]
+            ).reshape(len(options), len(at))
             reachable = base + np.clip(change, 0, None).sum(axis=0)
             keep = reachable > budget
             rows.append(change[:, keep].T)
@@ -190,38 +203,63 @@ def exact_activation(
     predictor: Predictor, precision: Mapping[str, str], memory_budget: int
 ) -> ActivationChoice:
     """The least-cost policies on top of ``precision`` that the predictor says meet
-    ``memory_budget`` (the MILP, then the full prediction; see the module docstring). Where none
-    do: the policies of least predicted peak found, ``feasible`` False."""
+    ``memory_budget``: the MILP on the options taken alone, then (where what it chose misses the
+    budget together) on the options as they free in any plan they join; each answer priced by the
+    full predictor, and solved again with the budget cut by its miss (see the module docstring).
+    Where none meets it: the policies of least predicted peak found, ``feasible`` False."""
     began = time.perf_counter()
     options, refused = activation_options(predictor, precision)
-    target = memory_budget
-    best: tuple[dict[str, str], Prediction] | None = None
-    for _ in range(_RETRIES + 1):
-        rows, room = _moments(predictor, precision, options, target)
-        chosen = _solve(options, rows, room)
-        if chosen is None:
-            break
-        activation = {options[i].module: options[i].policy for i in chosen}
-        prediction = predictor.predict(Plan(precision=dict(precision), activation=activation))
-        if best is None or prediction.peak_bytes < best[1].peak_bytes:
-            best = (activation, prediction)
-        if prediction.peak_bytes <= memory_budget:
-            return ActivationChoice(
-                activation, prediction, True, refused, options, "milp", time.perf_counter() - began
-            )
-        target -= prediction.peak_bytes - memory_budget
-    if best is None:
-        best = _least_peak(predictor, precision, options, memory_budget)
-    return ActivationChoice(*best, False, refused, options, "milp", time.perf_counter() - began)
+    tried: list[tuple[dict[str, str], Prediction]] = []
+    for joined in (False, True):
+        target = memory_budget
+        for _ in range(_RETRIES + 1):
+            rows, room = _moments(predictor, precision, options, target, joined)
+            chosen = _solve(options, rows, room)
+            if chosen is None:
+                break
+            activation = {options[i].module: options[i].policy for i in chosen}
+            prediction = predictor.predict(Plan(precision=dict(precision), activation=activation))
+            tried.append((activation, prediction))
+            if prediction.peak_bytes <= memory_budget:
+                return ActivationChoice(
+                    activation, prediction, True, refused, options, "milp", time.perf_counter() - began
+                )
+            target -= prediction.peak_bytes - memory_budget
+    tried += [_least_peak(predictor, precision, options, memory_budget, joined) for joined in (False, True)]
+    meeting = [t for t in tried if t[1].peak_bytes <= memory_budget]
+    if meeting:
+        best = min(meeting, key=lambda t: t[1].step_ms)
+    else:
+        best = min(tried, key=lambda t: (t[1].peak_bytes, t[1].step_ms))
+    return ActivationChoice(*best, bool(meeting), refused, options, "milp", time.perf_counter() - began)
+
+
+def choose_activation(
+    predictor: Predictor, precision: Mapping[str, str], memory_budget: int
+) -> ActivationChoice:
+    """`exact_activation`, and where it finds no plan that meets the budget, `greedy_activation`
+    too (it prices every step on the full predictor, so it sees what the MILP's model of options
+    priced one by one misses); the fastest that meets the budget, else the least peak."""
+    exact = exact_activation(predictor, precision, memory_budget)
+    if exact.feasible:
+        return exact
+    greedy = greedy_activation(predictor, precision, memory_budget)
+    if greedy.feasible:
+        return greedy
+    return min((exact, greedy), key=lambda c: (c.prediction.peak_bytes, c.prediction.step_ms))
 
 
 def _least_peak(
-    predictor: Predictor, precision: Mapping[str, str], options: Sequence[Option], memory_budget: int
+    predictor: Predictor,
+    precision: Mapping[str, str],
+    options: Sequence[Option],
+    memory_budget: int,
+    joined: bool = False,
 ) -> tuple[dict[str, str], Prediction]:
     """The policies of least peak by the same linear model (a MILP with the peak as a variable, over
     the moments that could come above half the budget), priced by the predictor: the closest a
     budget nothing meets can come."""
-    rows, room = _moments(predictor, precision, options, memory_budget // 2)
+    rows, room = _moments(predictor, precision, options, memory_budget // 2, joined)
     n = len(options)
     if n == 0 or not len(room):
         return {}, predictor.predict(Plan(precision=dict(precision)))

@@ -7,8 +7,8 @@ The candidates, each priced by the full predictor:
   indicator as today), where the precision lever is allowed;
 - **activation on top of precision**: the precision plan chosen with no budget (the fastest the
   indicator allows, or none), then the activation policies of least cost that bring it within the
-  budget (`activation.exact_activation`), where both levers are allowed;
-- **activation alone** (`activation.exact_activation` on the recorded precision).
+  budget (`activation.choose_activation`), where both levers are allowed;
+- **activation alone** (`activation.choose_activation` on the recorded precision).
 
 Of those that meet the budget (and the step-time limit, if one is set) the fastest is chosen; the
 indicator breaks a tie (the plan that lowers less precision). Where none meets it, the candidate of
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from qsync_callback.plan import Constraints, Plan
-from qsync_callback.planner.activation import ActivationChoice, exact_activation
+from qsync_callback.planner.activation import ActivationChoice, choose_activation
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.recorder.trace import Trace
@@ -89,7 +89,7 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
         if base_precision:
             tops.insert(0, ("precision + activation", base_precision))
         for name, precision in tops:
-            choice = exact_activation(predictor, precision, budget)
+            choice = choose_activation(predictor, precision, budget)
             plan = Plan(precision=dict(precision), activation=dict(choice.activation))
             candidates.append(
                 MemoryCandidate(name, plan, choice.prediction, _indicator(precision, indicator), choice)

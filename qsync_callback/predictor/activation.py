@@ -291,16 +291,23 @@ class ActivationPricing:
         return sorted(found, key=lambda item: item[1].forward[0].start_us)
 
     def _copy_requests(
-        self, offloaded: Sequence[tuple[str, ModuleSpan]], costs: Mapping, when
+        self,
+        offloaded: Sequence[tuple[str, ModuleSpan]],
+        costs: Mapping,
+        when,
+        followers: Mapping[str, ModuleSpan] | None = None,
     ) -> tuple[list[tuple[float, float, object]], dict[str, float]]:
         """The copy lane's requests of ``offloaded`` (to the store, then back) at the times ``when``
-        gives an op (``when(op, start=True)``), and each module's time its tensors are asked back."""
+        gives an op (``when(op, start=True)``), and each module's time its tensors are asked back
+        (at the backward of the next offloaded module, or of its module in ``followers``)."""
         requests: list[tuple[float, float, object]] = []
         asked: dict[str, float] = {}
         for position, (name, span) in enumerate(offloaded):
             inside = {id(life) for life in span.inside}
             moved = [life for life in span.saved if life.bytes >= MIN_OFFLOAD_BYTES]
             trigger = offloaded[position + 1][1] if position + 1 < len(offloaded) else span
+            if followers is not None:
+                trigger = followers.get(name, span)
             asked[name] = when(trigger.first_backward, True)
             for life in moved:
                 made = life.birth_op if id(life) in inside else span.forward[0]
@@ -334,8 +341,15 @@ class ActivationPricing:
                 waits[first] = waits.get(first, 0.0) + max(0.0, back - float(timing.start[first]))
         return waits
 
-    def lives(self, activation: Mapping[str, str]) -> list[list[dict[int, Events]]]:
-        """Per rank position: the synthetic tensors of ``activation`` (`memory.lifetime_events`)."""
+    def lives(
+        self, activation: Mapping[str, str], neighbours_offloaded: bool = False
+    ) -> list[list[dict[int, Events]]]:
+        """Per rank position: the synthetic tensors of ``activation`` (`memory.lifetime_events`).
+
+        ``neighbours_offloaded``: as if the module after each offloaded one in forward (the
+        outermost that starts there) were offloaded too, so its tensors are asked back when the
+        backward reaches that one: what an offload frees in any plan it joins (a planner's
+        conservative price of one option)."""
         out = []
         for k, trace in enumerate(self._traces):
             rank_events = []
@@ -347,11 +361,30 @@ class ActivationPricing:
                 rank_events.append(self._events[key])
             offloaded = tuple(sorted(name for name, policy in activation.items() if policy == OFFLOAD))
             if offloaded:
-                key = (k, ",".join(offloaded), OFFLOAD, None)
+                key = (k, ",".join(offloaded), OFFLOAD, neighbours_offloaded)
                 if key not in self._events:
-                    self._events[key] = lifetime_events(self._offload_lives(k, activation, trace))
+                    self._events[key] = lifetime_events(
+                        self._offload_lives(k, activation, trace, neighbours_offloaded)
+                    )
                 rank_events.append(self._events[key])
             out.append(rank_events)
+        return out
+
+    def _followers(
+        self, k: int, step: int, offloaded: Sequence[tuple[str, ModuleSpan]]
+    ) -> dict[str, ModuleSpan]:
+        """Per offloaded module: the outermost module that starts where it ends in forward (the one
+        whose backward comes first of those that start there)."""
+        spans = [span for (s, _), span in self._spans[k].items() if s == step]
+        out = {}
+        for name, span in offloaded:
+            after = [s for s in spans if s.forward[0].start_us >= span.forward[-1].end_us]
+            if after:
+                first = min(s.forward[0].start_us for s in after)
+                out[name] = min(
+                    (s for s in after if s.forward[0].start_us == first),
+                    key=lambda s: s.first_backward.start_us,
+                )
         return out
 
     def _recompute_lives(self, k: int, name: str) -> list[TensorLife]:
@@ -384,19 +417,23 @@ class ActivationPricing:
                 )
         return out
 
-    def _offload_lives(self, k: int, activation: Mapping[str, str], trace: Trace) -> list[TensorLife]:
+    def _offload_lives(
+        self, k: int, activation: Mapping[str, str], trace: Trace, neighbours_offloaded: bool
+    ) -> list[TensorLife]:
         """Each offloaded tensor gone from when its copy to the store is done (and its consumer has
-        run) until its copy back is asked for (see the module docstring)."""
+        run) until its copy back is asked for (see the module docstring and `lives`)."""
         out = []
         steps = {step for step, _ in self._spans[k]}
         for step in sorted(steps):
             offloaded = self._offloaded(activation, k, step)
             if not offloaded:
                 continue
+            followers = self._followers(k, step, offloaded) if neighbours_offloaded else None
             requests, asked = self._copy_requests(
                 offloaded,
                 trace.activation_costs["copy"],
                 lambda op, start: op.start_us if start else op.end_us,
+                followers,
             )
             lane = _lane(requests)
             for name, span in offloaded:
