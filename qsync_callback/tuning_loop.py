@@ -668,7 +668,7 @@ class TuningLoop:
         rank, the recorded configuration kept, and the loop is done."""
         if self._integration is None or not self.watching:
             return False
-        fault = self._safe.run(self._applier_failure)
+        fault = self._safe.run(self._applier_failure) or None  # (FailSafe.run: True for no failure)
         if self._all_true(fault is None and self._safe.ok):
             return False
         reasons = self._exchange(fault or "") or [fault or ""]
@@ -685,14 +685,14 @@ class TuningLoop:
             self._safe.run(self._keep, Plan.empty(self._fingerprint))
         return True
 
-    def _applier_failure(self) -> str | None:
-        """The first failure an applier of this run reports, or None."""
+    def _applier_failure(self) -> str | bool:
+        """The first failure an applier of this run reports, or False."""
         for applier in self._integration.appliers().values():
             failure = getattr(applier, "failure", None)
             found = failure() if callable(failure) else None
             if found:
                 return found
-        return None
+        return False
 
     def _roll_back(self) -> None:
         """Back to the last kept configuration on this rank (the candidate undone)."""

@@ -16,8 +16,8 @@ from qsync_callback.report import format_memory_plan
 from tracebuilder import op, trace
 
 KIB = 4 * 2**10  # the unit of the step's tensors: "100" is 100 of them (400 KiB)
-COPY = {
-    "tier": "disk",
+COPY = {  # pinned host memory: copies on a side stream, overlapping the step (the disk tier: below)
+    "tier": "pinned",
     "to_store": {"alpha_us": 1.0, "us_per_byte": 0.01 / KIB},
     "from_store": {"alpha_us": 1.0, "us_per_byte": 0.01 / KIB},
 }
@@ -178,3 +178,13 @@ def test_an_offload_moves_no_tensor_under_the_size_the_applier_moves(predictor):
     # the head saved C (its input, 200 KiB) and D (its output, 40 KiB: stays): C goes out after the
     # head's forward op and is asked back at its backward (40 us): 1 + 0.5 us each way
     assert predictor.predict(Plan(activation={"head": "offload"})).step_ms * 1e3 == pytest.approx(81.5)
+
+
+def test_on_the_disk_tier_the_training_thread_pays_every_copy_and_frees_after_the_consumer():
+    disk = {"copy": {**COPY, "tier": "disk"}}
+    predictor = Predictor([_step(disk)])
+    planned = predictor.predict(Plan(activation={"b": "offload"}))
+    # A out (1 + 1 us) after b.l1's op, B out (1 + 2) after b.l2's, both back (2 + 3) before the add's
+    # backward: 80 + 2 + 3 + 5 us; freed when their consumers end (20 and 25 us), as recompute does
+    assert planned.step_ms * 1e3 == pytest.approx(90.0)
+    assert planned.peak_bytes == 300 * KIB

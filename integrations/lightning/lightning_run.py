@@ -69,7 +69,10 @@ class LightningRun:
         self._fingerprint: dict[str, Any] = {}
         self._appliers = {
             "precision": precision_applier(pl_module),
-            "activation": ActivationApplier(pl_module),  # one object: the loop polls its failure()
+            # one object: the loop polls its failure(); writes to the store synchronous, so that an
+            # offloaded tensor is gone once its consumer ran (a backlog would keep it alive; on the
+            # CPU the copies share the step's cores anyway: `predictor.activation.overlaps`)
+            "activation": ActivationApplier(pl_module, max_pending_bytes=0),
         }
 
     def fingerprint(self) -> dict[str, Any]:

@@ -33,7 +33,11 @@ policy frees them; an offload still copies them.
   freed when both its copy is done and its consumer has run. The copies back are requested when the
   backward reaches the next offloaded module in forward order (its first backward op starts; the
   last one offloaded: its own first backward op), and the tensor is alive again from then. The
-  module's first backward op waits until its tensors are back: only a late copy costs time.
+  module's first backward op waits until its tensors are back: only a late copy costs time. That
+  is the CUDA tier (copies on a side stream); on the CPU's disk tier (`overlaps`) each copy to the
+  store is waited for by the op that made the tensor, and each copy back by the module's first
+  backward op, whole: the copies run on the cores the step runs on, and the tensor is freed when
+  its consumer has run.
 
 Time is priced on the compiled graphs (`replay.CompiledGraph`), on top of the precision plan's op
 durations: the recompute's time is added to the module's first backward op; an offload's wait is
@@ -175,6 +179,14 @@ def _attach_lives(spans: dict[tuple[int, str], ModuleSpan], lives: Sequence[Tens
 def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
     fit = costs[direction]
     return float(fit["alpha_us"] + fit["us_per_byte"] * nbytes)
+
+
+def overlaps(costs: Mapping) -> bool:
+    """Whether the store's copies overlap the training thread's work: on CUDA (a side stream), not
+    on the CPU's disk tier, whose writes the training thread waits for (the store runs them
+    synchronously: a backlog of writes would keep the tensors alive) and whose reads share the
+    cores the step's ops run on (their time is the step's)."""
+    return costs.get("tier", "disk") != "disk"
 
 
 def _lane(requests: Sequence[tuple[float, float, object]]) -> dict[object, tuple[float, float]]:
@@ -330,7 +342,18 @@ class ActivationPricing:
                 i = comp.index[op_node(rank, op.id)]
                 return float(timing.start[i] if start else timing.end[i])
 
-            requests, _ = self._copy_requests(offloaded, self._traces[k].activation_costs["copy"], when)
+            costs = self._traces[k].activation_costs["copy"]
+            if not overlaps(costs):
+                for _, span in offloaded:
+                    for life in span.saved:
+                        if life.bytes >= MIN_OFFLOAD_BYTES:
+                            inside = any(op.id == life.birth_op.id for op in span.forward)
+                            made = life.birth_op if inside else span.forward[0]
+                            for op, direction in ((made, "to_store"), (span.first_backward, "from_store")):
+                                i = comp.index[op_node(rank, op.id)]
+                                waits[i] = waits.get(i, 0.0) + _copy_us(costs, direction, life.bytes)
+                continue
+            requests, _ = self._copy_requests(offloaded, costs, when)
             lane = _lane(requests)
             for _, span in offloaded:
                 back = max(
@@ -436,11 +459,13 @@ class ActivationPricing:
                 followers,
             )
             lane = _lane(requests)
+            serial = not overlaps(trace.activation_costs["copy"])
             for name, span in offloaded:
                 for life in span.inside + span.held:
                     if life.bytes < MIN_OFFLOAD_BYTES:
                         continue
-                    gone = max(span.freed_at[id(life)], lane[("out", id(life))][1])
+                    written = span.freed_at[id(life)] if serial else lane[("out", id(life))][1]
+                    gone = max(span.freed_at[id(life)], written)
                     if gone < asked[name]:
                         out.append(
                             TensorLife(
