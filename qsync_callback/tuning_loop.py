@@ -706,6 +706,7 @@ class TuningLoop:
         plan.constraints = self.settings.constraints.to_dict()  # as given: the next launch's key
         if not plan.fingerprint:
             plan.fingerprint = dict(self._fingerprint)
+        self.output_dir.mkdir(parents=True, exist_ok=True)  # a given plan's run records nothing there
         plan.save(self.output_dir / PLAN_FILE)
         where = str(self.output_dir / PLAN_FILE)
         if self.settings.plan_cache is not False:

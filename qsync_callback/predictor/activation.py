@@ -37,7 +37,10 @@ policy frees them; an offload still copies them.
   is the CUDA tier (copies on a side stream); on the CPU's disk tier (`overlaps`) each copy to the
   store is waited for by the op that made the tensor, and each copy back by the module's first
   backward op, whole: the copies run on the cores the step runs on, and the tensor is freed when
-  its consumer has run.
+  its consumer has run. What it ``held`` (its input) is copied too but counted as still alive: its
+  caller may hold it for longer than the record shows (a residual block's input, used again by the
+  add after the block's first op, was measured not to come down at the peak in some runs), so the
+  predicted peak errs high rather than low.
 
 Time is priced on the compiled graphs (`replay.CompiledGraph`), on top of the precision plan's op
 durations: the recompute's time is added to the module's first backward op; an offload's wait is
@@ -461,7 +464,7 @@ class ActivationPricing:
             lane = _lane(requests)
             serial = not overlaps(trace.activation_costs["copy"])
             for name, span in offloaded:
-                for life in span.inside + span.held:
+                for life in span.inside:  # not ``held``: see the module docstring
                     if life.bytes < MIN_OFFLOAD_BYTES:
                         continue
                     written = span.freed_at[id(life)] if serial else lane[("out", id(life))][1]

@@ -1,0 +1,134 @@
+"""Activation plans (recompute, offload) chosen, applied, verified and kept in real Lightning
+training; the offload store's fault rolls the plan back; what the recording gives the planner."""
+
+import json
+import logging
+import os
+import tempfile
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from qsync_callback import QSyncCallback
+from qsync_callback.offload_store import DIRECTORY_PREFIX
+from qsync_callback.plan import Plan
+from qsync_callback.recorder.trace import load_trace_dir
+
+
+class Block(nn.Module):
+    """A residual block: what its two Linears and ReLU save is dropped by a recompute of the block."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class ResidualMLP(pl.LightningModule):
+    def __init__(self, width: int = 256, depth: int = 4):
+        super().__init__()
+        self.stem = nn.Linear(64, width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 8)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.head(self.blocks(self.stem(x))), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit(callback, max_steps=40):
+    pl.seed_everything(0, verbose=False)
+    model = ResidualMLP()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(512 * 4, 64, generator=g), torch.randint(0, 8, (512 * 4,), generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[callback] if callback else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=512))
+    return model
+
+
+def _callback(tmp_path, **kwargs):
+    options = dict(
+        mode="apply",
+        warmup_steps=3,
+        profile_steps=2,
+        measure_steps=3,
+        verify_steps=2,
+        output_dir=tmp_path / "q",
+        memory_budget="85%",
+        levers=("activation",),
+        plan_cache=False,
+    )
+    options.update(kwargs)
+    return QSyncCallback(**options)
+
+
+def _offload_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(DIRECTORY_PREFIX)}
+
+
+def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
+    before = _offload_dirs()
+    callback = _callback(tmp_path)
+    with caplog.at_level(logging.INFO):
+        model = _fit(callback)
+    out = tmp_path / "q"
+    trace = load_trace_dir(out / "trace")[0]
+    # the recording counted every module's calls and fitted the store's copy cost
+    assert trace.activation_costs["copy"]["tier"] == "disk"
+    assert trace.activation_costs["refused"].get("blocks.0.act") is None
+    assert "qsync memory plan (meets the constraints; chosen: activation)" in caplog.text
+    verification = json.loads((out / "verification.json").read_text())
+    kept = Plan.load(out / "plan.json")
+    assert kept.activation and not kept.precision
+    assert verification["decision"] == "keep", verification["reason"]
+    budget = callback.constraints.memory_budget
+    assert verification["predicted"]["peak_bytes"] <= budget
+    # measured (live storages and the allocator's counter, not the predictor) within the budget
+    assert verification["measured"]["peak_bytes"] <= budget
+    assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
+    assert len(model.losses) == 40 and all(torch.isfinite(torch.tensor(model.losses)))
+    assert _offload_dirs() <= before  # the store's files went with the end of training
+
+
+def test_a_recompute_only_plan_trains_bit_identically(tmp_path):
+    plain = _fit(None, max_steps=20)
+    plan_file = tmp_path / "plan.json"
+    Plan(activation={"blocks.0": "recompute", "blocks.2": "recompute"}).save(plan_file)
+    planned = _fit(
+        QSyncCallback(mode="apply", plan=plan_file, plan_cache=False, output_dir=tmp_path), max_steps=20
+    )
+    assert planned.losses == plain.losses
+    assert "forward" in planned.blocks[0].__dict__  # still wrapped: the plan stays in force
+
+
+def test_an_offload_store_that_fails_rolls_the_plan_back_and_training_goes_on(tmp_path, caplog, monkeypatch):
+    plan_file = tmp_path / "plan.json"
+    Plan(activation={"blocks.1": "offload"}).save(plan_file)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no" / "such" / "dir"))  # a real fault
+    with caplog.at_level(logging.INFO):
+        callback = QSyncCallback(mode="apply", plan=plan_file, plan_cache=False, output_dir=tmp_path / "q")
+        model = _fit(callback, max_steps=6)
+    assert "the plan in force failed" in caplog.text and "rolled back" in caplog.text
+    assert "forward" not in model.blocks[1].__dict__  # undone
+    assert len(model.losses) == 6
+    assert callback.plan is None  # no plan in force: the recorded configuration
+    assert Plan.load(tmp_path / "q" / "plan.json").is_empty  # the recorded configuration is kept
