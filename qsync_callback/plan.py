@@ -61,6 +61,17 @@ LEVER_FIELDS = {
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
 
+def module_layers(layers: Iterable[str]) -> dict[str, frozenset[str]]:
+    """Every module that holds recorded layers, by name (each layer, and each dotted prefix of a
+    layer's name): the layers it holds."""
+    out: dict[str, set[str]] = {}
+    for layer in layers:
+        parts = layer.split(".")
+        for k in range(1, len(parts) + 1):
+            out.setdefault(".".join(parts[:k]), set()).add(layer)
+    return {name: frozenset(members) for name, members in out.items()}
+
+
 @dataclass(frozen=True)
 class Constraints:
     """What a plan is chosen under; it travels with the plan (`Plan.constraints`) and keys the cache.
@@ -379,7 +390,7 @@ class Plan:
         Buckets are not checked: they may name parameters rather than layers.
         """
         known = set(layers)
-        modules = {".".join(layer.split(".")[:k]) for layer in known for k in range(1, layer.count(".") + 1)}
+        modules = module_layers(known)
         unknown: list[str] = []
         seen: set[str] = set()
         names = [

@@ -15,18 +15,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from qsync_callback.appliers.torch_activation import (
-    MIN_OFFLOAD_BYTES,
-    ActivationApplier,
-    CallProbe,
-    activation_refusals,
-    output_problem,
-)
+from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.lp import LPModule
-from qsync_callback.plan import Plan
+from qsync_callback.plan import MIN_OFFLOAD_BYTES, Plan
 from qsync_callback.quiet_profiler import quiet_kineto
+from qsync_callback.recorder.module_calls import CallProbe, activation_refusals, output_problem
 from qsync_callback.tuning_loop import apply_plan
 
 BATCH, WIDTH = 256, 256

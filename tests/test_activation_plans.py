@@ -6,10 +6,10 @@ import itertools
 import pytest
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Constraints, Plan
+from qsync_callback.plan import Constraints, Plan, module_layers
 from qsync_callback.planner.activation import NOTHING_TO_FREE, exact_activation, greedy_activation
 from qsync_callback.planner.memory_plan import plan_memory
-from qsync_callback.predictor.activation import module_layers, nested_pairs
+from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.report import format_memory_plan
 

@@ -11,9 +11,9 @@ The candidates, each priced by the full predictor:
 - **activation alone** (`activation.choose_activation` on the recorded precision).
 
 Of those that meet the budget (and the step-time limit, if one is set) the fastest is chosen; the
-indicator breaks a tie (the plan that lowers less precision). Where none meets it, the candidate of
-least predicted peak is returned, marked as not meeting the constraints (the caller refuses it
-unless best effort was asked for).
+indicator breaks a tie (the plan that lowers less precision). Where none meets the budget, it is
+refused with one message naming the closest plan (the least predicted peak) and its peak; with best
+effort that plan is returned, marked as not meeting the constraints.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import ActivationChoice, choose_activation
-from qsync_callback.planner.precision import plan_precision
+from qsync_callback.planner.precision import budget_refusal, plan_precision
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.recorder.trace import Trace
 
@@ -99,7 +100,17 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
         chosen = min(meeting, key=lambda c: (round(c.prediction.step_ms, 3), c.indicator))
     else:
         chosen = min(candidates, key=lambda c: (c.prediction.peak_bytes, c.prediction.step_ms))
+        if not constraints.best_effort and chosen.prediction.peak_bytes > budget:
+            raise QSyncInputError(budget_refusal(budget, chosen.prediction, describe_plan(chosen.plan)))
     chosen.plan.prediction = chosen.prediction.figures()
     chosen.plan.constraints = constraints.to_dict()
     chosen.plan.fingerprint = dict(traces[0].fingerprint)
     return MemoryChoice(chosen, bool(meeting), budget, constraints.max_step_ms, candidates)
+
+
+def describe_plan(plan: Plan) -> str:
+    """A plan's decisions in a few words: its lowered layers and its activation policies."""
+    parts = [f"{layer} {p}" for layer, p in sorted(plan.precision.items())]
+    parts += [f"{module} {policy}" for module, policy in sorted(plan.activation.items())]
+    shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+    return shown or "the recorded configuration"

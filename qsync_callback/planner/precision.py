@@ -254,6 +254,16 @@ def _least_memory(
     return _best_simple_plan(pricer, moves, base, _peak_bytes)
 
 
+def budget_refusal(memory_budget: int, closest: Prediction, described: str) -> str:
+    """The one message that refuses a memory budget no plan meets: the closest plan and its peak."""
+    return (
+        f"memory budget {format_bytes(memory_budget)} is below the smallest predicted peak "
+        f"{format_bytes(closest.peak_bytes)}, reached by the closest plan: {described} "
+        f"({closest.step_ms:.1f} ms/step predicted); best effort (best_effort=True, qsync plan "
+        "--best-effort) takes it anyway"
+    )
+
+
 def _describe_choice(choice: Mapping[str, str]) -> str:
     """``fc1 bf16, fc2 int8`` (layers away from full precision), or "the recorded configuration"."""
     moved = [f"{name} {p}" for name, p in sorted(choice.items()) if p != FULL_PRECISION]
@@ -284,12 +294,7 @@ def allocate_precision(
     if least is not None and least[1].peak_bytes > memory_budget:
         closest, prediction = least
         if not best_effort:
-            raise QSyncInputError(
-                f"memory budget {format_bytes(memory_budget)} is below the smallest predicted peak "
-                f"{format_bytes(prediction.peak_bytes)}, reached by the closest plan: "
-                f"{_describe_choice(closest)} ({prediction.step_ms:.1f} ms/step predicted); "
-                "best effort (best_effort=True, qsync plan --best-effort) takes it anyway"
-            )
+            raise QSyncInputError(budget_refusal(memory_budget, prediction, _describe_choice(closest)))
         return pricer.choice(closest, prediction, indicator, max_step_ms, memory_budget, feasible=False)
     if max_step_ms is None:
         fastest_choice, fastest = _best_simple_plan(pricer, moves, base, _step_ms)

@@ -58,24 +58,13 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import KEEP, MIN_OFFLOAD_BYTES, OFFLOAD, RECOMPUTE
+from qsync_callback.plan import KEEP, MIN_OFFLOAD_BYTES, OFFLOAD, RECOMPUTE, module_layers
 from qsync_callback.predictor.graph import op_node
 from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
 from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.recorder.trace import Op, Trace
 
 _REMADE_US = 1e-3  # the recompute's tensors are made this long before the first backward op
-
-
-def module_layers(layers: Sequence[str]) -> dict[str, frozenset[str]]:
-    """Every module that holds recorded layers, by name (each layer, and each dotted prefix of a
-    layer's name): the layers it holds."""
-    out: dict[str, set[str]] = {}
-    for layer in layers:
-        parts = layer.split(".")
-        for k in range(1, len(parts) + 1):
-            out.setdefault(".".join(parts[:k]), set()).add(layer)
-    return {name: frozenset(members) for name, members in out.items()}
 
 
 def nested_pairs(names: Sequence[str]) -> list[tuple[str, str]]:

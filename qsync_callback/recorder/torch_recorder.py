@@ -61,10 +61,9 @@ except ImportError:  # not on Windows
 import orjson
 import torch
 
-from qsync_callback.appliers.torch_activation import CallProbe, activation_refusals
 from qsync_callback.lp.modules import LPModule
 from qsync_callback.model_layers import layer_table, layers_of
-from qsync_callback.predictor.activation import module_layers
+from qsync_callback.plan import module_layers
 from qsync_callback.recorder.copy_costs import copy_costs
 from qsync_callback.recorder.kineto import (
     CALIBRATION_RANGE,
@@ -76,6 +75,7 @@ from qsync_callback.recorder.kineto import (
 from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
+from qsync_callback.recorder.module_calls import CallProbe, activation_refusals
 from qsync_callback.recorder.overhead import (
     calibrate_on_steps,
     calibration_extra_times,
