@@ -113,7 +113,8 @@ def candidate_plans(
             ("ours", ("precision", "activation")),
             ("ours: activation only", ("activation",)),
         ):
-            choice = plan_memory(traces, Constraints(memory_budget=budget, levers=levers))
+            # best effort: where nothing fits, the closest plan is run too (marked as not fitting)
+            choice = plan_memory(traces, Constraints(memory_budget=budget, levers=levers, best_effort=True))
             plans.append({"share": share, "who": who, "plan": choice.chosen.plan, "fits": choice.feasible})
         answer = sac[share]
         if answer["activation"]:
