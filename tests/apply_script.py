@@ -1,9 +1,12 @@
 """Run by the tests as its own program: mode "apply" under DDP on 2 CPU processes, with the plan
 cache in the directory given as the second argument (none without one, or when it is empty), for
-the number of steps given as the third (30 without one).
+the number of steps given as the third (30 without one); with "activation" as the fourth, the
+residual model and activation-only callback of `test_activation_lightning` instead of a precision
+plan's.
 
-Each rank writes ``rank<k>.json`` with the precisions its model ends with, whether every loss was
-finite, and how many steps it ran. The tests start it with `run_two_ranks`."""
+Each rank writes ``rank<k>.json`` with the precisions its model ends with, the modules whose forward
+a policy wraps, whether every loss was finite, and how many steps it ran. The tests start it with
+`run_two_ranks`."""
 
 import json
 import os
@@ -16,13 +19,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_activation_lightning import ResidualMLP, _callback, residual_loader  # noqa: E402
 from test_precision_apply import GeluNet, _apply_callback, _loader, _lp_precisions  # noqa: E402
 
 
-def run_two_ranks(out: Path, cache: Path | None = None, steps: int = 30) -> subprocess.CompletedProcess:
+def run_two_ranks(
+    out: Path, cache: Path | None = None, steps: int = 30, activation: bool = False
+) -> subprocess.CompletedProcess:
     """This program, run in ``out`` (its output directory too) with the plan cache ``cache``."""
     return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out), str(cache or ""), str(steps)],
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            str(out),
+            str(cache or ""),
+            str(steps),
+            "activation" if activation else "",
+        ],
         capture_output=True,
         text=True,
         timeout=400,
@@ -34,22 +47,25 @@ def run_two_ranks(out: Path, cache: Path | None = None, steps: int = 30) -> subp
 def main() -> None:
     out = Path(sys.argv[1])
     cache = Path(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] else False
+    activation = len(sys.argv) > 4 and sys.argv[4] == "activation"
     pl.seed_everything(0, verbose=False)
-    model = GeluNet()
+    model = ResidualMLP() if activation else GeluNet()
+    callback = _callback(out, output_dir=out) if activation else _apply_callback(out, plan_cache=cache)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_steps=int(sys.argv[3]) if len(sys.argv) > 3 else 30,
-        callbacks=[_apply_callback(out, plan_cache=cache)],
+        callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, _loader())
+    trainer.fit(model, residual_loader() if activation else _loader())
     result = {
         "precisions": _lp_precisions(model),
+        "wrapped": sorted(n for n, module in model.named_modules() if n and "forward" in module.__dict__),
         "losses_finite": all(torch.isfinite(torch.tensor(model.losses)).tolist()),
         "steps": trainer.global_step,
     }

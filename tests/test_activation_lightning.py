@@ -46,11 +46,15 @@ class ResidualMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+def residual_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(512 * 4, 64, generator=g), torch.randint(0, 8, (512 * 4,), generator=g))
+    return DataLoader(data, batch_size=512)
+
+
 def _fit(callback, max_steps=40):
     pl.seed_everything(0, verbose=False)
     model = ResidualMLP()
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(512 * 4, 64, generator=g), torch.randint(0, 8, (512 * 4,), generator=g))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -61,7 +65,7 @@ def _fit(callback, max_steps=40):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(data, batch_size=512))
+    trainer.fit(model, residual_loader())
     return model
 
 
@@ -132,3 +136,18 @@ def test_an_offload_store_that_fails_rolls_the_plan_back_and_training_goes_on(tm
     assert len(model.losses) == 6
     assert callback.plan is None  # no plan in force: the recorded configuration
     assert Plan.load(tmp_path / "q" / "plan.json").is_empty  # the recorded configuration is kept
+
+
+def test_two_ddp_processes_apply_verify_and_keep_the_same_activation_plan(tmp_path):
+    from apply_script import run_two_ranks
+
+    result = run_two_ranks(tmp_path, steps=40, activation=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    verification = json.loads((tmp_path / "verification.json").read_text())
+    kept = Plan.load(tmp_path / "plan.json")
+    # after training a kept offload policy is undone (its store closed), a recompute stays in force
+    in_force = sorted(m for m, policy in kept.activation.items() if policy == "recompute")
+    assert verification["decision"] != "keep" or kept.activation
+    assert ranks[0]["wrapped"] == ranks[1]["wrapped"] == in_force
+    assert all(r["losses_finite"] and r["steps"] == 40 for r in ranks)

@@ -4,7 +4,10 @@ for the least predicted step time: G10's "offload what has time to move, recompu
 Every module that holds recorded layers is a candidate (`predictor.activation.module_layers`),
 except those the recorder refused (with the reason: `Trace.activation_costs["refused"]`), those
 that saved nothing either policy frees, and one that holds another with a policy (a policy covers
-what is inside it). Offload is a candidate only where the trace carries the store's fitted copy cost.
+what is inside it). Offload is a candidate only where the trace carries the store's fitted copy cost,
+and not for a module with a layer the precision plan lowers (the pricing takes the tensors it saves
+from the fp32 recording; at another precision they differ, and the benchmark measured such plans
+over their budget).
 
 - **Costs**, per (module, policy), from one replay of the plan they are added to: a recompute costs
   its forward's time again (`ActivationPricing.recompute_us`); an offload costs the wait of its
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
 from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Prediction, Predictor
 
@@ -101,6 +104,7 @@ def activation_options(
     left out with the reason."""
     trace = predictor.traces[0]
     refused = dict(trace.activation_costs.get("refused", {}))
+    members = module_layers(layer["name"] for layer in trace.layers)
     policies = [RECOMPUTE] + (
         [OFFLOAD] if all("copy" in t.activation_costs for t in predictor.traces) else []
     )
@@ -118,8 +122,11 @@ def activation_options(
         if not any(span.inside or span.held for span in saved):
             refused[name] = NOTHING_TO_FREE
             continue
+        lowered = any(layer in precision for layer in members.get(name, ()))
         for policy in policies:
             if policy == RECOMPUTE and not any(span.inside for span in saved):
+                continue
+            if policy == OFFLOAD and lowered:  # what it saves at that precision is not priced
                 continue
             changes = _changes(predictor, {name: policy})
             freed = -min((float(c[1].min()) for steps in changes for c in steps.values()), default=0.0)
