@@ -6,8 +6,10 @@ layer at every precision (its time target unbounded, so nothing is applied). The
 process, the planner runs on the saved traces, timed with ``time.perf_counter``: building the
 predictor (graphs and tensor lifetimes of the recorded steps), the indicator, and the greedy
 allocation for speed (the default target) and for a memory budget halfway between the recorded
-peak and the least any plan reaches. Issue 3's target: planning, after the probes, under 2 s for
-200 layers.
+peak and the least any plan reaches; then, for the same budget, the activation planner (issue 13:
+recompute and offload per module, every layer and block a candidate) by its MILP and by its greedy,
+with the gap between their predicted step times, and all levers together (`plan_memory`). Issue 3's
+and issue 13's target: planning, after the probes, under 2 s for 200 layers.
 
 ``--quick``: a smoke pass on 20 layers. Writes ``<out>/planning_time.md`` and ``.json``.
 
@@ -29,6 +31,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback.integrations.lightning import QSyncCallback
+from qsync_callback.plan import Constraints
+from qsync_callback.planner.activation import exact_activation, greedy_activation
+from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import allocate_precision, least_memory_plan
 from qsync_callback.predictor.indicator import sensitivity
 from qsync_callback.predictor.predict import Predictor
@@ -38,6 +43,7 @@ PRECISIONS = ["fp32", "bf16", "int8"]
 BATCH = 64
 STEPS = 40
 TARGET_S = 2.0
+ACTIVATION_BUDGET = 0.85  # the activation planner's budget, a share of the recorded peak
 TARGET_LAYERS = 200
 QUICK_LAYERS = 20
 
@@ -96,7 +102,26 @@ def time_planning(trace_dir: Path) -> dict[str, Any]:
     budget_start = time.perf_counter()
     memory = allocate_precision(predictor, indicator, PRECISIONS, memory_budget=(least + recorded) // 2)
     memory_done = time.perf_counter()
+    budget = int(ACTIVATION_BUDGET * recorded)
+    exact = exact_activation(predictor, {}, budget)
+    exact_done = time.perf_counter()
+    greedy = greedy_activation(predictor, {}, budget)
+    greedy_done = time.perf_counter()
+    together = plan_memory(
+        traces, Constraints(memory_budget=budget, precisions=tuple(PRECISIONS), best_effort=True)
+    )
+    together_done = time.perf_counter()
     return {
+        "activation_budget_bytes": budget,
+        "activation_options": len(exact.options),
+        "activation_milp_s": exact_done - memory_done,
+        "activation_milp_ms_step": exact.prediction.step_ms,
+        "activation_milp_feasible": exact.feasible,
+        "activation_greedy_s": greedy_done - exact_done,
+        "activation_greedy_ms_step": greedy.prediction.step_ms,
+        "activation_greedy_feasible": greedy.feasible,
+        "memory_plan_all_levers_s": together_done - greedy_done,
+        "memory_plan_all_levers_feasible": together.feasible,
         "layers_probed": len(traces[0].precision_costs.get("layers", {})),
         "ops_per_step": len(traces[0].ops) // max(len(traces[0].steps), 1),
         "predictor_s": built - start,
@@ -132,6 +157,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"| plans priced for it | {result['memory_plans_priced']} |",
         f"| layers it moves off fp32 | {result['memory_layers_moved']} |",
         f"| one plan priced | {result['one_plan_ms']:.1f} ms |",
+        f"| activation options (module, policy) at {ACTIVATION_BUDGET:.0%} of the peak | "
+        f"{result['activation_options']} |",
+        f"| activation MILP | {result['activation_milp_s']:.2f} s (predicted step "
+        f"{result['activation_milp_ms_step']:.2f} ms, fits: {result['activation_milp_feasible']}) |",
+        f"| activation greedy | {result['activation_greedy_s']:.2f} s (predicted step "
+        f"{result['activation_greedy_ms_step']:.2f} ms, fits: {result['activation_greedy_feasible']}) |",
+        f"| all levers together (`plan_memory`) | {result['memory_plan_all_levers_s']:.2f} s "
+        f"(fits: {result['memory_plan_all_levers_feasible']}) |",
         "",
         f"Planning for speed (predictor built, indicator, greedy): "
         f"{result['predictor_s'] + planning:.2f} s; target {TARGET_S:.0f} s for {TARGET_LAYERS} layers"

@@ -5,9 +5,9 @@ Every module that holds recorded layers is a candidate (`predictor.activation.mo
 except those the recorder refused (with the reason: `Trace.activation_costs["refused"]`), those
 that saved nothing either policy frees, and one that holds another with a policy (a policy covers
 what is inside it). Offload is a candidate only where the trace carries the store's fitted copy cost,
-and not for a module with a layer the precision plan lowers (the pricing takes the tensors it saves
-from the fp32 recording; at another precision they differ, and the benchmark measured such plans
-over their budget).
+and no policy for a module with a layer the precision plan lowers (the pricing takes the tensors it
+saves from the fp32 recording; at another precision they differ, and the benchmark measured such
+plans over their budget).
 
 - **Costs**, per (module, policy), from one replay of the plan they are added to: a recompute costs
   its forward's time again (`ActivationPricing.recompute_us`); an offload costs the wait of its
@@ -126,7 +126,7 @@ def activation_options(
         for policy in policies:
             if policy == RECOMPUTE and not any(span.inside for span in saved):
                 continue
-            if policy == OFFLOAD and lowered:  # what it saves at that precision is not priced
+            if lowered:  # what it saves at that precision is not priced with a policy on top
                 continue
             changes = _changes(predictor, {name: policy})
             freed = -min((float(c[1].min()) for steps in changes for c in steps.values()), default=0.0)

@@ -94,12 +94,10 @@ class ModuleSpan:
         return self.backward[0]
 
 
-def _extend(ordered: list[Op], members: set[int], forward: bool) -> list[Op]:
-    """The ops of ``ordered`` (one step, one phase, by start) from the module's first member to its
-    last, with the ops of no layer after the last (forward) or before the first (backward) up to the
-    nearest op of a layer; none where no op of a layer lies beyond them."""
-    at = [k for k, op in enumerate(ordered) if op.id in members]
-    lo, hi = at[0], at[-1]
+def _extend(ordered: list[Op], lo: int, hi: int, forward: bool) -> list[Op]:
+    """The ops of ``ordered`` (one step, one phase, by start) from the module's first member (at
+    ``lo``) to its last (at ``hi``), with the ops of no layer after the last (forward) or before the
+    first (backward) up to the nearest op of a layer; none where no op of a layer lies beyond them."""
     if forward:
         k = hi + 1
         while k < len(ordered) and ordered[k].layer is None:
@@ -113,6 +111,16 @@ def _extend(ordered: list[Op], members: set[int], forward: bool) -> list[Op]:
         if k >= 0:
             lo = k + 1
     return ordered[lo : hi + 1]
+
+
+def _bounds(ordered: Sequence[Op]) -> dict[str, tuple[int, int]]:
+    """Per layer: the first and last position of its ops in ``ordered``."""
+    bounds: dict[str, tuple[int, int]] = {}
+    for k, op in enumerate(ordered):
+        if op.layer is not None:
+            first, _ = bounds.get(op.layer, (k, k))
+            bounds[op.layer] = (first, k)
+    return bounds
 
 
 def module_spans(
@@ -129,12 +137,16 @@ def module_spans(
     for step, phases in by_step.items():
         forward = sorted(phases["forward"], key=lambda o: o.start_us)
         backward = sorted(phases["backward"], key=lambda o: o.start_us)
+        forward_at, backward_at = _bounds(forward), _bounds(backward)
         for name in modules:
             layers = members_of.get(name, frozenset())
-            fwd = {op.id for op in forward if op.layer in layers}
-            bwd = {op.id for op in backward if op.layer in layers}
+            fwd = [forward_at[layer] for layer in layers if layer in forward_at]
+            bwd = [backward_at[layer] for layer in layers if layer in backward_at]
             if fwd and bwd:
-                spans[(step, name)] = ModuleSpan(_extend(forward, fwd, True), _extend(backward, bwd, False))
+                spans[(step, name)] = ModuleSpan(
+                    _extend(forward, min(a for a, _ in fwd), max(b for _, b in fwd), True),
+                    _extend(backward, min(a for a, _ in bwd), max(b for _, b in bwd), False),
+                )
     _attach_lives(spans, lives)
     return spans
 
@@ -142,28 +154,37 @@ def module_spans(
 def _attach_lives(spans: dict[tuple[int, str], ModuleSpan], lives: Sequence[TensorLife]) -> None:
     """Give each span the activations it saved, when each would be freed by its consumer, and its
     forward's most temporaries alive at once."""
-    for (step, _), span in spans.items():
-        forward_ids = [op.id for op in span.forward]
-        position = {op_id: k for k, op_id in enumerate(forward_ids)}
-        last = forward_ids[-1]
-        backward_ids = {op.id for op in span.backward}
-        temporaries: list[tuple[float, int]] = []
-        for life in lives:
-            if life.step != step or life.birth_op is None or life.death_op is None:
-                continue
-            born_inside = life.birth_op.id in position
-            if life.category == "activations" and life.death_op.id in backward_ids:
-                if life.birth_op.id == last:
+    saved_by: dict[int, list[TensorLife]] = {}  # backward op id -> the activations it freed
+    made_by: dict[int, list[TensorLife]] = {}  # forward op id -> the temporaries it made
+    for life in lives:
+        if life.birth_op is None or life.death_op is None:
+            continue
+        if life.category == "activations":
+            saved_by.setdefault(life.death_op.id, []).append(life)
+        elif life.category == "temporaries":
+            made_by.setdefault(life.birth_op.id, []).append(life)
+    for span in spans.values():
+        position = {op.id: k for k, op in enumerate(span.forward)}
+        last = span.forward[-1].id
+        for op in span.backward:
+            for life in saved_by.get(op.id, ()):
+                born = life.birth_op.id
+                if born == last:
                     span.outputs.append(life)
-                elif born_inside:
+                elif born in position:
                     span.inside.append(life)
-                    consumer = span.forward[min(position[life.birth_op.id] + 1, len(span.forward) - 1)]
+                    consumer = span.forward[min(position[born] + 1, len(span.forward) - 1)]
                     span.freed_at[id(life)] = consumer.end_us
                 else:
                     span.held.append(life)
                     span.freed_at[id(life)] = max(life.birth_us, span.forward[0].end_us)
-            elif life.category == "temporaries" and born_inside and life.death_op.id in position:
-                temporaries += [(life.birth_us, life.bytes), (life.death_us, -life.bytes)]
+        temporaries = [
+            change
+            for op in span.forward
+            for life in made_by.get(op.id, ())
+            if life.death_op.id in position
+            for change in ((life.birth_us, life.bytes), (life.death_us, -life.bytes))
+        ]
         temporaries.sort()
         span.forward_temporaries = int(max(np.cumsum([b for _, b in temporaries]), default=0))
 

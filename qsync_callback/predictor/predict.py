@@ -118,7 +118,8 @@ class Predictor:
         self._precision_lives = [
             PrecisionLives(t, rank_lives) for t, rank_lives in zip(self.traces, lives, strict=True)
         ]
-        self._activation = ActivationPricing(self._graphs, self._compiled, self.traces, lives)
+        self._lives = lives
+        self._activation_pricing: ActivationPricing | None = None  # built when first needed
         self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
 
@@ -132,7 +133,7 @@ class Predictor:
             activation = _acting(plan.activation)
             runs = self._durations(plan.precision)
             if activation:
-                runs = self._activation.durations(activation, runs, range(len(runs)))
+                runs = self.activation.durations(activation, runs, range(len(runs)))
             return self._price(plan.precision, self._compiled, runs, [0.0] * len(runs), activation)
         graphs = [
             apply_precision(g, self.traces, plan.precision) if plan.precision else g for g in self._graphs
@@ -159,13 +160,18 @@ class Predictor:
         at = self._typical
         runs = self._durations(precision, [at])
         if activation:
-            runs = self._activation.durations(activation, runs, [at])
+            runs = self.activation.durations(activation, runs, [at])
         return self._price(precision, [self._compiled[at]], runs, [0.0], activation)
 
     @property
     def activation(self) -> ActivationPricing:
-        """The activation policies' pricing on the recorded steps (module spans, saved tensors)."""
-        return self._activation
+        """The activation policies' pricing on the recorded steps (module spans, saved tensors),
+        built the first time a plan with activation policies is priced."""
+        if self._activation_pricing is None:
+            self._activation_pricing = ActivationPricing(
+                self._graphs, self._compiled, self.traces, self._lives
+            )
+        return self._activation_pricing
 
     @property
     def curves(self) -> list[MemoryCurve]:
@@ -175,9 +181,10 @@ class Predictor:
     def extra_lives(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> list[list[dict]]:
         """Per rank: the synthetic tensors of a precision and activation plan (`MemoryCurve.predict`'s
         ``extra``)."""
-        acting = self._activation.lives(_acting(activation))
+        acting = _acting(activation)
+        extras = self.activation.lives(acting) if acting else [[] for _ in self._precision_lives]
         return [
-            [*lives(precision), *extra] for lives, extra in zip(self._precision_lives, acting, strict=True)
+            [*lives(precision), *extra] for lives, extra in zip(self._precision_lives, extras, strict=True)
         ]
 
     def _price(
