@@ -78,12 +78,15 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
             max_step_ms=constraints.max_step_ms,
             memory_budget=budget,
             best_effort=True,  # its closest plan, where it cannot meet the budget, is a candidate too
+            predictor=predictor,
         )
         plan = under_budget.plan
         candidates.append(
             MemoryCandidate("precision", plan, under_budget.prediction, _indicator(plan.precision, indicator))
         )
-        fastest, _ = plan_precision(traces, constraints.precisions, max_step_ms=constraints.max_step_ms)
+        fastest, _ = plan_precision(
+            traces, constraints.precisions, max_step_ms=constraints.max_step_ms, predictor=predictor
+        )
         base_precision = dict(fastest.plan.precision)
     if "activation" in constraints.levers:
         tops = [("activation", {})]

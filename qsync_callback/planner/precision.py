@@ -414,10 +414,11 @@ def plan_precision(
     max_step_ms: float | None = None,
     memory_budget: int | None = None,
     best_effort: bool = False,
+    predictor: Predictor | None = None,
 ) -> tuple[PrecisionChoice, dict[str, dict[str, float]]]:
     """Plan a recorded run: its indicator (from rank 0's layer statistics), then the greedy
-    allocation over its predictor (``best_effort``: see `allocate_precision`). Returns the choice
-    and the indicator it minimised."""
+    allocation over its predictor (``predictor``, if one is built for these traces already;
+    ``best_effort``: see `allocate_precision`). Returns the choice and the indicator it minimised."""
     if not traces or not traces[0].layer_statistics:
         raise QSyncInputError(
             "the trace has no layer statistics for the precision indicator; record it with "
@@ -426,7 +427,7 @@ def plan_precision(
     precisions = list(precisions)
     indicator = sensitivity(traces[0].layer_statistics, precisions)
     choice = allocate_precision(
-        Predictor(traces),
+        predictor or Predictor(traces),
         indicator,
         precisions,
         max_step_ms=max_step_ms,

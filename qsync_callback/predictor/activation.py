@@ -26,11 +26,11 @@ policy frees them; an offload still copies them.
   with the largest total of the forward's own temporaries alive at once; they die where they died in
   the recording.
 - **Offload.** Every tensor it saved (``inside``, ``held`` and ``outputs``) of at least
-  `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane
-  of its own (one queue for both directions, in request order; each copy takes ``alpha + beta *
-  bytes`` of that direction, `Trace.activation_costs["copy"]`): a copy to the store is requested when
-  the op that made the tensor ends (for ``held``: the module's first forward op), and the tensor is
-  freed when both its copy is done and its consumer has run. The copies back are requested when the
+  `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane of its own (one queue for both
+  directions, in request order; each copy takes ``alpha + beta * bytes`` of that direction,
+  `Trace.activation_costs["copy"]`): a copy to the store is requested when the op that made the
+  tensor ends (for ``held``: the module's first forward op), and the tensor is freed when both its
+  copy is done and its consumer has run. The copies back are requested when the
   backward reaches the next offloaded module in forward order (its first backward op starts; the
   last one offloaded: its own first backward op), and the tensor is alive again from then. The
   module's first backward op waits until its tensors are back: only a late copy costs time. That
