@@ -7,9 +7,14 @@ import pytest
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Constraints, Plan, module_layers
-from qsync_callback.planner.activation import NOTHING_TO_FREE, exact_activation, greedy_activation
+from qsync_callback.planner.activation import (
+    NOTHING_TO_FREE,
+    choose_activation,
+    exact_activation,
+    greedy_activation,
+)
 from qsync_callback.planner.memory_plan import plan_memory
-from qsync_callback.predictor.activation import nested_pairs
+from qsync_callback.predictor.activation import _lane, nested_pairs, overlaps
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.report import format_memory_plan
 
@@ -23,7 +28,7 @@ COPY = {  # pinned host memory: copies on a side stream, overlapping the step (t
 }
 
 
-def _step(activation_costs=None):
+def _step(activation_costs=None, temporary=0):
     """Forward: b.l1 makes A (100 units), b.l2 makes B (200), the add (no layer) makes C (50, the
     block's output, saved by the head), the head makes D (10: under `MIN_OFFLOAD_BYTES`). Backward
     in reverse, each freeing what its forward op's layer saved. Peak: A+B+C+D = 360 at 26 us."""
@@ -47,6 +52,8 @@ def _step(activation_costs=None):
         [60, 0xB, -200 * KIB, 6],
         [70, 0xA, -100 * KIB, 7],
     ]
+    if temporary:  # made by b.l2's op, freed by the add: one of the block's forward temporaries
+        events += [[11.5, 0xE, temporary * KIB, 1], [21.5, 0xE, -temporary * KIB, 2]]
     layers = [{"name": n, "type": "X"} for n in ("b.l1", "b.l2", "head")]
     costs = {"copy": COPY} if activation_costs is None else activation_costs
     return trace(ops, 80, memory_events=events, layers=layers, activation_costs=costs)
@@ -146,6 +153,9 @@ def test_the_milp_finds_the_cheapest_plan_that_fits_as_enumeration_does(predicto
     assert choice.feasible
     assert choice.prediction.step_ms == pytest.approx(best[1])
     assert choice.prediction.peak_bytes <= budget
+    assert choice.method == "milp" and 0 <= choice.solve_s < 60
+    greedy = greedy_activation(predictor, {}, budget)
+    assert greedy.method == "greedy" and 0 <= greedy.solve_s < 60
 
 
 def test_a_budget_nothing_meets_returns_the_least_peak_found(predictor):
@@ -153,6 +163,9 @@ def test_a_budget_nothing_meets_returns_the_least_peak_found(predictor):
         choice = plan(predictor, {}, 250 * KIB)
         assert not choice.feasible
         assert choice.prediction.peak_bytes == 300 * KIB
+    # of the two ways to 300, the cheaper: offload (5 us) rather than recompute (25 us)
+    assert exact_activation(predictor, {}, 250 * KIB).activation == {"b": "offload"}
+    assert choose_activation(predictor, {}, 250 * KIB).prediction.peak_bytes == 300 * KIB
     assert exact_activation(predictor, {}, 250 * KIB).refused == {"b.l1": NOTHING_TO_FREE}  # A: its output
 
 
@@ -188,3 +201,34 @@ def test_on_the_disk_tier_the_training_thread_pays_every_copy_and_frees_after_th
     # backward: 80 + 2 + 3 + 5 us; freed when their consumers end (20 and 25 us), as recompute does
     assert planned.step_ms * 1e3 == pytest.approx(90.0)
     assert planned.peak_bytes == 300 * KIB
+
+
+def test_the_recompute_makes_the_blocks_tensors_again_beside_its_forwards_temporaries():
+    predictor = Predictor([_step(temporary=30)])
+    assert predictor.activation.spans(0)[(0, "b")].forward_temporaries == 30 * KIB
+    assert predictor.predict().peak_bytes == 380 * KIB  # A+B+C+T at 21 us
+    # recompute: A+B+T while b.l2's op runs (11.5 us), and again when the forward runs again
+    assert predictor.predict(Plan(activation={"b": "recompute"})).peak_bytes == 330 * KIB
+
+
+def test_a_keep_policy_changes_nothing(predictor):
+    recorded, kept = predictor.predict(), predictor.predict(Plan(activation={"b": "keep", "head": "keep"}))
+    assert (kept.step_ms, kept.peak_bytes) == (recorded.step_ms, recorded.peak_bytes)
+
+
+def test_a_budget_the_recording_meets_takes_no_policy(predictor):
+    for plan in (exact_activation, greedy_activation, choose_activation):
+        choice = plan(predictor, {}, 360 * KIB)
+        assert choice.feasible and choice.activation == {}
+        assert choice.prediction.step_ms * 1e3 == pytest.approx(80.0)
+    assert choose_activation(predictor, {}, 300 * KIB).method == "milp"
+
+
+def test_copies_wait_on_one_lane_in_request_order():
+    lane = _lane([(5.0, 1.0, "c"), (0.0, 2.0, "a"), (1.0, 1.0, "b")])
+    assert lane == {"a": (0.0, 2.0), "b": (2.0, 3.0), "c": (5.0, 6.0)}
+
+
+def test_only_the_cuda_tier_overlaps_the_step():
+    assert overlaps({"tier": "pinned"})
+    assert not overlaps({"tier": "disk"}) and not overlaps({})
