@@ -149,6 +149,9 @@ def test_a_plan_whose_loss_stops_being_finite_is_rolled_back(tmp_path):
     if not cpu_runs_bf16():
         pytest.skip(NO_BF16_CPU)
     child, stdout = _run_in_a_child(tmp_path, **WIDE, step={"inf_under_bf16": True})
+    if child["verification"] is None:  # bf16 is chosen by its measured speed, and a loaded CPU can
+        # hide that for one launch (seen once in a whole-suite run): this test is about the roll back
+        child, stdout = _run_in_a_child(tmp_path, **WIDE, step={"inf_under_bf16": True})
     verification = child["verification"]
     assert verification is not None, f"no bf16 plan was applied: {_chosen(stdout)}\n{stdout[-2000:]}"
     assert verification["decision"] == "roll back"
