@@ -7,11 +7,13 @@ as ``net.0``, whose name is a dotted prefix of its layers' names; `module_layers
 single leaf saves little (it keeps its input, and its output is saved by the next layer); a block
 drops everything saved inside it.
 
-A module's ops in one recorded step (`ModuleSpan`): the forward ops of its layers, with the ops of
-no layer between them and after them up to the next layer's op (a residual add written in the
-block's ``forward``); and the backward ops of its layers, with the ops of no layer before them back
-to the previous layer's (the add's backward runs before the block's). The ops of no layer before
-the model's first layer or after its last (the loss) belong to no module.
+A module's ops in one recorded step (`ModuleSpan`): the forward ops of its layers, with, for a
+block, the ops of no layer between them and after them up to the next layer's op (a residual add
+written in the block's ``forward``); and the backward ops of its layers, with, for a block, the ops
+of no layer before them back to the previous layer's (the add's backward runs before the block's).
+A layer's span is its own ops: the ops of no layer after it (a functional GELU after an
+``nn.Linear``) run in its caller's forward, outside its hooks and its checkpoint. The ops of no
+layer before the model's first layer or after its last (the loss) belong to no module.
 
 What it saved: the recorded activations (born in forward, freed in backward, `memory.TensorLife`)
 freed by one of its backward ops: born in its forward (``inside``), or born before it and last held
@@ -94,10 +96,14 @@ class ModuleSpan:
         return self.backward[0]
 
 
-def _extend(ordered: list[Op], lo: int, hi: int, forward: bool) -> list[Op]:
+def _extend(ordered: list[Op], lo: int, hi: int, forward: bool, block: bool) -> list[Op]:
     """The ops of ``ordered`` (one step, one phase, by start) from the module's first member (at
-    ``lo``) to its last (at ``hi``), with the ops of no layer after the last (forward) or before the
-    first (backward) up to the nearest op of a layer; none where no op of a layer lies beyond them."""
+    ``lo``) to its last (at ``hi``); for a ``block`` (a module that is not itself a layer), with the
+    ops of no layer after the last (forward) or before the first (backward) up to the nearest op of
+    a layer (none where no op of a layer lies beyond them). A layer's own ops are all in its range:
+    the ops of no layer after it run in its caller's forward, outside its hooks and its checkpoint."""
+    if not block:
+        return ordered[lo : hi + 1]
     if forward:
         k = hi + 1
         while k < len(ordered) and ordered[k].layer is None:
@@ -143,9 +149,10 @@ def module_spans(
             fwd = [forward_at[layer] for layer in layers if layer in forward_at]
             bwd = [backward_at[layer] for layer in layers if layer in backward_at]
             if fwd and bwd:
+                block = layers != {name}
                 spans[(step, name)] = ModuleSpan(
-                    _extend(forward, min(a for a, _ in fwd), max(b for _, b in fwd), True),
-                    _extend(backward, min(a for a, _ in bwd), max(b for _, b in bwd), False),
+                    _extend(forward, min(a for a, _ in fwd), max(b for _, b in fwd), True, block),
+                    _extend(backward, min(a for a, _ in bwd), max(b for _, b in bwd), False, block),
                 )
     _attach_lives(spans, lives)
     return spans
