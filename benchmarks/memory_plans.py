@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from models import get_model, timed_fit
-from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
+from runs import bench_environment, na, range_noise_pct, run_report, say_allocator, write_results
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
+from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
@@ -72,16 +73,6 @@ def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None) -> None:
         plan_cache=False,
     )
     timed_fit(get_model(model), MAX_STEPS, [callback], 1, batches=BATCHES)
-
-
-def _run(script: Path, args: list[str], run_dir: Path, timeout: float) -> dict[str, Any] | None:
-    """One run; its report's measured figures, or None if it failed."""
-    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
-    report_path = run_dir / "report.json"
-    if rc != 0 or not report_path.exists():
-        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
-        return None
-    return json.loads(report_path.read_text())["measured"]
 
 
 def _sac_plans(model: str, budgets: dict[float, int], measured_peak: int) -> dict[float, dict[str, Any]]:
@@ -127,9 +118,7 @@ def candidate_plans(
         for k in (1, 2):
             for combo in itertools.combinations(top, k):
                 activation = {o.module: o.policy for o in combo}
-                if len(activation) < k or any(
-                    a != b and b.startswith(a + ".") for a in activation for b in activation
-                ):
+                if len(activation) < k or nested_pairs(list(activation)):
                     continue
                 plan = Plan(activation=activation)
                 if predictor.predict(plan).peak_bytes <= budget:
@@ -152,7 +141,7 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
     script = Path(__file__).resolve()
     runs_dir = out / "memory_runs"
     record_dir = runs_dir / f"{model}-record"
-    measured = _run(script, ["--worker", model, "--worker-mode", "apply"], record_dir, timeout)
+    measured = run_report(script, ["--worker", model, "--worker-mode", "apply"], record_dir, timeout)
     if measured is None:
         raise RuntimeError(f"recording {model} failed")
     predictor = Predictor(load_trace_dir(record_dir / "trace"))
@@ -175,7 +164,7 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
                 flush=True,
             )
             args = ["--worker", model, "--worker-mode", "report", "--worker-plan", str(files[key])]
-            run = _run(script, args, runs_dir / f"{model}-plan{i}-r{k}", timeout)
+            run = run_report(script, args, runs_dir / f"{model}-plan{i}-r{k}", timeout)
             if run is not None:
                 distinct[key].append(run)
     rows = []

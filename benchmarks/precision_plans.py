@@ -46,6 +46,7 @@ from runs import (
     na,
     precision_counts,
     range_noise_pct,
+    run_report,
     say_allocator,
     stderr_tail,
     write_results,
@@ -160,16 +161,6 @@ def greedy_gap(predictor: Predictor, precisions: list[str], limit: int) -> dict[
     return row
 
 
-def _run_plan(script: Path, args: list[str], run_dir: Path, timeout: float) -> dict[str, Any] | None:
-    """One run of a plan; its report's measured figures, or None if it failed."""
-    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
-    report_path = run_dir / "report.json"
-    if rc != 0 or not report_path.exists():
-        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
-        return None
-    return json.loads(report_path.read_text())["measured"]
-
-
 def _record(script: Path, common: list[str], run_dir: Path, timeout: float) -> None:
     """One recording run (mode "apply", nothing planned); raises if it wrote no report."""
     rc, _ = launch(
@@ -217,7 +208,7 @@ def measure_plans(
         for i, (name, _) in enumerate(plans):
             print(f"[benchmark] {label}: {name}, run {k + 1} of {repeats} ...", file=sys.stderr, flush=True)
             args = [*common, "--worker-mode", "report", "--worker-plan", str(plan_files[i])]
-            run = _run_plan(script, args, runs_dir / f"{label}-plan{i}-r{k}", timeout)
+            run = run_report(script, args, runs_dir / f"{label}-plan{i}-r{k}", timeout)
             if run is not None:
                 plan_runs[i].append(run)
     predictors = [first] + [Predictor(load_trace_dir(d / "trace")) for d in record_dirs[1:]]

@@ -85,6 +85,17 @@ def stderr_tail(run_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def run_report(script: Path, args: list[str], run_dir: Path, timeout: float) -> dict[str, Any] | None:
+    """One worker run of ``script`` in ``run_dir``; its report's measured figures, or None (said on
+    stderr, with the run's stderr tail) if it failed or wrote no report."""
+    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
+    report_path = run_dir / "report.json"
+    if rc != 0 or not report_path.exists():
+        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        return None
+    return json.loads(report_path.read_text())["measured"]
+
+
 def installed_version(*distributions: str) -> str | None:
     """The installed version of the first of ``distributions`` that is installed."""
     for name in distributions:

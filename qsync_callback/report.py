@@ -196,13 +196,15 @@ def format_precision_plan(
     target = "n/a" if choice.target_step_ms is None else _ms(choice.target_step_ms)
     budget = "none" if choice.memory_budget is None else format_bytes(choice.memory_budget)
     lines = [
-        f"qsync precision plan ({'meets' if choice.feasible else 'DOES NOT meet'} the constraints; "
-        f"{choice.plans_priced} plans priced)",
-        f"  step time   predicted {_ms(prediction.step_ms)} (recorded configuration "
-        f"{_ms(baseline['step_ms'])}, target {target})",
-        f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
-        f"{format_bytes(baseline['peak_bytes'])}, budget {budget})",
-        *_predicted_change(prediction.step_ms, baseline["step_ms"], noise_pct),
+        *_plan_head(
+            f"precision plan ({'meets' if choice.feasible else 'DOES NOT meet'} the constraints; "
+            f"{choice.plans_priced} plans priced)",
+            prediction,
+            baseline,
+            f"target {target}",
+            budget,
+            noise_pct,
+        ),
         f"  summed indicator {choice.indicator:.3g}",
         f"  {'layer':<40} {'precision':<9} {'time share':>10} {'indicator':>10}  passes its output uncast to",
     ]
@@ -227,13 +229,15 @@ def format_memory_plan(
     chosen, prediction = choice.chosen, choice.chosen.prediction
     limit = "none" if choice.max_step_ms is None else _ms(choice.max_step_ms)
     lines = [
-        f"qsync memory plan ({'meets' if choice.feasible else 'DOES NOT meet'} the constraints; "
-        f"chosen: {chosen.name})",
-        f"  step time   predicted {_ms(prediction.step_ms)} (recorded configuration "
-        f"{_ms(baseline['step_ms'])}, limit {limit})",
-        f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
-        f"{format_bytes(baseline['peak_bytes'])}, budget {format_bytes(choice.memory_budget)})",
-        *_predicted_change(prediction.step_ms, baseline["step_ms"], noise_pct),
+        *_plan_head(
+            f"memory plan ({'meets' if choice.feasible else 'DOES NOT meet'} the constraints; "
+            f"chosen: {chosen.name})",
+            prediction,
+            baseline,
+            f"limit {limit}",
+            format_bytes(choice.memory_budget),
+            noise_pct,
+        ),
         f"  {'layer or module':<40} {'precision':<9} {'activation':<10} {'frees':>10} {'costs':>9}",
     ]
     options = {(o.module, o.policy): o for o in (chosen.activation.options if chosen.activation else [])}
@@ -266,6 +270,27 @@ def format_memory_plan(
         f"  left out: {name}: {why}" for name, why in sorted(refused.items()) if why != NOTHING_TO_FREE
     )
     return "\n".join(lines)
+
+
+def _plan_head(
+    title: str,
+    prediction: Any,
+    baseline: Mapping[str, Any],
+    time_limit: str,
+    budget: str,
+    noise_pct: float | None,
+) -> list[str]:
+    """A plan table's first lines: its title, its predicted step time and peak against the recorded
+    configuration's (``baseline``, report["predicted"]) with the limits, and the predicted change
+    set against the measured noise."""
+    return [
+        f"qsync {title}",
+        f"  step time   predicted {_ms(prediction.step_ms)} (recorded configuration "
+        f"{_ms(baseline['step_ms'])}, {time_limit})",
+        f"  peak memory predicted {format_bytes(prediction.peak_bytes)} (recorded configuration "
+        f"{format_bytes(baseline['peak_bytes'])}, budget {budget})",
+        *_predicted_change(prediction.step_ms, baseline["step_ms"], noise_pct),
+    ]
 
 
 def _predicted_change(plan_ms: float | None, recorded_ms: float | None, noise_pct: float | None) -> list[str]:

@@ -8,6 +8,7 @@ import tempfile
 
 import pytorch_lightning as pl
 import torch
+from test_precision_apply import _apply_callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,19 +71,9 @@ def _fit(callback, max_steps=40):
 
 
 def _callback(tmp_path, **kwargs):
-    options = dict(
-        mode="apply",
-        warmup_steps=3,
-        profile_steps=2,
-        measure_steps=3,
-        verify_steps=2,
-        output_dir=tmp_path / "q",
-        memory_budget="85%",
-        levers=("activation",),
-        plan_cache=False,
-    )
-    options.update(kwargs)
-    return QSyncCallback(**options)
+    """`_apply_callback`'s short windows, for an 85% budget met by activation policies alone."""
+    options = dict(memory_budget="85%", levers=("activation",), plan_cache=False)
+    return _apply_callback(tmp_path, **{**options, **kwargs})
 
 
 def _offload_dirs() -> set[str]:

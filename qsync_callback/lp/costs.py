@@ -307,15 +307,52 @@ def cache_path(
     return os.path.join(directory, f"{kind}-{digest}.json")
 
 
-def _cache_problem(data: Any, key: dict[str, Any], pairs: list[str]) -> str | None:
-    """Why ``data`` is not a valid cache document for ``key`` and ``pairs``; None if it is."""
+def cached_fit(
+    path: str,
+    what: str,
+    document_format: str,
+    key: Mapping[str, Any],
+    costs_problem: Callable[[Any], str | None],
+    fit: Callable[[], dict[str, Any]],
+) -> tuple[dict[str, Any], bool]:
+    """A fit of ``what`` (``"cast-cost"``, ``"copy-cost"``) cached in the JSON file ``path``: its
+    ``costs`` and True where the file is a valid ``document_format`` (version `CACHE_VERSION`)
+    document made for exactly ``key`` whose costs ``costs_problem`` finds nothing wrong with,
+    without fitting anything; else ``fit()`` and False, written there atomically. A file that
+    cannot be read, is not JSON or holds no valid fit for this key is never trusted: it is refitted
+    and overwritten, with a one-line warning. A cache that cannot be written only warns."""
+    if os.path.exists(path):
+        try:
+            data = read_json(path, f"{what} cache")
+            problem = _document_problem(data, document_format, key) or costs_problem(data["costs"])
+        except QSyncInputError as error:
+            problem = str(error).removeprefix(f"{path}: ")
+        if problem is None:
+            return data["costs"], True
+        warnings.warn(f"{path}: ignoring the {what} cache ({problem}); refitting", stacklevel=3)
+    costs = fit()
+    document = {"format": document_format, "version": CACHE_VERSION, "key": dict(key), "costs": costs}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", f"{what} cache")
+    except (OSError, QSyncInputError) as error:
+        warnings.warn(f"cannot write the {what} cache: {error}", stacklevel=3)
+    return costs, False
+
+
+def _document_problem(data: Any, document_format: str, key: Mapping[str, Any]) -> str | None:
+    """Why ``data`` is not a cache document of ``document_format`` made for ``key``; None if it is."""
     if not isinstance(data, dict):
         return "not a JSON object"
-    if data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
-        return f"not a {CACHE_FORMAT} version {CACHE_VERSION} document"
+    if data.get("format") != document_format or data.get("version") != CACHE_VERSION:
+        return f"not a {document_format} version {CACHE_VERSION} document"
     if data.get("key") != key:
         return "made for another device or software"
-    costs = data.get("costs")
+    return None
+
+
+def _cast_costs_problem(costs: Any, pairs: list[str]) -> str | None:
+    """Why ``costs`` is not a fit of every cast of ``pairs``; None if it is."""
     if not isinstance(costs, dict) or sorted(costs) != sorted(pairs):
         return "does not hold this device's casts"
     for pair, fit in costs.items():
@@ -334,34 +371,19 @@ def _cache_problem(data: Any, key: dict[str, Any], pairs: list[str]) -> str | No
 def cast_costs(
     device: torch.device | str, cache_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, dict[str, float]]:
-    """``fit_cast_costs(device)``, cached in a JSON file per device (``cache_path``).
-
-    A valid cache file for this exact ``cache_key`` is returned as it is, without timing anything.
-    A missing one is fitted and written (atomically). One that cannot be read, is not JSON, or does
-    not hold a valid fit for this key is never trusted: it is refitted and overwritten, with a
-    one-line warning. A cache that cannot be written only warns: the fit is still returned.
-    """
+    """``fit_cast_costs(device)``, cached in a JSON file per device (``cache_path``, `cached_fit`):
+    a valid cache file for this exact ``cache_key`` is returned as it is, without timing anything."""
     device = _normalize(device)
-    key, path = cache_key(device), cache_path(device, cache_dir)
-    if os.path.exists(path):
-        try:
-            data = read_json(path, "cast-cost cache")
-            problem = _cache_problem(data, key, cast_pairs(device))
-        except QSyncInputError as error:
-            problem = str(error).removeprefix(f"{path}: ")
-        if problem is None:
-            return {
-                pair: {name: float(fit[name]) for name in _COST_FIELDS} for pair, fit in data["costs"].items()
-            }
-        warnings.warn(f"{path}: ignoring the cast-cost cache ({problem}); refitting", stacklevel=2)
-    costs = fit_cast_costs(device)
-    document = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": key, "costs": costs}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", "cast-cost cache")
-    except (OSError, QSyncInputError) as error:
-        warnings.warn(f"cannot write the cast-cost cache: {error}", stacklevel=2)
-    return costs
+    pairs = cast_pairs(device)
+    costs, _ = cached_fit(
+        cache_path(device, cache_dir),
+        "cast-cost",
+        CACHE_FORMAT,
+        cache_key(device),
+        lambda costs: _cast_costs_problem(costs, pairs),
+        lambda: fit_cast_costs(device),
+    )
+    return {pair: {name: float(fit[name]) for name in _COST_FIELDS} for pair, fit in costs.items()}
 
 
 # --- layer probes --------------------------------------------------------------------------------

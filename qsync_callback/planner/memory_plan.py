@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import ActivationChoice, choose_activation
-from qsync_callback.planner.precision import budget_refusal, plan_precision
+from qsync_callback.planner.precision import budget_refusal, describe_choice, plan_precision
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.recorder.trace import Trace
 
@@ -104,16 +104,16 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
     else:
         chosen = min(candidates, key=lambda c: (c.prediction.peak_bytes, c.prediction.step_ms))
         if not constraints.best_effort and chosen.prediction.peak_bytes > budget:
-            raise QSyncInputError(budget_refusal(budget, chosen.prediction, describe_plan(chosen.plan)))
+            raise QSyncInputError(budget_refusal(budget, chosen.prediction, _describe(chosen.plan)))
     chosen.plan.prediction = chosen.prediction.figures()
     chosen.plan.constraints = constraints.to_dict()
     chosen.plan.fingerprint = dict(traces[0].fingerprint)
     return MemoryChoice(chosen, bool(meeting), budget, constraints.max_step_ms, candidates)
 
 
-def describe_plan(plan: Plan) -> str:
-    """A plan's decisions in a few words: its lowered layers and its activation policies."""
-    parts = [f"{layer} {p}" for layer, p in sorted(plan.precision.items())]
-    parts += [f"{module} {policy}" for module, policy in sorted(plan.activation.items())]
-    shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
-    return shown or "the recorded configuration"
+def _describe(plan: Plan) -> str:
+    """A plan's lowered layers (`describe_choice`) and its activation policies, in a few words."""
+    policies = ", ".join(f"{module} {policy}" for module, policy in sorted(plan.activation.items()))
+    if not plan.precision:
+        return policies or describe_choice({})
+    return ", ".join(filter(None, (describe_choice(plan.precision), policies)))

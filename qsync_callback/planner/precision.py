@@ -264,7 +264,7 @@ def budget_refusal(memory_budget: int, closest: Prediction, described: str) -> s
     )
 
 
-def _describe_choice(choice: Mapping[str, str]) -> str:
+def describe_choice(choice: Mapping[str, str]) -> str:
     """``fc1 bf16, fc2 int8`` (layers away from full precision), or "the recorded configuration"."""
     moved = [f"{name} {p}" for name, p in sorted(choice.items()) if p != FULL_PRECISION]
     return ", ".join(moved) if moved else "the recorded configuration"
@@ -294,7 +294,7 @@ def allocate_precision(
     if least is not None and least[1].peak_bytes > memory_budget:
         closest, prediction = least
         if not best_effort:
-            raise QSyncInputError(budget_refusal(memory_budget, prediction, _describe_choice(closest)))
+            raise QSyncInputError(budget_refusal(memory_budget, prediction, describe_choice(closest)))
         return pricer.choice(closest, prediction, indicator, max_step_ms, memory_budget, feasible=False)
     if max_step_ms is None:
         fastest_choice, fastest = _best_simple_plan(pricer, moves, base, _step_ms)

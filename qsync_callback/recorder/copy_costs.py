@@ -19,19 +19,15 @@ from it; that is also what the store meets in training while the machine has mem
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 import tempfile
-import warnings
 from typing import Any
 
 import torch
 
-from qsync_callback.errors import QSyncInputError
-from qsync_callback.jsonio import read_json, write_text_atomic
-from qsync_callback.lp.costs import cache_key, cache_path, fit_linear_cost
+from qsync_callback.lp.costs import cache_key, cache_path, cached_fit, fit_linear_cost
 from qsync_callback.offload_store import store_for
 
 COPY_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22, 2**24, 2**25)
@@ -39,7 +35,6 @@ COPY_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22, 2**24, 2**25)
 COPY_REPEATS = 3
 CACHE_KIND = "copy-costs"
 CACHE_FORMAT = "qsync-copy-costs"
-CACHE_VERSION = 1
 DIRECTIONS = ("to_store", "from_store")
 _FIT_FIELDS = ("alpha_us", "us_per_byte", "r2", "bytes_per_s", "median_us")
 
@@ -96,20 +91,9 @@ def fit_copy_costs(
     return out
 
 
-def _cache_problem(data: Any, key: dict[str, Any]) -> str | None:
-    """Why ``data`` is not a valid copy-cost cache document for ``key``; None if it is."""
-    if not isinstance(data, dict):
-        return "not a JSON object"
-    if data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
-        return f"not a {CACHE_FORMAT} version {CACHE_VERSION} document"
-    if data.get("key") != key:
-        return "made for another device, directory or software"
-    costs = data.get("costs")
-    if (
-        not isinstance(costs, dict)
-        or costs.get("tier") != key["tier"]
-        or costs.get("sizes") != list(COPY_SIZES)
-    ):
+def _costs_problem(costs: Any, tier: str) -> str | None:
+    """Why ``costs`` is not a copy-cost fit of ``tier`` at `COPY_SIZES`; None if it is."""
+    if not isinstance(costs, dict) or costs.get("tier") != tier or costs.get("sizes") != list(COPY_SIZES):
         return "does not hold this tier's fit"
     for direction in DIRECTIONS:
         fit = costs.get(direction)
@@ -134,33 +118,19 @@ def copy_costs(
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """``fit_copy_costs(device, directory)``, cached in a JSON file per device and tier (and, on the
-    CPU, per directory), as the cast costs are (``lp.costs.cache_path``, kind ``copy-costs``).
-
-    A valid cache file for this key is returned without copying anything, its ``source`` saying
-    which file; one that cannot be read or holds no valid fit for this key is refitted and
-    overwritten, with a one-line warning; one that cannot be written only warns."""
+    CPU, per directory), as the cast costs are (``lp.costs.cached_fit``, file kind ``copy-costs``):
+    a valid cache file for this key is returned without copying anything, its ``source`` saying
+    which file."""
     device = torch.device(device)
     key = _key(device, directory)
     path = cache_path(device, cache_dir, kind=CACHE_KIND, key=key)
-    if os.path.exists(path):
-        try:
-            data = read_json(path, "copy-cost cache")
-            problem = _cache_problem(data, key)
-        except QSyncInputError as error:
-            problem = str(error).removeprefix(f"{path}: ")
-        if problem is None:
-            return {**data["costs"], "source": f"cache {path}"}
-        warnings.warn(f"{path}: ignoring the copy-cost cache ({problem}); refitting", stacklevel=2)
-    costs = fit_copy_costs(device, directory)
-    document = {
-        "format": CACHE_FORMAT,
-        "version": CACHE_VERSION,
-        "key": key,
-        "costs": {name: value for name, value in costs.items() if name != "source"},
-    }
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", "copy-cost cache")
-    except (OSError, QSyncInputError) as error:
-        warnings.warn(f"cannot write the copy-cost cache: {error}", stacklevel=2)
-    return costs
+    fitted: dict[str, Any] = {}
+
+    def fit() -> dict[str, Any]:
+        fitted.update(fit_copy_costs(device, directory))
+        return {name: value for name, value in fitted.items() if name != "source"}
+
+    costs, cached = cached_fit(
+        path, "copy-cost", CACHE_FORMAT, key, lambda costs: _costs_problem(costs, key["tier"]), fit
+    )
+    return {**costs, "source": f"cache {path}"} if cached else fitted
