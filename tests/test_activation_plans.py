@@ -3,6 +3,7 @@ answers are worked out by hand: a block ``b`` of two layers and a residual add, 
 
 import itertools
 
+import numpy as np
 import pytest
 
 from qsync_callback.errors import QSyncInputError
@@ -14,7 +15,7 @@ from qsync_callback.planner.activation import (
     greedy_activation,
 )
 from qsync_callback.planner.memory_plan import plan_memory
-from qsync_callback.predictor.activation import _lane, nested_pairs, overlaps
+from qsync_callback.predictor.activation import _bounds, _extend, _lane, module_spans, nested_pairs, overlaps
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.report import format_memory_plan
 
@@ -241,3 +242,47 @@ def test_a_layers_span_is_its_own_ops_and_a_blocks_takes_the_ops_of_no_layer_aft
     assert [o.id for o in spans[(0, "b.l2")].forward] == [1]  # the add runs in b's forward
     assert [o.id for o in spans[(0, "b.l2")].backward] == [6]
     assert [o.id for o in spans[(0, "b")].forward] == [0, 1, 2]
+
+
+def _ops(layers):
+    return [op(k, "aten::x", "forward", "main", 10 * k, 5, layer=layer) for k, layer in enumerate(layers)]
+
+
+def test_a_block_takes_the_ops_of_no_layer_up_to_the_next_layers_op_and_no_further():
+    ordered = _ops(["a", "b", None, "c"])
+    assert [o.id for o in _extend(ordered, 0, 0, True, True)] == [0]  # b follows at once
+    assert [o.id for o in _extend(_ops(["a", None]), 0, 0, True, True)] == [0]  # none after: the loss
+    assert [o.id for o in _extend(_ops(["a", None, "b"]), 0, 0, True, True)] == [0, 1]
+    assert [o.id for o in _extend(_ops(["x", "y", "m"]), 2, 2, False, True)] == [2]
+    assert [o.id for o in _extend(_ops(["x", None, "m"]), 2, 2, False, True)] == [1, 2]
+    assert [o.id for o in _extend(_ops(["a", None, "b"]), 0, 0, True, False)] == [0]  # a layer: its own
+
+
+def test_each_layers_first_and_last_position():
+    assert _bounds(_ops(["a", "a", None, "b", "a"])) == {"a": (0, 4), "b": (3, 3)}
+
+
+def test_spans_leave_out_the_update_and_other_threads():
+    ops = [
+        op(0, "aten::mm", "forward", "main", 0, 10, layer="l"),
+        op(1, "aten::mm", "forward", "tid:7", 2, 5, layer="l"),
+        op(2, "MmBackward", "backward", "main", 20, 10, layer="l"),
+        op(3, "aten::add_", "update", "main", 40, 5),
+    ]
+    spans = module_spans(trace(ops, 50, layers=[{"name": "l", "type": "X"}]), [], ["l"])
+    assert [o.id for o in spans[(0, "l")].forward] == [0] and [o.id for o in spans[(0, "l")].backward] == [2]
+
+
+def test_a_curves_levels_take_the_extra_tensors_of_their_step(predictor):
+    curve = predictor.curves[0]
+    extra = {0: (np.array([26.5, 27.0]), np.array([5.0 * KIB, -5.0 * KIB]), np.array([0, 0]))}
+    assert curve.levels([extra])[0][1].max() == curve.levels()[0][1].max() + 5 * KIB
+
+
+def test_a_refused_module_does_not_stop_the_others_and_an_fp32_layer_is_no_lowered_one():
+    predictor = Predictor([_step({"copy": COPY, "refused": {"b.l1": "called twice per step"}})])
+    choice = exact_activation(predictor, {}, 300 * KIB)
+    assert choice.refused == {"b.l1": "called twice per step", "b.l2": NOTHING_TO_FREE}
+    assert choice.activation == {"b": "offload"}
+    kept = exact_activation(predictor, {"b.l2": "fp32"}, 300 * KIB)  # fp32 is no precision change
+    assert kept.activation == {"b": "offload"}

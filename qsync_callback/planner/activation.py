@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
+from qsync_callback.plan import FULL_PRECISION, OFFLOAD, RECOMPUTE, Plan, module_layers
 from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Prediction, Predictor
 
@@ -122,7 +122,7 @@ def activation_options(
         if not any(span.inside or span.held for span in saved):
             refused[name] = NOTHING_TO_FREE
             continue
-        lowered = any(layer in precision for layer in members.get(name, ()))
+        lowered = any(precision.get(layer, FULL_PRECISION) != FULL_PRECISION for layer in members[name])
         for policy in policies:
             if policy == RECOMPUTE and not any(span.inside for span in saved):
                 continue
