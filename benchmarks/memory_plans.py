@@ -47,6 +47,7 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import change_pct
+from qsync_callback.units import format_bytes
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
@@ -147,13 +148,14 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
     predictor = Predictor(load_trace_dir(record_dir / "trace"))
     recorded = predictor.predict()
     plans = candidate_plans(predictor, model, shares, measured["peak_bytes"])
+    baseline = {"share": None, "who": "recorded configuration", "plan": Plan()}
     distinct: dict[str, list[dict[str, Any]]] = {}
-    for row in plans:
+    for row in [baseline, *plans]:
         row["key"] = json.dumps({"p": row["plan"].precision, "a": row["plan"].activation}, sort_keys=True)
         distinct.setdefault(row["key"], [])
     files = {}
     for i, key in enumerate(distinct):
-        row = next(r for r in plans if r["key"] == key)
+        row = next(r for r in [baseline, *plans] if r["key"] == key)
         files[key] = runs_dir / f"{model}-plan{i}.json"
         row["plan"].save(files[key])
     for k in range(repeats):
@@ -167,6 +169,8 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
             run = run_report(script, args, runs_dir / f"{model}-plan{i}-r{k}", timeout)
             if run is not None:
                 distinct[key].append(run)
+    base_runs = [run["step_ms"] for run in distinct[baseline["key"]]]
+    base_ms = statistics.median(base_runs) if base_runs else None
     rows = []
     for row in plans:
         runs = distinct[row["key"]]
@@ -179,9 +183,12 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
         run_ms = [run["step_ms"] for run in runs]
         peak = max(run["peak_bytes"] for run in runs)
         offload = [run.get("offload") for run in runs if run.get("offload")]
+        measured_cost = statistics.median(run_ms) - base_ms if base_ms is not None else None
         rows.append(
             {
                 **row,
+                "predicted_cost_ms": row["predicted_step_ms"] - recorded.step_ms,
+                "measured_cost_ms": measured_cost,
                 "measured_step_ms": statistics.median(run_ms),
                 "measured_runs_ms": run_ms,
                 "noise_pct": range_noise_pct(run_ms),
@@ -199,6 +206,9 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
             "predicted_peak_bytes": recorded.peak_bytes,
             "measured_step_ms": measured["step_ms"],
             "measured_peak_bytes": measured["peak_bytes"],
+            "rerun_step_ms": base_ms,
+            "rerun_runs_ms": base_runs,
+            "rerun_noise_pct": range_noise_pct(base_runs) if base_runs else None,
         },
         "rows": rows,
     }
@@ -208,19 +218,32 @@ def _mib(value: float | None) -> str:
     return na(None if value is None else value / 2**20, ".1f")
 
 
+def _traffic(offload: dict[str, Any] | None) -> str:
+    """A plan run's offload traffic per step (`report.offload_traffic`): bytes out and back, and the
+    bandwidth each way; "-" without offload."""
+    if not offload:
+        return "-"
+    return "; ".join(
+        f"{format_bytes(m['to_store_bytes'])} out at {format_bytes(m['to_store_bytes_per_s'])}/s, "
+        f"back at {format_bytes(m['from_store_bytes_per_s'])}/s"
+        for m in offload.values()
+    )
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | budget | plan | precision lowered | activation | fits (predicted / measured) | "
-        "predicted ms | measured ms (noise) | step error | predicted peak MiB | measured peak MiB | "
-        "peak error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "predicted ms | measured ms (noise) | step error | cost ms (predicted / measured) | "
+        "predicted peak MiB | measured peak MiB | peak error | offload per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fits_kept, fits_total, step_errors, peak_errors = 0, 0, [], []
+    cost_errors: dict[str, list[float]] = {"recompute": [], "offload": []}
     for result in results:
         for row in result["rows"]:
             if row.get("failed"):
                 lines.append(
-                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED | | | | | | | | |"
+                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED | | | | | | | | | | |"
                 )
                 continue
             activation = ", ".join(f"{m}: {p}" for m, p in sorted(row["activation"].items())) or "-"
@@ -231,12 +254,18 @@ def markdown(results: list[dict[str, Any]]) -> str:
             peak_errors.append(abs(row["peak_error_pct"]))
             fits = f"{'yes' if row['fits'] else 'no'} / {'yes' if row['within_budget'] else 'no'}"
             noise = na(row["noise_pct"], ".1f")
+            policies = set(row["activation"].values())
+            if not row["precision"] and len(policies) == 1 and row["measured_cost_ms"]:
+                error = change_pct(row["predicted_cost_ms"], row["measured_cost_ms"])
+                cost_errors[policies.pop()].append(error)
+            cost = f"{row['predicted_cost_ms']:+.1f} / {na(row['measured_cost_ms'], '+.1f')}"
             lines.append(
                 f"| {result['model']} | {row['share']:.0%} | {row['who']} | {len(row['precision'])} | "
                 f"{activation} | {fits} | "
                 f"{row['predicted_step_ms']:.1f} | {row['measured_step_ms']:.1f} ({noise}%) | "
-                f"{row['step_error_pct']:+.1f}% | {_mib(row['predicted_peak_bytes'])} | "
-                f"{_mib(row['measured_peak_bytes'])} | {row['peak_error_pct']:+.1f}% |"
+                f"{row['step_error_pct']:+.1f}% | {cost} | {_mib(row['predicted_peak_bytes'])} | "
+                f"{_mib(row['measured_peak_bytes'])} | {row['peak_error_pct']:+.1f}% | "
+                f"{_traffic(row['offload'])} |"
             )
     if step_errors:
         lines += [
@@ -245,6 +274,22 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"Median |step error| {statistics.median(step_errors):.1f}%, median |peak error| "
             f"{statistics.median(peak_errors):.1f}% over {len(step_errors)} plan rows.",
         ]
+        for policy, errors in cost_errors.items():
+            if errors:
+                lines.append(
+                    f"{policy.capitalize()}-only plans: the predicted cost (plan against the recorded "
+                    "configuration, both predicted) against the measured cost (plan runs against the "
+                    f"recorded configuration's runs in fresh processes): median |error| "
+                    f"{statistics.median(abs(e) for e in errors):.0f}%, from {min(errors):+.0f}% to "
+                    f"{max(errors):+.0f}% over {len(errors)} rows."
+                )
+        reruns = [
+            f"{r['model']} {rerun['rerun_step_ms']:.1f} ms ({na(rerun['rerun_noise_pct'], '.1f')}%)"
+            for r in results
+            if (rerun := r["recorded"]).get("rerun_step_ms") is not None
+        ]
+        if reruns:
+            lines.append(f"The recorded configuration rerun in fresh processes: {', '.join(reruns)}.")
     return "\n".join(lines)
 
 

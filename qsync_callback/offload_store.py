@@ -21,6 +21,13 @@ The tiers (`store_for`):
   what bounds the memory a slow disk would keep; 0 makes every write synchronous). `prefetch`
   queues reads; `get` waits only for a read that has not finished, and reads one that was never
   asked for itself, in the calling thread.
+  ``synchronous=True`` does without the thread: `put` writes and `get` reads in the calling thread,
+  `prefetch` does nothing. That is the store the activation applier uses in training: the step's
+  ops keep the cores busy (every core in one process by default, one per process under DDP), so a
+  background copy only competes with them, and costs more than it hides. Measured on a 2-core VM (ResNet
+  block of 16 MiB offloaded, 4 files of 4 MiB): reads prefetched beside backward ran at 1.9 GB/s by
+  the store's clock against 5.6 GB/s alone, and the step paid 14.6 ms for the offload with the
+  thread against 10.5 ms without it.
 - **CUDA: pinned host memory** (`PinnedStore`): both copies run on one side stream. The copy out
   waits for the compute stream (where the saved tensor was made), and the tensor's memory is
   marked in use by the side stream (``record_stream``) so the caching allocator does not hand it
@@ -140,6 +147,7 @@ class OffloadStore(ABC):
     device thread), the graph releases wherever it is freed."""
 
     tier = ""
+    prefetches = True  # whether `prefetch` starts reads (else `get` reads, and is never late)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -184,6 +192,8 @@ class OffloadStore(ABC):
 
     def prefetch(self, keys: Iterable[int]) -> None:
         """Start bringing back the bytes of ``keys`` (those in the tier and not already coming)."""
+        if not self.prefetches:
+            return
         with self._lock:
             for key in keys:
                 view = self._views.get(key)
@@ -205,7 +215,7 @@ class OffloadStore(ABC):
                     "(undo a plan only between steps, after backward)"
                 )
             if data is None and token is None:  # never prefetched: bring it now
-                self._stats.late += 1
+                self._stats.late += self.prefetches
                 token = copy.fetched = self._start_fetch(copy, urgent=True)
                 copy.ungot = set(copy.keys)
         if data is None:
@@ -313,11 +323,14 @@ class DiskStore(OffloadStore):
         self,
         directory: str | os.PathLike[str] | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        synchronous: bool = False,
     ):
         super().__init__(torch.device("cpu"))
         if max_pending_bytes < 0:
             raise ValueError(f"max_pending_bytes must be at least 0, not {max_pending_bytes}")
-        self.max_pending_bytes = max_pending_bytes
+        self.max_pending_bytes = 0 if synchronous else max_pending_bytes
+        self.synchronous = synchronous
+        self.prefetches = not synchronous
         self.directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX, dir=directory)
         self._remove_directory = weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qsync-offload")
@@ -333,11 +346,17 @@ class DiskStore(OffloadStore):
     def _move_out(self, copy: _Copy) -> None:
         with self._lock:
             self._pending_bytes += copy.nbytes
-            self._worker.submit(self._write, copy)
-            if self._pending_bytes > self.max_pending_bytes:
-                start = time.perf_counter()
-                self._lock.wait_for(lambda: self._pending_bytes <= self.max_pending_bytes or self._closed)
-                self._stats.waited_s += time.perf_counter() - start
+            if not self.synchronous:
+                self._worker.submit(self._write, copy)
+                if self._pending_bytes > self.max_pending_bytes:
+                    start = time.perf_counter()
+                    self._lock.wait_for(lambda: self._pending_bytes <= self.max_pending_bytes or self._closed)
+                    self._stats.waited_s += time.perf_counter() - start
+                return
+        start = time.perf_counter()
+        self._write(copy)  # in the calling thread, which waits for it
+        with self._lock:
+            self._stats.waited_s += time.perf_counter() - start
 
     def _write(self, copy: _Copy) -> None:
         """The background thread's write of one storage (see `_move_out`)."""
@@ -386,10 +405,12 @@ class DiskStore(OffloadStore):
         if not urgent:
             return self._worker.submit(self._read, copy)
         future: Future = Future()  # read in the calling thread: the queue may hold other reads
+        start = time.perf_counter()
         try:
             future.set_result(self._read(copy))
         except OSError as error:
             future.set_exception(error)
+        self._stats.waited_s += time.perf_counter() - start  # under the lock (`get`)
         return future
 
     def _finish_fetch(self, copy: _Copy, token: Future) -> torch.Tensor:
@@ -546,13 +567,14 @@ def store_for(
     device: torch.device | str,
     directory: str | os.PathLike[str] | None = None,
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    synchronous: bool = False,
 ) -> OffloadStore:
     """The offload store of ``device``'s next memory tier: a `DiskStore` for the CPU (in a private
-    directory under ``directory``, with ``max_pending_bytes`` of write backlog), a `PinnedStore`
-    for a CUDA device. ValueError for any other device."""
+    directory under ``directory``, with ``max_pending_bytes`` of write backlog, or ``synchronous``),
+    a `PinnedStore` for a CUDA device. ValueError for any other device."""
     device = torch.device(device)
     if device.type == "cpu":
-        return DiskStore(directory, max_pending_bytes)
+        return DiskStore(directory, max_pending_bytes, synchronous)
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         return PinnedStore(torch.device("cuda", index))

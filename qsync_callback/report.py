@@ -71,6 +71,29 @@ def slowest_rank(traces: Sequence[Trace]) -> int | None:
     return max(medians, key=medians.__getitem__) if medians else None
 
 
+def offload_traffic(trace: Trace) -> dict[str, dict[str, Any]] | None:
+    """What the offload stores of ``trace``'s rank moved per measured step, by device (the stores'
+    own counts and clocks over the unprofiled steps after the window, ``measured["offload"]``):
+    bytes each way, the bandwidth each way, the ms the training thread waited on the store and the
+    reads that were late; None where nothing was offloaded."""
+    offload = trace.measured.get("offload")
+    if not offload or not offload.get("steps"):
+        return None
+    steps = offload["steps"]
+    return {
+        device: {
+            "tier": stats["tier"],
+            "to_store_bytes": stats["to_store"]["bytes"] / steps,
+            "from_store_bytes": stats["from_store"]["bytes"] / steps,
+            "to_store_bytes_per_s": stats["to_store"]["bytes_per_s"],
+            "from_store_bytes_per_s": stats["from_store"]["bytes_per_s"],
+            "waited_ms": 1e3 * stats["waited_s"] / steps,
+            "late": stats["late"] / steps,
+        }
+        for device, stats in offload["stores"].items()
+    }
+
+
 def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 15) -> dict[str, Any]:
     """Measured and predicted figures, their errors, and the top ops, as a JSON-ready dict."""
     prediction = predict(traces, plan)
@@ -94,6 +117,7 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
             "peak_source": traces[0].measured.get("peak_source"),
             "page_faults_per_step": statistics.median(faults) if faults else None,
             "page_size": traces[0].measured.get("page_size"),
+            "offload": offload_traffic(traces[slowest if slowest is not None else 0]),
         },
         "predicted": prediction.to_dict(),
         "error_pct": {
@@ -127,6 +151,10 @@ def _noise(noise_pct: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}%"
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    return "n/a" if bytes_per_s is None else f"{format_bytes(bytes_per_s)}/s"
 
 
 def _signed_pct(value: float | None) -> str:
@@ -168,6 +196,13 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         lines.append(
             f"  note: the step-time error ({_pct(error['step_ms'])}) is within the noise of the measured "
             f"median (+-{noise:.1f}%): this run cannot tell the prediction from the measurement"
+        )
+    for device, moved in (measured.get("offload") or {}).items():
+        lines.append(
+            f"  offload ({device}, {moved['tier']}): per step {format_bytes(moved['to_store_bytes'])} out at "
+            f"{_rate(moved['to_store_bytes_per_s'])} and {format_bytes(moved['from_store_bytes'])} back at "
+            f"{_rate(moved['from_store_bytes_per_s'])}; the step waited {moved['waited_ms']:.2f} ms on the "
+            f"store, {moved['late']:.1f} reads late"
         )
     faults = measured.get("page_faults_per_step")
     if faults and faults >= NOISY_PAGE_FAULTS:

@@ -254,6 +254,27 @@ def test_offload_moves_a_storage_saved_twice_once(tmp_path):
     assert (moves["to_store"]["bytes"], moves["to_store"]["copies"]) == (BATCH * WIDTH * 4, 1)
 
 
+def test_offload_leaves_an_argument_held_elsewhere_where_it_is(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 8)
+    )
+    x = torch.randn(BATCH, 64)
+    activation = BATCH * WIDTH * 4
+
+    def moved(name):
+        applier = ActivationApplier(model, directory=str(tmp_path))
+        undo = applier(Plan(activation={name: "offload"}))
+        model(x).sum().backward()
+        stats = applier.step_stats()
+        undo()
+        return stats["cpu"]["to_store"]["bytes"] if stats else 0
+
+    assert moved("0") == 0  # the batch: its caller holds it
+    assert moved("2") == 0  # the ReLU's output: the ReLU saved it for its own backward
+    assert moved("4") == activation  # the GELU's output: saved by this Linear alone
+
+
 def _step_peak_rise(model, x, y):
     """The largest rise of the CPU allocator's "Total Allocated" counter (the profiler's memory
     events) over one forward and backward, above its value when the step starts."""

@@ -115,6 +115,27 @@ def test_a_recompute_only_plan_trains_bit_identically(tmp_path):
     assert "forward" in planned.blocks[0].__dict__  # still wrapped: the plan stays in force
 
 
+def test_a_run_with_offload_reports_the_bytes_moved_per_step_and_the_bandwidth(tmp_path, caplog):
+    plan_file = tmp_path / "plan.json"
+    Plan(activation={"blocks.1": "offload"}).save(plan_file)
+    out = tmp_path / "q"
+    callback = QSyncCallback(
+        mode="report", plan=plan_file, plan_cache=False, output_dir=out, warmup_steps=3, profile_steps=2
+    )
+    with caplog.at_level(logging.INFO):
+        _fit(callback, max_steps=16)
+    moved = json.loads((out / "report.json").read_text())["measured"]["offload"]["cpu"]
+    # blocks.1 saves two storages of 512x256 floats: its input (fc1's; blocks.0's sum, which no
+    # backward of blocks.0 saved) and the ReLU's output (the ReLU's and fc2's), each written once and
+    # read back once in every step counted
+    activation = 512 * 256 * 4
+    assert moved["tier"] == "disk"
+    assert moved["to_store_bytes"] == moved["from_store_bytes"] == 2 * activation
+    assert moved["to_store_bytes_per_s"] > 0 and moved["from_store_bytes_per_s"] > 0
+    assert moved["waited_ms"] > 0
+    assert "offload (cpu, disk): per step 1.0 MiB out at" in caplog.text
+
+
 def test_an_offload_store_that_fails_rolls_the_plan_back_and_training_goes_on(tmp_path, caplog, monkeypatch):
     plan_file = tmp_path / "plan.json"
     Plan(activation={"blocks.1": "offload"}).save(plan_file)

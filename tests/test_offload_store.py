@@ -89,6 +89,25 @@ def test_a_written_tensor_is_let_go_and_comes_back_prefetched_or_late(tmp_path):
     store.close()
 
 
+def test_a_synchronous_store_copies_in_the_calling_thread_and_never_prefetches(tmp_path):
+    store = DiskStore(tmp_path, max_pending_bytes=1 << 30, synchronous=True)
+    assert store.max_pending_bytes == 0  # no backlog: its writes are the caller's
+    x = torch.randn(4096)
+    expected = x.clone()
+    ref = StorageWeakRef(x.untyped_storage())
+    key = store.put(x)
+    del x
+    assert ref.expired() and len(_files(store)) == 1  # written before put returned
+    assert store.step_stats()["waited_s"] > 0  # the caller waited for the write
+    store.prefetch([key])  # nothing starts: the read waits for get, in the caller's thread
+    assert store._worker._threads == set()  # the store's thread was never started
+    assert torch.equal(store.get(key), expected)
+    stats = store.step_stats()
+    assert stats["from_store"]["copies"] == 1 and stats["late"] == 0 and stats["waited_s"] > 0
+    store.close()
+    assert not os.path.exists(store.directory)
+
+
 def test_backlog_lets_put_return_before_the_write(tmp_path):
     store = DiskStore(tmp_path)  # the default backlog: puts do not wait for the disk
     tensors = [torch.randn(2**16) for _ in range(8)]

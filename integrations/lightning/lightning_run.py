@@ -69,10 +69,11 @@ class LightningRun:
         self._fingerprint: dict[str, Any] = {}
         self._appliers = {
             "precision": precision_applier(pl_module),
-            # one object: the loop polls its failure(); writes to the store synchronous, so that an
-            # offloaded tensor is gone once its consumer ran (a backlog would keep it alive; on the
-            # CPU the copies share the step's cores anyway: `predictor.activation.overlaps`)
-            "activation": ActivationApplier(pl_module, max_pending_bytes=0),
+            # one object: the loop polls its failure(); its CPU store copies in the training thread,
+            # so that an offloaded tensor is gone once its consumer ran (a backlog would keep it
+            # alive) and no copy competes with the step's ops for the cores
+            # (`predictor.activation.overlaps`)
+            "activation": ActivationApplier(pl_module),
         }
 
     def fingerprint(self) -> dict[str, Any]:

@@ -19,14 +19,17 @@ runs as it is: nothing is saved for backward there.
   would without the policy.
 - **offload**: the forward runs under ``torch.autograd.graph.saved_tensors_hooks``: each tensor
   its ops save whose storage holds at least `MIN_OFFLOAD_BYTES` and is not a parameter's or a
-  buffer's (nor a view of one), nor a sparse, conjugate or subclass tensor, is put in the offload
+  buffer's, nor an argument of the call held elsewhere anyway (the batch; the output of a ReLU,
+  which the ReLU saved: a residual block's input), nor a view of any of these, nor a sparse,
+  conjugate or subclass tensor, is put in the offload
   store of its device (`qsync_callback.offload_store.store_for`: files on local disk for the CPU,
   pinned host memory for CUDA) and got back when backward unpacks it. Smaller tensors stay where
-  they are: moving them costs more than they free. Prefetch, with a lookahead of one module call:
-  when backward first unpacks a tensor of an offloaded call, every tensor of that call and of the
-  offloaded call before it in forward (the next one backward reaches) start coming back; so the
-  previous call's reads overlap this call's backward, and the first call backward reaches (the
-  last in forward) waits for its own.
+  they are: moving them costs more than they free. Prefetch (on CUDA, and on the CPU when the
+  applier is not ``synchronous``), with a lookahead of one module call: when backward first unpacks
+  a tensor of an offloaded call, every tensor of that call and of the offloaded call before it in
+  forward (the next one backward reaches) start coming back; so the previous call's reads overlap
+  this call's backward, and the first call backward reaches (the last in forward) waits for its
+  own. A synchronous CPU store reads each tensor when backward unpacks it.
 
 A module can take a policy unless `activation_refusals` says why not (the applier refuses a plan
 that names one, with the reason, before changing anything; see there). What a module's calls do
@@ -49,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from qsync_callback.errors import QSyncInputError
@@ -112,9 +116,10 @@ class _Call:
     """One call of an offloaded module: the keys of what it put in the stores, and a weak reference
     to the offloaded call before it in forward (the next one backward reaches)."""
 
-    __slots__ = ("saved", "previous", "fetching", "__weakref__")
+    __slots__ = ("inputs", "saved", "previous", "fetching", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: set[int]) -> None:
+        self.inputs = inputs  # the storages of its arguments held elsewhere: left where they are
         self.saved: list[tuple[OffloadStore, int]] = []
         self.previous: weakref.ref[_Call] | None = None
         self.fetching = False
@@ -144,13 +149,24 @@ class _Saved:
             pass
 
 
+def _held_elsewhere(argument: Any) -> bool:
+    """Whether a module's argument is a tensor that stays in memory whatever the module does: one
+    autograd does not track (the batch, which its caller holds), or the output of an op whose
+    backward saved it (a ReLU's, a softmax's)."""
+    if not isinstance(argument, torch.Tensor):
+        return False
+    node = argument.grad_fn
+    return node is None or hasattr(node, "_raw_saved_result")
+
+
 class _Offloader:
     """The saved-tensor hooks of one applied plan's offloaded modules, and their stores."""
 
-    def __init__(self, model: nn.Module, directory: str | None, max_pending_bytes: int):
+    def __init__(self, model: nn.Module, directory: str | None, max_pending_bytes: int, synchronous: bool):
         self._kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self._directory = directory
         self._max_pending_bytes = max_pending_bytes
+        self._synchronous = synchronous
         self.stores: dict[torch.device, OffloadStore] = {}
         self._last: weakref.ref[_Call] | None = None
         self._fault: str | None = None  # a store that could not be made
@@ -161,7 +177,9 @@ class _Offloader:
         def offloaded(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            call = _Call()
+            call = _Call(
+                {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _held_elsewhere(t)}
+            )
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack):
                 return forward(*args, **kwargs)
 
@@ -176,7 +194,7 @@ class _Offloader:
         return storage.nbytes() >= MIN_OFFLOAD_BYTES and storage.data_ptr() not in self._kept
 
     def _pack(self, call: _Call, tensor: torch.Tensor) -> Any:
-        if not self._offloadable(tensor):
+        if not self._offloadable(tensor) or tensor.untyped_storage().data_ptr() in call.inputs:
             return tensor
         store = self.stores.get(tensor.device)
         if store is None:
@@ -184,7 +202,7 @@ class _Offloader:
                 return tensor
             try:
                 store = self.stores[tensor.device] = store_for(
-                    tensor.device, self._directory, self._max_pending_bytes
+                    tensor.device, self._directory, self._max_pending_bytes, self._synchronous
                 )
             except (OSError, RuntimeError) as error:  # no directory there, no CUDA stream: keep it
                 self._fault = f"cannot make the offload store of {tensor.device}: {error}"
@@ -224,7 +242,9 @@ class ActivationApplier:
 
     ``calls_per_step`` and ``call_problems`` (see `activation_refusals`) may be set on the object
     once a step was observed; ``directory`` is where the disk store makes its private directory
-    (None: the system's temporary directory), ``max_pending_bytes`` its write backlog.
+    (None: the system's temporary directory); ``synchronous`` (the default) has it write and read in
+    the training thread, as the copy costs are measured (`recorder.copy_costs`); without it, a
+    background thread writes, with ``max_pending_bytes`` of backlog, and prefetches.
     `failure` and `step_stats` are for the loop to poll at each step boundary."""
 
     def __init__(
@@ -234,17 +254,19 @@ class ActivationApplier:
         call_problems: Mapping[str, str] | None = None,
         directory: str | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        synchronous: bool = True,
     ):
         self.model = model
         self.calls_per_step = calls_per_step
         self.call_problems = call_problems
         self.directory = directory
         self.max_pending_bytes = max_pending_bytes
+        self.synchronous = synchronous
         self._offloader: _Offloader | None = None
 
     def __call__(self, plan: Plan) -> Callable[[], None]:
         chosen = self._check(plan.activation)
-        offloader = _Offloader(self.model, self.directory, self.max_pending_bytes)
+        offloader = _Offloader(self.model, self.directory, self.max_pending_bytes, self.synchronous)
         wrapped: list[tuple[nn.Module, Callable[..., Any]]] = []
         for module, policy in chosen:
             wrapper = _recomputed(module) if policy == RECOMPUTE else offloader.wrap(module)

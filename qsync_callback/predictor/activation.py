@@ -42,7 +42,9 @@ policy frees them; an offload still copies them.
   its consumer has run. What it ``held`` (its input) is copied too but counted as still alive: its
   caller may hold it for longer than the record shows (a residual block's input, used again by the
   add after the block's first op, was measured not to come down at the peak in some runs), so the
-  predicted peak errs high rather than low.
+  predicted peak errs high rather than low. An input that a backward outside the module frees last
+  (a ReLU's output, which the ReLU saved) is not the module's: the applier leaves it where it is,
+  and it is neither copied nor freed here.
 
 Time is priced on the compiled graphs (`replay.CompiledGraph`), on top of the precision plan's op
 durations: the recompute's time is added to the module's first backward op; an offload's wait is

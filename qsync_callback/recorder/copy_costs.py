@@ -3,15 +3,24 @@ per device like the cast costs (`qsync_callback.lp.costs.cast_costs`).
 
 `fit_copy_costs` measures with the real store (`qsync_callback.offload_store.store_for`: files on
 local disk for the CPU, pinned host memory for CUDA): tensors of `COPY_SIZES` bytes (64 KiB .. 32
-MiB) are put in it and got back, `COPY_REPEATS` times each after one untimed round. The seconds of
-each copy are the store's own (`OffloadStore.step_stats`: the disk thread's clock around each
-file's write and read, CUDA events around each copy), so they are what the store pays on its own
-lane, not what the training thread waits. The median per size is fitted by `fit_linear_cost`
-(least squares weighted to the relative error, as the cast costs are: the sizes span three
-decades); the medians are returned beside the fit, with its r2, since a copy's cost need not be
-linear over that span (a buffer big enough to be mapped afresh by the C allocator pays its page
-faults on every read back), and so is the bandwidth measured at the largest size. About 0.3 s of
-copies on the disk here.
+MiB) are put in it and got back, `COPY_REPEATS` times each after one untimed round. What is timed
+is what the pricing charges (`qsync_callback.predictor.activation`):
+
+- on the disk tier, the training thread's own wait: the wall time of `put` (the applier's store
+  writes synchronously, so `put` returns when the file is written) and of `prefetch` + `get` (the
+  read queued on the store's thread, waited for). Besides the file's write and read this holds the
+  hand-over to the store's thread and back, which the store's own clock leaves out: about 0.3 ms a
+  write on this 2-core VM, a quarter of a 4 MiB write, and what made the pricing run short by that
+  much per offloaded tensor when it used the store's clock;
+- on the CUDA tier, the copies' own time on the side stream (CUDA events around each copy,
+  `OffloadStore.step_stats`): the training thread does not wait for them, the replay's copy lane
+  does.
+
+The median per size is fitted by `fit_linear_cost` (least squares weighted to the relative error,
+as the cast costs are: the sizes span three decades); the medians are returned beside the fit, with
+its r2, since a copy's cost need not be linear over that span (a buffer big enough to be mapped
+afresh by the C allocator pays its page faults on every read back), and so is the bandwidth
+measured at the largest size. About 0.3 s of copies on the disk here.
 
 On the disk tier a write lands in the kernel's page cache and a read of a file just written comes
 from it; that is also what the store meets in training while the machine has memory to spare.
@@ -23,6 +32,7 @@ import math
 import os
 import statistics
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -32,7 +42,7 @@ from qsync_callback.offload_store import store_for
 
 COPY_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22, 2**24, 2**25)
 """Bytes of the tensors moved: 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 32 MiB."""
-COPY_REPEATS = 3
+COPY_REPEATS = 5
 CACHE_KIND = "copy-costs"
 CACHE_FORMAT = "qsync-copy-costs"
 DIRECTIONS = ("to_store", "from_store")
@@ -44,8 +54,8 @@ def _key(device: torch.device, directory: str | os.PathLike[str] | None) -> dict
     files go under (its disk)."""
     if device.type == "cpu":
         where = os.path.realpath(tempfile.gettempdir() if directory is None else os.fspath(directory))
-        return {**cache_key(device), "tier": "disk", "directory": where}
-    return {**cache_key(device), "tier": "pinned"}
+        return {**cache_key(device), "tier": "disk", "directory": where, "clock": "training thread"}
+    return {**cache_key(device), "tier": "pinned", "clock": "copy stream"}
 
 
 def fit_copy_costs(
@@ -56,21 +66,29 @@ def fit_copy_costs(
     .., "us_per_byte": .., "r2": .., "bytes_per_s": .., "median_us": [one per size]}, "from_store":
     {...}, "source": "measured"}``; OSError if the store could not write."""
     device = torch.device(device)
-    store = store_for(device, directory, max_pending_bytes=0)
+    store = store_for(device, directory, synchronous=True)
     times: dict[str, dict[int, list[float]]] = {d: {size: [] for size in COPY_SIZES} for d in DIRECTIONS}
     try:
         for round_ in range(COPY_REPEATS + 1):  # round 0 warms the store up
             for size in COPY_SIZES:
-                key = store.put(torch.ones(size, dtype=torch.uint8, device=device))
+                waited = {}
+                tensor = torch.ones(size, dtype=torch.uint8, device=device)
+                start = time.perf_counter()
+                key = store.put(tensor)
+                waited["to_store"] = time.perf_counter() - start
+                del tensor
                 store.flush()
+                start = time.perf_counter()
                 store.prefetch([key])
                 store.get(key)
+                waited["from_store"] = time.perf_counter() - start
                 store.flush()
                 stats = store.step_stats()
                 store.release(key)
                 if round_:
                     for direction in DIRECTIONS:
-                        times[direction][size].append(stats[direction]["seconds"] * 1e6)
+                        seconds = waited[direction] if store.tier == "disk" else stats[direction]["seconds"]
+                        times[direction][size].append(seconds * 1e6)
         failure = store.failure()
     finally:
         store.close()

@@ -244,6 +244,7 @@ class TorchRecorder:
         self.module_calls: dict[str, int] | None = None  # per module, in the warm-up step
         self.call_problems: dict[str, str] = {}
         self._offload_stats = offload_stats
+        self._offload_steps = 0  # the steps ended since the offload counts started
         self._statistics = LayerStatistics(model) if layer_statistics else None
         self._statistics_data: dict[str, Any] = {}
         self.unprofiled_ms: list[float] = []
@@ -301,7 +302,10 @@ class TorchRecorder:
         return self.close_step + self.measure_steps
 
     def step_end(self) -> None:
-        """The step returned (nothing to do: steps are timed boundary to boundary)."""
+        """The step returned (steps are timed boundary to boundary): one more step in the offload
+        store's counts, once the window has closed."""
+        if self.trace is not None:
+            self._offload_steps += 1
 
     @property
     def recording(self) -> bool:
@@ -448,6 +452,7 @@ class TorchRecorder:
             self.trace.activation_costs = self._activation_costs_of(self.trace)
         if self._offload_stats is not None:
             self._offload_stats()  # the measured steps' moves start from here
+            self._offload_steps = 0
         self._write()
         gc.collect(1)
         return self.trace
@@ -513,8 +518,9 @@ class TorchRecorder:
             and "offload" not in self.trace.measured
         ):
             moved = {device: stats for device, stats in self._offload_stats().items() if stats}
-            if moved:  # what the offload store moved over the steps since the window closed
-                self.trace.measured["offload"] = {"steps": self.measure_steps, "stores": moved}
+            steps = self._offload_steps
+            if moved and steps:  # what the offload store moved over the steps since the window closed
+                self.trace.measured["offload"] = {"steps": steps, "stores": moved}
         self._write()
 
     def _activation_costs_of(self, trace: Trace) -> dict[str, Any]:
