@@ -1,8 +1,9 @@
 """Planning time for a deep model: the allocator on a recorded run of ``--layers`` Linear layers.
 
-One real Lightning run of a deep, narrow MLP (``--layers`` Linear layers of width ``--width``,
-ReLU between; batch 64) with ``QSyncCallback(mode="apply")`` records the run and probes every
-layer at every precision (its time target unbounded, so nothing is applied). Then, in this
+One real Lightning run of a deep, narrow MLP (``--layers`` Linear layers of width ``--width``: a
+stem, residual blocks of two Linears with a GELU between, a head; batch 64) with
+``QSyncCallback(mode="apply")`` records the run and probes every layer at every precision (its
+time target unbounded, so nothing is applied). Then, in this
 process, the planner runs on the saved traces, timed with ``time.perf_counter``: building the
 predictor (graphs and tensor lifetimes of the recorded steps), the indicator, and the greedy
 allocation for speed (the default target) and for a memory budget halfway between the recorded
@@ -48,15 +49,25 @@ TARGET_LAYERS = 200
 QUICK_LAYERS = 20
 
 
+class ResidualPair(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``: what its two Linears and GELU save is the block's to drop."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
 class DeepMLP(pl.LightningModule):
-    """``layers`` Linear layers of ``width`` with ReLU between; SGD."""
+    """``layers`` Linear layers of ``width``: a stem, residual pairs (`ResidualPair`), a head; SGD.
+    Every pair is a block the activation planner may recompute or offload."""
 
     def __init__(self, layers: int, width: int):
         super().__init__()
-        blocks: list[nn.Module] = []
-        for _ in range(layers - 1):
-            blocks += [nn.Linear(width, width), nn.ReLU()]
-        self.net = nn.Sequential(*blocks, nn.Linear(width, 10))
+        pairs = [ResidualPair(width) for _ in range((layers - 2) // 2)]
+        self.net = nn.Sequential(nn.Linear(width, width), *pairs, nn.Linear(width, 10))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

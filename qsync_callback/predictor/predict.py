@@ -122,6 +122,7 @@ class Predictor:
         self._activation_pricing: ActivationPricing | None = None  # built when first needed
         self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
+        self._estimates: dict[tuple[frozenset, frozenset], Prediction] = {}  # `estimate`'s, by plan
 
     def predict(self, plan: Plan | None = None, plan_source: str = "<plan>") -> Prediction:
         """Price ``plan`` (default: the recorded configuration)."""
@@ -151,9 +152,16 @@ class Predictor:
     ) -> Prediction:
         """A quick estimate of a precision (and activation) plan for ranking moves, not for choosing a
         plan: step time from one recorded step (the one the recorded configuration's median comes
-        from), peak memory as `predict` prices it."""
+        from), peak memory as `predict` prices it. Kept by plan: the planners ask for the same
+        estimates again (each layer's moves alone, for every budget tried)."""
         check_precision_plan(self.traces, precision, "<estimate>")
         activation = _acting(activation or {})
+        key = (frozenset(precision.items()), frozenset(activation.items()))
+        if key not in self._estimates:
+            self._estimates[key] = self._estimate(precision, activation)
+        return self._estimates[key]
+
+    def _estimate(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> Prediction:
         if self._typical is None:
             replayed = [c.run().step_us for c in self._compiled]
             self._typical = _closest(replayed, statistics.median(replayed))
