@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -183,12 +184,17 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
         run_ms = [run["step_ms"] for run in runs]
         peak = max(run["peak_bytes"] for run in runs)
         offload = [run.get("offload") for run in runs if run.get("offload")]
-        measured_cost = statistics.median(run_ms) - base_ms if base_ms is not None else None
+        measured_cost = cost_noise = None
+        if base_ms is not None:
+            measured_cost = statistics.median(run_ms) - base_ms
+            # each median of repeats may sit half its runs' range from the machine's typical step
+            cost_noise = 0.5 * math.hypot(max(run_ms) - min(run_ms), max(base_runs) - min(base_runs))
         rows.append(
             {
                 **row,
                 "predicted_cost_ms": row["predicted_step_ms"] - recorded.step_ms,
                 "measured_cost_ms": measured_cost,
+                "measured_cost_noise_ms": cost_noise,
                 "measured_step_ms": statistics.median(run_ms),
                 "measured_runs_ms": run_ms,
                 "noise_pct": range_noise_pct(run_ms),
@@ -233,12 +239,12 @@ def _traffic(offload: dict[str, Any] | None) -> str:
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | budget | plan | precision lowered | activation | fits (predicted / measured) | "
-        "predicted ms | measured ms (noise) | step error | cost ms (predicted / measured) | "
+        "predicted ms | measured ms (noise) | step error | cost ms (predicted / measured +- noise) | "
         "predicted peak MiB | measured peak MiB | peak error | offload per step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fits_kept, fits_total, step_errors, peak_errors = 0, 0, [], []
-    cost_errors: dict[str, list[float]] = {"recompute": [], "offload": []}
+    costs: dict[str, dict[str, tuple[float, bool]]] = {"recompute": {}, "offload": {}}
     for result in results:
         for row in result["rows"]:
             if row.get("failed"):
@@ -257,8 +263,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
             policies = set(row["activation"].values())
             if not row["precision"] and len(policies) == 1 and row["measured_cost_ms"]:
                 error = change_pct(row["predicted_cost_ms"], row["measured_cost_ms"])
-                cost_errors[policies.pop()].append(error)
-            cost = f"{row['predicted_cost_ms']:+.1f} / {na(row['measured_cost_ms'], '+.1f')}"
+                miss = abs(row["predicted_cost_ms"] - row["measured_cost_ms"])
+                within = miss <= row["measured_cost_noise_ms"]
+                plan = f"{result['model']} {json.dumps(row['activation'], sort_keys=True)}"
+                costs[policies.pop()][plan] = (error, within)
+            cost = (
+                f"{row['predicted_cost_ms']:+.1f} / {na(row['measured_cost_ms'], '+.1f')}"
+                f" (+-{na(row['measured_cost_noise_ms'], '.1f')})"
+            )
             lines.append(
                 f"| {result['model']} | {row['share']:.0%} | {row['who']} | {len(row['precision'])} | "
                 f"{activation} | {fits} | "
@@ -274,14 +286,17 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"Median |step error| {statistics.median(step_errors):.1f}%, median |peak error| "
             f"{statistics.median(peak_errors):.1f}% over {len(step_errors)} plan rows.",
         ]
-        for policy, errors in cost_errors.items():
-            if errors:
+        for policy, by_plan in costs.items():
+            if by_plan:
+                errors = [error for error, _ in by_plan.values()]
                 lines.append(
-                    f"{policy.capitalize()}-only plans: the predicted cost (plan against the recorded "
-                    "configuration, both predicted) against the measured cost (plan runs against the "
-                    f"recorded configuration's runs in fresh processes): median |error| "
+                    f"{policy.capitalize()}-only plans ({len(by_plan)} distinct): the predicted cost "
+                    "(the plan's step less the recorded configuration's, both predicted) against the "
+                    "measured cost (the plan's runs less the recorded configuration's runs, in fresh "
+                    "processes): median |error| "
                     f"{statistics.median(abs(e) for e in errors):.0f}%, from {min(errors):+.0f}% to "
-                    f"{max(errors):+.0f}% over {len(errors)} rows."
+                    f"{max(errors):+.0f}%; within the measured cost's noise: "
+                    f"{sum(within for _, within in by_plan.values())} of {len(by_plan)}."
                 )
         reruns = [
             f"{r['model']} {rerun['rerun_step_ms']:.1f} ms ({na(rerun['rerun_noise_pct'], '.1f')}%)"
