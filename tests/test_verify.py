@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from qsync_callback.plan import Plan
-from qsync_callback.report import build_report, median_noise_pct
+from qsync_callback.report import build_report, format_summary, median_noise_pct
 from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, combined_noise_pct, verify_plan
 
 from tracebuilder import op, trace
@@ -213,3 +213,37 @@ def test_a_change_tells_only_beyond_its_noise_and_a_slowdown_only_beyond_the_tol
     assert can_tell(-0.01, 0.0) and not can_tell(0.0, 0.0)
     assert not can_tell(3.0, 3.0) and not can_tell(-3.0, 3.0)
     assert can_tell(3.1, 3.0) and can_tell(-3.1, 3.0)
+
+
+def test_the_report_gives_the_offload_traffic_per_step_and_none_without_it():
+    moves = {"bytes": 6 * 2**20, "copies": 3, "seconds": 0.003, "bytes_per_s": 2**31}
+    stores = {
+        "cpu": {
+            "tier": "disk",
+            "to_store": moves,
+            "from_store": {**moves, "bytes_per_s": 2**32},
+            "waited_s": 0.006,
+            "late": 0,
+        }
+    }
+    offloaded = _run([10.0] * 5)
+    offloaded.measured["offload"] = {"steps": 3, "stores": stores}
+    report = build_report([offloaded])
+    assert report["measured"]["offload"] == {
+        "cpu": {
+            "tier": "disk",
+            "to_store_bytes": 2 * 2**20,
+            "from_store_bytes": 2 * 2**20,
+            "to_store_bytes_per_s": 2**31,
+            "from_store_bytes_per_s": 2**32,
+            "waited_ms": 2.0,
+            "late": 0.0,
+        }
+    }
+    assert (
+        "offload (cpu, disk): per step 2.0 MiB out at 2.00 GiB/s and 2.0 MiB back at 4.00 GiB/s; "
+        "the step waited 2.00 ms on the store, 0.0 reads late"
+    ) in format_summary(report)
+    assert build_report([_run([10.0] * 5)])["measured"]["offload"] is None
+    offloaded.measured["offload"]["steps"] = 0  # no step ended since the counts started: no figure
+    assert build_report([offloaded])["measured"]["offload"] is None
