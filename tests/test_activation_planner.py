@@ -1,0 +1,315 @@
+"""The activation planner against enumeration on hand-written steps of several residual blocks of
+random sizes: the MILP's plan is the fastest that fits, a budget nothing meets gets the least peak,
+the greedy keeps only what lowers the peak; and the planner's small pieces (`_at`, `_chains`)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qsync_callback.plan import Plan
+from qsync_callback.planner.activation import (
+    Option,
+    _at,
+    _chains,
+    _solve,
+    activation_options,
+    choose_activation,
+    exact_activation,
+    greedy_activation,
+)
+from qsync_callback.predictor.activation import nested_pairs
+from qsync_callback.predictor.predict import Predictor
+
+from tracebuilder import op, trace
+
+KIB = 4 * 2**10
+DISK = {  # the disk tier: the training thread pays every copy (10 us + 0.01 us per KiB-unit)
+    "tier": "disk",
+    "to_store": {"alpha_us": 10.0, "us_per_byte": 0.01 / KIB},
+    "from_store": {"alpha_us": 10.0, "us_per_byte": 0.01 / KIB},
+}
+
+
+def _blocks_step(sizes, forward_us, offload=False, prefix=""):
+    """Blocks ``b0``, ``b1``, ...: each two layers (``l1`` makes A, ``l2`` makes B, each freed by
+    its own layer's backward) and a residual add (no layer) making C, the block's output, freed by
+    the next block's first layer's backward (the last one's by the head's); then ``head``.
+    ``sizes``: (A, B, C) units per block; ``forward_us``: each block's forward op durations;
+    ``prefix``: the blocks' names start with it (``"g."``: the blocks are inside a module ``g``)."""
+    ops, events, layers = [], [], []
+    t, seq = 0.0, 0
+    made = {}
+    for i, ((a, b, c), dur) in enumerate(zip(sizes, forward_us, strict=True)):
+        l1, l2 = f"{prefix}b{i}.l1", f"{prefix}b{i}.l2"
+        for layer, name, size, tag in ((l1, "aten::conv", a, "A"), (l2, "aten::bn", b, "B")):
+            ops.append(op(len(ops), name, "forward", "main", t, dur, layer=layer, seq=seq))
+            made[(i, tag)] = (t + 1, size, len(ops) - 1)
+            t, seq = t + dur, seq + 1
+            layers.append({"name": layer, "type": "X"})
+        ops.append(op(len(ops), "aten::add", "forward", "main", t, 2, seq=seq))
+        made[(i, "C")] = (t + 1, c, len(ops) - 1)
+        t, seq = t + 2, seq + 1
+    ops.append(op(len(ops), "aten::linear", "forward", "main", t, 5, layer="head", seq=seq))
+    layers.append({"name": "head", "type": "X"})
+    t += 10
+    frees = {}  # backward op id of each tensor's freeing op, by tag
+    ops.append(op(len(ops), "LinearBackward", "backward", "main", t, 5, layer="head", seq=seq))
+    head_backward, t = len(ops) - 1, t + 5
+    for i in reversed(range(len(sizes))):
+        ops.append(op(len(ops), "AddBackward", "backward", "main", t, 1, seq=3 * i + 2))
+        t += 1
+        for layer, tag, name in (
+            (f"{prefix}b{i}.l2", "B", "BnBackward"),
+            (f"{prefix}b{i}.l1", "A", "ConvBackward"),
+        ):
+            ops.append(op(len(ops), name, "backward", "main", t, 8, layer=layer, seq=3 * i + (tag == "B")))
+            frees[(i, tag)] = (t + 7, len(ops) - 1)
+            t += 8
+        frees[(i - 1, "C")] = frees[(i, "A")]  # the previous block's output: this block's input
+    frees[(len(sizes) - 1, "C")] = (ops[head_backward].start_us + 4, head_backward)
+    for n, (key, (born, size, birth)) in enumerate(sorted(made.items())):
+        died, death = frees[key]
+        events += [[born, 0x100 + n, size * KIB, birth], [died, 0x100 + n, -size * KIB, death]]
+    events.sort(key=lambda e: e[0])
+    costs = {"copy": DISK} if offload else {}
+    return trace(ops, t + 10, memory_events=events, layers=layers, activation_costs=costs)
+
+
+def _plans(modules, policies=("recompute", "offload")):
+    """Every plan of ``policies`` over ``modules`` with no two nested modules both acting."""
+    for chosen in itertools.product(["keep", *policies], repeat=len(modules)):
+        activation = {m: p for m, p in zip(modules, chosen, strict=True) if p != "keep"}
+        if not nested_pairs(list(activation)):
+            yield activation
+
+
+blocks = st.lists(
+    st.tuples(st.integers(20, 300), st.integers(20, 300), st.integers(10, 200)), min_size=2, max_size=3
+)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=blocks, durations=st.lists(st.integers(5, 40), min_size=3, max_size=3), share=st.floats(0.5, 1.0)
+)
+def test_recompute_plans_the_milp_and_enumeration_agree(sizes, durations, share):
+    """Recompute alone adds up exactly (no copy lane), so the MILP's plan must be the fastest plan
+    that fits by the full predictor, and where none fits, the least peak any plan reaches."""
+    predictor = Predictor([_blocks_step(sizes, durations[: len(sizes)])])
+    recorded = predictor.predict().peak_bytes
+    budget = int(share * recorded)
+    options, _ = activation_options(predictor, {})
+    modules = sorted({o.module for o in options})
+    priced = [(a, predictor.predict(Plan(activation=a))) for a in _plans(modules, ("recompute",))]
+    fitting = [p.step_ms for _, p in priced if p.peak_bytes <= budget]
+    choice = exact_activation(predictor, {}, budget)
+    assert choice.feasible == bool(fitting)
+    assert set(choice.activation.values()) <= {"recompute"}  # no offload without a copy cost
+    if fitting:
+        assert choice.prediction.peak_bytes <= budget
+        assert choice.prediction.step_ms == pytest.approx(min(fitting))
+    else:
+        assert choice.prediction.peak_bytes == min(p.peak_bytes for _, p in priced)
+    greedy = greedy_activation(predictor, {}, budget)
+    assert greedy.feasible == (greedy.prediction.peak_bytes <= budget)
+    assert greedy.prediction.peak_bytes <= recorded
+    if choice.feasible:
+        assert greedy.prediction.step_ms >= choice.prediction.step_ms - 1e-9  # never faster than exact
+    both = choose_activation(predictor, {}, budget)
+    assert both.feasible == (choice.feasible or greedy.feasible)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=blocks, durations=st.lists(st.integers(5, 80), min_size=3, max_size=3), share=st.floats(0.4, 0.95)
+)
+def test_with_offload_on_the_disk_tier_the_milp_plan_fits_where_it_says_so(sizes, durations, share):
+    predictor = Predictor([_blocks_step(sizes, durations[: len(sizes)], offload=True)])
+    budget = int(share * predictor.predict().peak_bytes)
+    choice = exact_activation(predictor, {}, budget)
+    options, _ = activation_options(predictor, {})
+    assert {o.policy for o in options} == {"recompute", "offload"}
+    modules = sorted({o.module for o in options})
+    peaks = {}
+    for activation in _plans(modules):
+        prediction = predictor.predict(Plan(activation=activation))
+        peaks[frozenset(activation.items())] = prediction
+    least = min(p.peak_bytes for p in peaks.values())
+    fitting = [p.step_ms for p in peaks.values() if p.peak_bytes <= budget]
+    assert choice.prediction == peaks[frozenset(choice.activation.items())]
+    assert choice.prediction.peak_bytes >= least
+    if choice.feasible:
+        assert choice.prediction.peak_bytes <= budget
+        # the MILP prices options alone; the plan it returns may cost more than the best together,
+        # never less
+        assert choice.prediction.step_ms >= min(fitting) - 1e-9
+    else:
+        assert not fitting or choose_activation(predictor, {}, budget).feasible
+
+
+def test_each_options_cost_is_its_plan_alone_against_the_recording():
+    predictor = Predictor([_blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30], offload=True)])
+    base = predictor.estimate({}).step_ms
+    options, refused = activation_options(predictor, {})
+    assert options
+    for option in options:
+        alone = predictor.estimate({}, {option.module: option.policy}).step_ms
+        assert option.cost_us == pytest.approx(max(0.0, (alone - base) * 1e3))
+        assert option.freed_bytes > 0
+    # a block's recompute costs its forward again: two layers and the add
+    recompute = {o.module: o.cost_us for o in options if o.policy == "recompute"}
+    assert recompute["b1"] > recompute["b0"]  # b1's ops take 30 us each, b0's 10
+    assert all(module not in refused for module in recompute)
+
+
+def test_the_greedy_keeps_an_option_only_where_the_peak_went_down():
+    predictor = Predictor([_blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30])])
+    recorded = predictor.predict().peak_bytes
+    choice = greedy_activation(predictor, {}, recorded - 1)
+    taken = dict(choice.activation)
+    assert taken and choice.feasible
+    for module in taken:  # each taken policy lowered the estimate when it joined
+        rest = {m: p for m, p in taken.items() if m != module}
+        assert predictor.estimate({}, taken).peak_bytes < predictor.estimate({}, rest).peak_bytes or rest
+    # a budget the recording meets takes nothing
+    assert greedy_activation(predictor, {}, recorded).activation == {}
+
+
+def test_at_reads_the_change_after_every_event_at_or_before_each_time():
+    change = (np.array([1.0, 3.0, 3.0, 7.0]), np.array([5.0, 2.0, -4.0, 0.0]))
+    times = np.array([0.0, 1.0, 2.0, 3.0, 6.9, 7.0, 100.0])
+    assert _at(change, times).tolist() == [0.0, 5.0, 5.0, -4.0, -4.0, 0.0, 0.0]
+    assert _at(None, times).tolist() == [0.0] * len(times)
+    assert _at((np.array([]), np.array([])), times).tolist() == [0.0] * len(times)
+
+
+def test_chains_allow_one_policy_along_nested_modules():
+    def option(module, policy):
+        return Option(module, policy, 1.0, [], [], 1)
+
+    options = [
+        option("a", "recompute"),
+        option("a", "offload"),
+        option("a.x", "recompute"),
+        option("ab", "offload"),
+    ]
+    rows = _chains(options)
+    names = ["a", "a.x", "ab"]  # one row per module, in order
+    assert rows.shape == (3, 4)
+    assert rows[names.index("a")].tolist() == [1, 1, 0, 0]
+    assert rows[names.index("a.x")].tolist() == [1, 1, 1, 0]  # a.x and what holds it
+    assert rows[names.index("ab")].tolist() == [0, 0, 0, 1]  # "ab" is not inside "a"
+
+
+def _three_blocks(offload=False):
+    return Predictor([_blocks_step([(100, 200, 50), (150, 100, 80), (60, 90, 40)], [10, 30, 20], offload)])
+
+
+def test_a_budget_at_a_plans_own_peak_is_met_by_the_fastest_plan_within_it():
+    predictor = _three_blocks()
+    options, _ = activation_options(predictor, {})
+    modules = sorted({o.module for o in options})
+    priced = [predictor.predict(Plan(activation=a)) for a in _plans(modules, ("recompute",))]
+    for budget in sorted({p.peak_bytes for p in priced}):
+        choice = exact_activation(predictor, {}, budget)
+        assert choice.feasible and choice.prediction.peak_bytes <= budget
+        assert choice.prediction.step_ms == pytest.approx(
+            min(p.step_ms for p in priced if p.peak_bytes <= budget)
+        )
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_budget_nothing_meets_gets_the_least_peak_and_says_how_it_was_chosen(offload):
+    predictor = _three_blocks(offload)
+    options, refused = activation_options(predictor, {})
+    modules = sorted({o.module for o in options})
+    policies = ("recompute", "offload") if offload else ("recompute",)
+    least = min(predictor.predict(Plan(activation=a)).peak_bytes for a in _plans(modules, policies))
+    choice = exact_activation(predictor, {}, 1)
+    assert not choice.feasible and choice.method == "milp"
+    assert choice.prediction.peak_bytes == least  # the linear model is exact on this step
+    assert [(o.module, o.policy) for o in choice.options] == [(o.module, o.policy) for o in options]
+    assert choice.refused == refused and 0 <= choice.solve_s < 60
+    assert choice.prediction == predictor.predict(Plan(activation=choice.activation))
+    greedy = greedy_activation(predictor, {}, 1)
+    assert not greedy.feasible and greedy.method == "greedy" and greedy.prediction.peak_bytes >= least
+    either = choose_activation(predictor, {}, 1)
+    assert either.prediction.peak_bytes == min(choice.prediction.peak_bytes, greedy.prediction.peak_bytes)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=blocks, durations=st.lists(st.integers(5, 80), min_size=3, max_size=3), share=st.floats(0.3, 1.0)
+)
+def test_nested_modules_take_one_policy_and_the_milp_is_still_the_fastest_that_fits(sizes, durations, share):
+    """Blocks inside a group ``g``: ``g`` and each ``g.b<i>`` free memory, and at most one of a
+    nested pair may act (a policy covers what is inside it)."""
+    predictor = Predictor([_blocks_step(sizes, durations[: len(sizes)], prefix="g.")])
+    options, _ = activation_options(predictor, {})
+    modules = sorted({o.module for o in options})
+    assert "g" in modules and "g.b0" in modules
+    budget = int(share * predictor.predict().peak_bytes)
+    priced = [(a, predictor.predict(Plan(activation=a))) for a in _plans(modules, ("recompute",))]
+    fitting = [p.step_ms for _, p in priced if p.peak_bytes <= budget]
+    choice = exact_activation(predictor, {}, budget)
+    assert not nested_pairs(list(choice.activation))
+    assert choice.feasible == bool(fitting)
+    if fitting:
+        assert choice.prediction.step_ms == pytest.approx(min(fitting))
+    else:
+        assert choice.prediction.peak_bytes == min(p.peak_bytes for _, p in priced)
+    greedy = greedy_activation(predictor, {}, budget)
+    assert not nested_pairs(list(greedy.activation))
+
+
+def test_with_nothing_to_free_a_budget_is_met_only_by_the_recording():
+    ops = [
+        op(0, "aten::linear", "forward", "main", 0, 10, layer="head", seq=0),
+        op(1, "LinearBackward", "backward", "main", 20, 10, layer="head", seq=0),
+    ]
+    events = [[1, 0x1, 100 * KIB, 0], [25, 0x1, -100 * KIB, 1]]
+    step = trace(ops, 40, memory_events=events, layers=[{"name": "head", "type": "X"}], activation_costs={})
+    predictor = Predictor([step])
+    peak = predictor.predict().peak_bytes
+    options, refused = activation_options(predictor, {})
+    assert options == [] and set(refused) == {"head"}
+    for plan in (exact_activation, greedy_activation, choose_activation):
+        assert plan(predictor, {}, peak).feasible and plan(predictor, {}, peak).activation == {}
+        below = plan(predictor, {}, peak - 1)
+        assert not below.feasible and below.activation == {} and below.prediction.peak_bytes == peak
+
+
+def _option(module, cost_us):
+    return Option(module, "recompute", cost_us, [], [], 1)
+
+
+def test_solve_takes_each_option_at_most_once_and_one_along_a_chain():
+    # one moment that needs 20 freed: "a" twice would do it for 2 us, but an option is taken once
+    options = [_option("a", 1.0), _option("b", 5.0)]
+    assert _solve(options, np.array([[-10.0, -30.0]]), np.array([-20.0])) == [1]
+    # "m" and "m.x" would do it together for 2 us, but they nest: "z" (10 us) alone
+    options = [_option("m", 1.0), _option("m.x", 1.0), _option("z", 10.0)]
+    assert _solve(options, np.array([[-10.0, -10.0, -20.0]]), np.array([-20.0])) == [2]
+    # without a way to free enough there is no plan
+    assert _solve(options, np.array([[-10.0, -10.0, -5.0]]), np.array([-20.0])) is None
+
+
+def test_solve_breaks_a_tie_towards_fewer_changes_and_needs_no_option_where_there_is_room():
+    options = [_option("a", 0.0), _option("b", 0.0)]  # b frees nothing: taking it changes nothing
+    assert _solve(options, np.array([[-20.0, 0.0]]), np.array([-10.0])) == [0]
+    assert _solve(options, np.zeros((0, 2)), np.zeros(0)) == []
+    # no options: a plan (of nothing) only where every moment has room, none left included
+    assert _solve([], np.zeros((2, 0)), np.array([0.0, 0.5])) == []
+    assert _solve([], np.zeros((2, 0)), np.array([0.0, -0.5])) is None
+
+
+def test_a_single_option_is_the_least_peak_where_no_budget_is_met():
+    predictor = Predictor([_blocks_step([(100, 200, 50)], [10])])
+    options, _ = activation_options(predictor, {})
+    assert [(o.module, o.policy) for o in options] == [("b0", "recompute")]
+    choice = exact_activation(predictor, {}, 1)
+    assert not choice.feasible and choice.activation == {"b0": "recompute"}
+    assert choice.prediction.peak_bytes < predictor.predict().peak_bytes
