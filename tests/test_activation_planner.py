@@ -1,6 +1,9 @@
 """The activation planner against enumeration on hand-written steps of several residual blocks of
 random sizes: the MILP's plan is the fastest that fits, a budget nothing meets gets the least peak,
-the greedy keeps only what lowers the peak; and the planner's small pieces (`_at`, `_chains`)."""
+the greedy keeps only what lowers the peak, in its order of bytes freed per microsecond; plans on
+top of a precision plan (no policy for a lowered layer's module, every plan priced at the precision);
+and the planner's small pieces (`_at`, `_chains`, `_solve`, `_moments`: the moments it leaves out
+never decide whether a plan fits)."""
 
 import itertools
 
@@ -8,12 +11,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_activation_plans import COPY, _step
+from test_precision_plans import _layer, _probe
 
 from qsync_callback.plan import Plan
 from qsync_callback.planner.activation import (
     Option,
     _at,
     _chains,
+    _moments,
     _solve,
     activation_options,
     choose_activation,
@@ -313,3 +319,169 @@ def test_a_single_option_is_the_least_peak_where_no_budget_is_met():
     choice = exact_activation(predictor, {}, 1)
     assert not choice.feasible and choice.activation == {"b0": "recompute"}
     assert choice.prediction.peak_bytes < predictor.predict().peak_bytes
+
+
+def _single_peaks(predictor):
+    """The predicted peak of each option's plan taken alone, by (module, policy)."""
+    options, _ = activation_options(predictor, {})
+    return {
+        (o.module, o.policy): predictor.predict(Plan(activation={o.module: o.policy})).peak_bytes
+        for o in options
+    }
+
+
+@pytest.mark.parametrize(
+    ("sizes", "durations", "first"),
+    [
+        # b0 frees 200 units for 82 us, b1 60 for 12 us: b1 frees more per microsecond
+        ([(100, 100, 50), (30, 30, 20)], [40, 5], "b1"),
+        # 50 units for 12 us against 160 for 42 us: b0 by bytes / (us + 1), b1 by bytes / (us + 2)
+        ([(25, 25, 10), (80, 80, 10)], [5, 20], "b0"),
+        # 50 units for 12 us against 175 for 42 us: b1 by bytes / (us + 1), b0 by bytes / (us - 1)
+        ([(25, 25, 10), (87, 88, 10)], [5, 20], "b1"),
+    ],
+)
+def test_the_greedy_takes_first_the_option_freeing_most_bytes_per_microsecond_of_cost(
+    sizes, durations, first
+):
+    """A budget either block's recompute meets alone: the greedy takes the one first in its order
+    (bytes freed over one microsecond more than the cost, so that a free option still ranks) and
+    stops there."""
+    predictor = Predictor([_blocks_step(sizes, durations)])
+    options, _ = activation_options(predictor, {})
+    ranked = sorted(options, key=lambda o: o.freed_bytes / (o.cost_us + 1.0), reverse=True)
+    assert ranked[0].module == first  # the order the parameters were worked out by
+    budget = max(_single_peaks(predictor).values())
+    assert budget < predictor.predict().peak_bytes
+    choice = greedy_activation(predictor, {}, budget)
+    assert choice.feasible and choice.activation == {first: "recompute"}
+
+
+def test_the_greedy_passes_over_an_option_that_leaves_the_peak_where_it_is():
+    """b0's recompute (first: 400 units for 12 us) makes its tensors again at its backward, and that
+    is the peak after it; b1's recompute lowers the recorded peak alone, not that one: not taken."""
+    predictor = Predictor([_blocks_step([(200, 200, 10), (30, 30, 20)], [5, 5])])
+    recorded = predictor.predict().peak_bytes
+    peaks = _single_peaks(predictor)
+    assert peaks[("b1", "recompute")] < recorded and peaks[("b0", "recompute")] == 400 * KIB
+    choice = greedy_activation(predictor, {}, 1)
+    assert choice.activation == {"b0": "recompute"} and choice.prediction.peak_bytes == 400 * KIB
+    assert predictor.predict(Plan(activation={"b0": "recompute", "b1": "recompute"})).peak_bytes == 400 * KIB
+
+
+def test_the_greedy_passes_over_a_modules_second_policy_and_goes_on_to_the_next_module():
+    """On the disk tier b0's recompute and offload are first and second in the greedy's order: with
+    b0's recompute taken its offload is passed over, and b1 still gets a policy."""
+    predictor = Predictor([_blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30], offload=True)])
+    options, refused = activation_options(predictor, {})
+    ranked = sorted(options, key=lambda o: o.freed_bytes / (o.cost_us + 1.0), reverse=True)
+    assert [(o.module, o.policy) for o in ranked[:2]] == [("b0", "recompute"), ("b0", "offload")]
+    choice = greedy_activation(predictor, {}, 1)
+    assert choice.activation == {"b0": "recompute", "b1": "recompute"} and not choice.feasible
+    assert choice.prediction.peak_bytes < min(_single_peaks(predictor).values())
+    assert choice.refused == refused and choice.method == "greedy"
+    assert [(o.module, o.policy) for o in choice.options] == [(o.module, o.policy) for o in options]
+
+
+def _probed_blocks(lowered):
+    """Two blocks whose ``lowered`` layers have a bf16 probe (faster, with half the saved bytes)."""
+    step = _blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30])
+    probe = _layer({"fp32": _probe(30, 8, 150 * KIB), "bf16": _probe(10, 4, 75 * KIB)})
+    step.precision_costs = {"casts": {}, "layers": dict.fromkeys(lowered, probe)}
+    return Predictor([step])
+
+
+def test_no_policy_for_a_module_with_a_lowered_layer_and_every_plan_priced_at_its_precision():
+    predictor = _probed_blocks(["b1.l1"])
+    modules = {o.module for o in activation_options(predictor, {})[0]}
+    assert modules == {"b0", "b1"}
+    assert {o.module for o in activation_options(predictor, {"b1.l1": "fp32"})[0]} == modules
+    precision = {"b1.l1": "bf16"}
+    assert {o.module for o in activation_options(predictor, precision)[0]} == {"b0"}
+    lowered = predictor.predict(Plan(precision=precision))
+    assert lowered != predictor.predict()  # the precision changes the figures
+    for budget in (lowered.peak_bytes - 1, 1):  # met by the MILP's first plan; nothing meets it
+        for plan in (exact_activation, greedy_activation):
+            choice = plan(predictor, precision, budget)
+            assert choice.activation == {"b0": "recompute"} and choice.feasible == (budget > 1)
+            assert choice.prediction == predictor.predict(
+                Plan(precision=precision, activation=choice.activation)
+            )
+            assert choice.prediction != predictor.predict(Plan(activation=choice.activation))
+
+
+def test_with_every_block_lowered_the_least_peak_is_the_precision_plan_alone():
+    predictor = _probed_blocks(["b0.l1", "b1.l1"])
+    precision = {"b0.l1": "bf16", "b1.l1": "bf16"}
+    assert activation_options(predictor, precision)[0] == []
+    choice = exact_activation(predictor, precision, 1)
+    assert not choice.feasible and choice.activation == {}
+    assert choice.prediction == predictor.predict(Plan(precision=precision)) != predictor.predict()
+
+
+def test_an_offload_whose_copies_have_time_to_move_costs_under_a_microsecond_unrounded():
+    step = _blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30])
+    fast = {"to_store": {"alpha_us": 0.0, "us_per_byte": 0.001 / KIB}}  # pinned, 1 ns per unit
+    step.activation_costs = {"copy": {**COPY, **fast, "from_store": fast["to_store"]}}
+    predictor = Predictor([step])
+    base = predictor.estimate({}).step_ms
+    offloads = [o for o in activation_options(predictor, {})[0] if o.policy == "offload"]
+    assert {o.module for o in offloads} == {"b0", "b1"}
+    for option in offloads:
+        alone = predictor.estimate({}, {option.module: option.policy}).step_ms
+        assert 0 < (alone - base) * 1e3 < 1
+        assert option.cost_us == pytest.approx((alone - base) * 1e3)
+
+
+def test_moments_of_a_step_with_no_recorded_memory_are_none():
+    ops = [
+        op(0, "aten::linear", "forward", "main", 0, 10, layer="head", seq=0),
+        op(1, "LinearBackward", "backward", "main", 20, 10, layer="head", seq=0),
+    ]
+    step = trace(ops, 40, memory_events=[], layers=[{"name": "head", "type": "X"}], activation_costs={})
+    rows, room = _moments(Predictor([step]), {}, [], 100)
+    assert rows.shape == (0, 0) and room.shape == (0,)
+
+
+def _regrown_step():
+    """`test_activation_plans`' block with a forward temporary of 100 units, and 200 more made by the
+    head's backward and freed by the block's last: the recompute, making the block's tensors and
+    its temporary again while those 200 are alive, comes 100 above the recording there."""
+    step = _step(temporary=100)
+    step.memory_events = sorted(
+        [*step.memory_events, [41, 0xF, 200 * KIB, 4], [71, 0xF, -200 * KIB, 7]], key=lambda e: e[0]
+    )
+    return Predictor([step])
+
+
+@pytest.mark.parametrize(
+    ("predictor", "regrows"),
+    [(lambda: _three_blocks(False), False), (lambda: _three_blocks(True), False), (_regrown_step, True)],
+    ids=["recompute", "offload", "regrown"],
+)
+def test_the_moments_left_out_never_decide_whether_a_plan_fits(predictor, regrows):
+    """The rows at every moment (a budget of -1 keeps all) against those kept for a budget: every
+    set of options fits both or neither; and taken alone, an option's row on top of the recording
+    peaks where the predictor prices it alone (joined, an offload frees no more than alone)."""
+    predictor = predictor()
+    options, _ = activation_options(predictor, {})
+    every, room = _moments(predictor, {}, options, -1)
+    base = -1 - room
+    assert (every.max() > 0) == regrows  # an option adds bytes at some moment: only the regrown step
+    alone = _single_peaks(predictor)
+    joined, joined_room = _moments(predictor, {}, options, -1, joined=True)
+    for i, o in enumerate(options):
+        assert (base + every[:, i]).max() == alone[(o.module, o.policy)]
+        assert (-1 - joined_room + joined[:, i]).max() >= alone[(o.module, o.policy)]
+    for budget in np.unique(base)[1:-1]:  # each level of the recording between its least and its peak
+        rows, room = _moments(predictor, {}, options, budget)
+        assert 0 < len(room) < len(every)
+        for x in itertools.product([0, 1], repeat=len(options)):
+            assert (base + every @ x <= budget).all() == (rows @ x <= room).all()
+
+
+def test_solve_parts_only_plans_of_equal_cost_by_their_number_of_changes():
+    # "a" frees the 20 needed for 0.5 us; "b" and "c" 10 each for nothing: two free changes are
+    # cheaper than one of half a microsecond (the tie-break only parts plans of equal cost)
+    options = [_option("a", 0.5), _option("b", 0.0), _option("c", 0.0)]
+    assert _solve(options, np.array([[-20.0, -10.0, -10.0]]), np.array([-20.0])) == [1, 2]
