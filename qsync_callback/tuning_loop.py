@@ -443,7 +443,7 @@ class TuningLoop:
         if step in recorder.meet_after:
             if not self._agree():
                 return
-            recorder.restart_step_clock()
+            self._safe.run(recorder.restart_step_clock)
         if step == recorder.done_step:
             self._window_done()
 

@@ -283,7 +283,8 @@ def test_what_fusion_pricing_needs_is_named_when_missing():
     foreign = [_rank(0), _rank(1)]
     foreign[0].communication = {}
     assert can_price_fusion(foreign) == (
-        "only Horovod's tensor fusion can be priced (the traces record no Horovod settings)"
+        "only Horovod's tensor fusion and DDP's buckets can be priced (the traces record neither "
+        "Horovod's settings nor DDP's buckets)"
     )
     no_timeline = [_rank(1), _rank(1)]
     assert can_price_fusion(no_timeline) == "the traces have no collective records from Horovod's timeline"

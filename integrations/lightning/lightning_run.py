@@ -13,6 +13,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from qsync_callback.appliers.torch_activation import ActivationApplier
+from qsync_callback.appliers.torch_ddp_buckets import DDPBucketApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.tuning_loop import Applier
@@ -75,6 +76,15 @@ class LightningRun:
             # (`predictor.activation.overlaps`)
             "activation": ActivationApplier(pl_module),
         }
+        if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):  # world size > 1
+            self._appliers["buckets"] = DDPBucketApplier(lambda: trainer.strategy.model, self._set_ddp)
+
+    def _set_ddp(self, wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
+        """The strategy runs its next step through ``wrapper``; a static graph's first iteration,
+        which Lightning flushes itself under manual optimization, is the new wrapper's again."""
+        self.trainer.strategy.model = wrapper
+        if hasattr(self.trainer.strategy, "_pl_static_graph_delay_done"):
+            self.trainer.strategy._pl_static_graph_delay_done = False
 
     def fingerprint(self) -> dict[str, Any]:
         self._fingerprint = torch_fingerprint(

@@ -3,10 +3,12 @@ traces carry, under one set of `Constraints`.
 
 Today that is the per-layer precision planner (`precision.py`: traces recorded with per-layer
 probes and layer statistics); under a memory budget with the activation lever allowed on a torch
-run, precision and per-module recompute/offload chosen together (`memory_plan.py`); and for
+run, precision and per-module recompute/offload chosen together (`memory_plan.py`); for
 TensorFlow runs the op-type and gradient-groups planner (`tf_plans.py`: traces with op-type costs or
-Horovod's settings). A new plan kind adds its planner
-here, next to a predictor transform and an applier; never a branch in an integration.
+Horovod's settings); and on a torch run under DDP with the buckets lever allowed, DDP's gradient
+buckets (`ddp_buckets.py`), on top of the precision plan where there is one (activation policies
+and buckets are not priced together yet). A new plan kind adds its planner here, next to a
+predictor transform and an applier; never a branch in an integration.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Constraints
+from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner import PlanChoice
+from qsync_callback.planner.ddp_buckets import choose_buckets, format_bucket_plan
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.predictor.tensor_fusion import DDP, can_price_fusion
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import format_memory_plan, format_precision_plan, median_noise_pct, slowest_rank
 
@@ -42,9 +47,12 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
         )
         choice.plan.constraints = constraints.to_dict()
         table = format_precision_plan(choice, indicator, recorded, traces[0].layers, _noise(traces))
-        return PlanChoice(choice.plan, choice.feasible, table)
+        chosen = PlanChoice(choice.plan, choice.feasible, table)
+        return _with_buckets(traces, constraints, chosen) if _plans_buckets(traces, constraints) else chosen
     if has_tf_candidates(traces):
         return choose_tf_plan(traces, constraints)
+    if _plans_buckets(traces, constraints):
+        return _with_buckets(traces, constraints, None)
     if "precision" in constraints.levers:
         raise QSyncInputError(
             "the trace has no layer statistics and per-layer precision probes to plan from; record it "
@@ -70,6 +78,31 @@ def _plans_memory(traces: Sequence[Trace], constraints: Constraints) -> bool:
         and traces[0].framework == "torch"
         and bool(traces[0].layers)
     )
+
+
+def _plans_buckets(traces: Sequence[Trace], constraints: Constraints) -> bool:
+    """Whether DDP's buckets are to be chosen: the lever allowed, on traces that price them."""
+    return (
+        "buckets" in constraints.levers
+        and bool(traces)
+        and traces[0].communication.get("library") == DDP
+        and can_price_fusion(traces) is None
+    )
+
+
+def _with_buckets(traces: Sequence[Trace], constraints: Constraints, choice: PlanChoice | None) -> PlanChoice:
+    """``choice`` (another lever's plan, or none) with DDP's buckets chosen on top; the bucket
+    table follows the other."""
+    base = choice.plan if choice is not None else Plan.empty(traces[0].fingerprint)
+    buckets = choose_buckets(Predictor(traces), base)
+    plan = buckets.plan or base
+    plan.constraints = constraints.to_dict()
+    if buckets.plan is None and choice is None:
+        plan.prediction = buckets.recorded.prediction.figures()
+    table = format_bucket_plan(buckets)
+    if choice is not None:
+        table = f"{choice.table}\n{table}"
+    return PlanChoice(plan, choice.feasible if choice is not None else True, table)
 
 
 def _noise(traces: Sequence[Trace]) -> float | None:

@@ -9,10 +9,11 @@ A plan is priced as changes to the recorded graph and liveness: per-layer precis
 per-op-type precision (`op_precision.py`, time only: transformed copies of the graphs), and
 per-module activation policies (`activation.py`: recompute and offload, as added op time on the same
 compiled graphs and synthetic tensors). A plan with decisions this version cannot price yet (fused
-regions) is refused with a message naming them, never silently priced as if empty. Horovod's tensor
-fusion (``communication``: fusion threshold and cycle time; ``buckets``: gradient groups) is priced
-by regrouping the recorded all-reduces (`tensor_fusion.py`, time only) on traces with Horovod's
-timeline records; on others it is refused, saying what is missing.
+regions) is refused with a message naming them, never silently priced as if empty. Tensor fusion
+(Horovod's ``communication``: fusion threshold and cycle time, and ``buckets``: gradient groups;
+DDP's ``buckets``) is priced by regrouping the recorded all-reduces (`tensor_fusion.py`, time only)
+on traces with Horovod's timeline records or DDP's buckets; on others it is refused, saying what
+is missing.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from qsync_callback.predictor.precision import (
 )
 from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.predictor.tensor_fusion import (
+    DDP,
+    HOROVOD,
     AllreduceCost,
-    apply_fusion,
     can_price_fusion,
     check_buckets,
     fit_allreduce_cost,
     fusion_correction_us,
+    regroup,
 )
 from qsync_callback.recorder.trace import Trace
 
@@ -237,8 +240,12 @@ class Predictor:
 
     def _fused(self) -> tuple[AllreduceCost, list[float]]:
         if self._fusion is None:
-            cost = fit_allreduce_cost(self._graphs, self.traces[0].world_size)
             settings = self.traces[0].communication
+            library = settings.get("library", HOROVOD)
+            alone = [
+                t.communication["allreduce_us"] for t in self.traces if "allreduce_us" in t.communication
+            ]
+            cost = fit_allreduce_cost(self._graphs, self.traces[0].world_size, library, alone)
             self._fusion = (cost, [fusion_correction_us(g, cost, settings) for g in self._graphs])
         return self._fusion
 
@@ -247,11 +254,10 @@ class Predictor:
     ) -> tuple[list[nx.DiGraph], list[float]]:
         """The graphs regrouped by the plan's fusion settings (the recorded ones where it sets none)
         and buckets, and each recorded step's correction (`tensor_fusion.fusion_correction_us`)."""
-        check_buckets(self._graphs[0], plan.buckets, source)
-        cost, corrections = self._fused()
         settings = {**self.traces[0].communication, **plan.communication}
-        threshold, cycle = int(settings["fusion_threshold_bytes"]), float(settings["cycle_time_ms"])
-        return [apply_fusion(g, cost, threshold, cycle, plan.buckets) for g in graphs], corrections
+        check_buckets(self._graphs[0], plan.buckets, source, complete=settings.get("library") == DDP)
+        cost, corrections = self._fused()
+        return [regroup(g, cost, settings, plan.buckets) for g in graphs], corrections
 
 
 def _closest(step_us: Sequence[float], median_us: float) -> int:

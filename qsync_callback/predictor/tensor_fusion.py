@@ -1,4 +1,5 @@
-"""Price Horovod's tensor fusion: fusion threshold, cycle time and gradient groups, on a step graph.
+"""Price tensor fusion on a step graph: Horovod's fusion threshold, cycle time and gradient groups,
+and DDP's gradient buckets.
 
 The recorded step graph (`graph.py`) has one collective node per Horovod response, made of
 ``parts`` (the collective ops, each with its tensors, the ops on every rank that launched it and
@@ -26,6 +27,23 @@ the coordinator's decision (median over the recorded tensors of the timeline's `
 less its ``NEGOTIATE_ALLREDUCE`` end). Readiness comes from replaying the graph being transformed,
 then once more from the transformed graph's replay. The model's own error on the recorded
 settings is not taken out here (`fusion_correction_us` gives it).
+
+DDP (`recorder/ddp_buckets.py`) has no background loop: its reducer all-reduces bucket k as soon as
+the bucket's last gradient is ready and bucket k-1 was launched, so a DDP grouping is priced with
+``in_order``: each bucket is one response, in bucket order, with no cycle, threshold or delay. A
+gradient is ready when the last backward op of the layer that owns its parameter has ended on
+every rank (its ``AccumulateGrad`` is one of them); a gradient of no recorded layer is ready when
+its recorded bucket was launched. Every bucket is waited for by the recorded waiters after backward
+(DDP's finalize copies the buckets back into the gradients in order before the optimizer runs, and
+which copy goes with which new bucket is not recorded; a recorded waiter inside backward is where
+the training thread stalled beside the all-reduce on a shared core, not a use of its result). The
+buckets' all-reduce cost has no delay. Its ``alpha + beta * b`` is fitted on the all-reduces the
+recorder timed alone at several sizes (``allreduce_us``, averaged over the ranks): the recorded
+buckets are one or two sizes and cannot tell a per-collective cost from a per-byte one (with a single
+size the fit has no ``alpha``, and every split looks free). The recorded buckets (each node's span,
+from the last rank's launch to the first rank's wait) then set ``beta`` where they cost more per
+byte than alone: on a CPU they run beside backward and share its cores. Without a timing alone, the
+recorded buckets are fitted as Horovod's responses are.
 """
 
 from __future__ import annotations
@@ -44,6 +62,7 @@ from qsync_callback.predictor.replay import replay
 from qsync_callback.recorder.trace import Trace
 
 ALL_REDUCE = "all_reduce"
+HOROVOD, DDP = "horovod", "ddp"  # the collective libraries whose fusion is priced
 PASSES = 2  # readiness from the recorded graph, then from the first transformed graph
 
 
@@ -73,6 +92,7 @@ class CollectiveTensor:
     bytes: int
     dtype: str | None
     part: dict  # the recorded part it came from (launch and consumer nodes)
+    launch: tuple[str, ...]  # the nodes whose end makes it ready (its layer's or its part's launch)
 
 
 def fusion_settings(traces: Sequence[Trace]) -> dict[str, Any]:
@@ -82,9 +102,12 @@ def fusion_settings(traces: Sequence[Trace]) -> dict[str, Any]:
 
 def can_price_fusion(traces: Sequence[Trace]) -> str | None:
     """None if the traces have what pricing fusion needs, otherwise why not."""
-    comm = traces[0].communication
-    if comm.get("library") != "horovod":
-        return "only Horovod's tensor fusion can be priced (the traces record no Horovod settings)"
+    library = traces[0].communication.get("library")
+    if library not in (HOROVOD, DDP):
+        return (
+            "only Horovod's tensor fusion and DDP's buckets can be priced (the traces record neither "
+            "Horovod's settings nor DDP's buckets)"
+        )
     if len(traces) < 2:
         return "a single process all-reduces nothing"
     tensors = [
@@ -94,7 +117,9 @@ def can_price_fusion(traces: Sequence[Trace]) -> str | None:
         if op.kind == "comm" and op.collective
         for t in op.collective.get("tensors", [])
     ]
-    if not any(t.get("timeline") for t in tensors):
+    if library == DDP and not tensors:
+        return "no recorded all-reduce carried one of DDP's buckets"
+    if library == HOROVOD and not any(t.get("timeline") for t in tensors):
         return "the traces have no collective records from Horovod's timeline"
     if any(t.get("bytes") is None for t in tensors):
         return "some all-reduced tensors have no known size"
@@ -106,7 +131,8 @@ def collective_names(graph: nx.DiGraph) -> set[str]:
     return {n for t in _tensors(graph) for n in (t.name, t.variable) if n}
 
 
-def _comm_nodes(graph: nx.DiGraph) -> list[str]:
+def all_reduces(graph: nx.DiGraph) -> list[str]:
+    """The step's all-reduce nodes (those that carry tensors)."""
     return [
         n
         for n, a in graph.nodes(data=True)
@@ -116,61 +142,108 @@ def _comm_nodes(graph: nx.DiGraph) -> list[str]:
 
 def _tensors(graph: nx.DiGraph) -> list[CollectiveTensor]:
     out = []
-    for node in _comm_nodes(graph):
+    last_backward = _last_backward(graph)
+    for node in all_reduces(graph):
         for part in graph.nodes[node]["parts"]:
             for t in part["tensors"]:
+                ranks = {graph.nodes[n]["rank"] for n in part["launch"]}
+                own = tuple(
+                    sorted(
+                        last_backward[(t["layer"], r)] for r in ranks if (t.get("layer"), r) in last_backward
+                    )
+                )
+                launch = own if own and len(own) == len(ranks) else tuple(part["launch"])
                 out.append(
                     CollectiveTensor(
-                        t["name"], t.get("variable"), int(t.get("bytes") or 0), t.get("dtype"), part
+                        t["name"], t.get("variable"), int(t.get("bytes") or 0), t.get("dtype"), part, launch
                     )
                 )
     return out
 
 
+def _last_backward(graph: nx.DiGraph) -> dict[tuple[str, int], str]:
+    """The last recorded backward op of each (layer, rank)."""
+    out: dict[tuple[str, int], str] = {}
+    for node, attrs in graph.nodes(data=True):
+        if attrs["kind"] == "backward" and attrs["layer"] is not None:
+            key = (attrs["layer"], attrs["rank"])
+            if key not in out or attrs["recorded_start"] > graph.nodes[out[key]]["recorded_start"]:
+                out[key] = node
+    return out
+
+
 def collective_tensors(graph: nx.DiGraph, ends: Mapping[str, float]) -> list[CollectiveTensor]:
     """The all-reduced tensors of ``graph``, in order of readiness by the replayed ``ends``."""
-    return sorted(_tensors(graph), key=lambda t: max((ends[n] for n in t.part["launch"]), default=0.0))
+    return sorted(_tensors(graph), key=lambda t: max((ends[n] for n in t.launch), default=0.0))
 
 
-def fit_allreduce_cost(graphs: Sequence[nx.DiGraph], world_size: int) -> AllreduceCost:
-    """Fit the response cost on the recorded responses of ``graphs`` (see the module docstring);
-    QSyncInputError if none was recorded with Horovod's timeline."""
+def fit_allreduce_cost(
+    graphs: Sequence[nx.DiGraph],
+    world_size: int,
+    library: str = HOROVOD,
+    alone: Sequence[Mapping[str, Sequence[float]]] = (),
+) -> AllreduceCost:
+    """Fit the response cost on the recorded responses of ``graphs`` (see the module docstring),
+    or, given each rank's all-reduces timed alone (``alone``: DDP's ``allreduce_us``), on those with
+    the recorded ones' per-byte cost where it is higher; QSyncInputError if none was recorded
+    (Horovod: with its timeline)."""
     sizes, durations, delays = [], [], []
     for graph in graphs:
-        for node in _comm_nodes(graph):
+        for node in all_reduces(graph):
             tensors = [t for p in graph.nodes[node]["parts"] for t in p["tensors"]]
             records = [t["timeline"] for t in tensors if t.get("timeline")]
-            if not records or len(records) != len(tensors):
+            if not tensors or (library == HOROVOD and len(records) != len(tensors)):
                 continue
             sizes.append(sum(int(t.get("bytes") or 0) for t in tensors))
             durations.append(graph.nodes[node]["dur"])
             delays.extend(r["op_us"][0] - r["negotiate_us"][1] for r in records if r.get("negotiate_us"))
     if not sizes:
-        raise QSyncInputError("no recorded Horovod response to fit the all-reduce cost on")
+        what = "Horovod response" if library == HOROVOD else "bucket all-reduce"
+        raise QSyncInputError(f"no recorded {what} to fit the all-reduce cost on")
     x, y = np.array(sizes, float), np.array(durations, float)
+    if alone:
+        alpha, beta = _line(np.array(alone[0]["bytes"], float), np.mean([a["us"] for a in alone], axis=0))
+        beside = float(((y - alpha) @ x) / (x @ x)) if x @ x > 0 else 0.0
+        return AllreduceCost(alpha, max(beta, beside), 0.0, world_size, len(sizes))
     if len(set(sizes)) >= 2:
-        beta, alpha = np.polyfit(x, y, 1)
-        if beta < 0:
-            alpha, beta = float(y.mean()), 0.0
-        elif alpha < 0:
-            alpha, beta = 0.0, float((x @ y) / (x @ x))
+        alpha, beta = _line(x, y)
     else:
         alpha, beta = 0.0, float(y.sum() / max(x.sum(), 1.0))
     delay = max(0.0, statistics.median(delays)) if delays else 0.0
     return AllreduceCost(float(alpha), float(beta), delay, world_size, len(sizes))
 
 
-def check_buckets(graph: nx.DiGraph, buckets: Sequence[Sequence[str]], source: str) -> None:
-    """QSyncInputError if a bucket names no all-reduced tensor or variable, or one twice."""
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """``alpha + beta * x`` by least squares, neither below 0."""
+    beta, alpha = np.polyfit(x, y, 1)
+    if beta < 0:
+        return float(y.mean()), 0.0
+    if alpha < 0:
+        return 0.0, float((x @ y) / (x @ x))
+    return float(alpha), float(beta)
+
+
+def check_buckets(
+    graph: nx.DiGraph, buckets: Sequence[Sequence[str]], source: str, complete: bool = False
+) -> None:
+    """QSyncInputError if a bucket names no all-reduced tensor or variable, or one twice; with
+    ``complete`` (DDP's buckets), also if a bucket is empty or a gradient is in none."""
     known = collective_names(graph)
     seen: set[str] = set()
     for bucket in buckets:
+        if complete and not bucket:
+            raise QSyncInputError(f"{source}: an empty bucket")
         for name in bucket:
             if name not in known:
                 raise QSyncInputError(f"{source}: bucket entry {name!r} is not an all-reduced gradient")
             if name in seen:
                 raise QSyncInputError(f"{source}: {name!r} is in more than one bucket")
             seen.add(name)
+    missing = sorted(t.name for t in _tensors(graph) if t.name not in seen) if complete and buckets else []
+    if missing:
+        raise QSyncInputError(
+            f"{source}: DDP all-reduces every gradient in some bucket; in none: {', '.join(missing)}"
+        )
 
 
 def apply_fusion(
@@ -179,12 +252,14 @@ def apply_fusion(
     threshold_bytes: int,
     cycle_ms: float,
     buckets: Sequence[Sequence[str]] = (),
+    in_order: bool = False,
 ) -> nx.DiGraph:
     """A copy of ``graph`` with its all-reduces regrouped into the responses Horovod would form
-    with these settings and buckets (see the module docstring)."""
+    with these settings and buckets, or, ``in_order``, into DDP's buckets, one response each in
+    their order (see the module docstring)."""
     out = graph
     for _ in range(PASSES):
-        out = _regroup(graph, replay(out).end, cost, threshold_bytes, cycle_ms * 1e3, buckets)
+        out = _regroup(graph, replay(out).end, cost, threshold_bytes, cycle_ms * 1e3, buckets, in_order)
     return out
 
 
@@ -211,30 +286,39 @@ def _regroup(
     threshold: int,
     cycle_us: float,
     buckets: Sequence[Sequence[str]],
+    in_order: bool,
 ) -> nx.DiGraph:
     tensors = _tensors(graph)
     if not tensors:
         return graph.copy()
 
     def ready_of(t: CollectiveTensor) -> float:
-        return max((ends[n] for n in t.part["launch"] if n in ends), default=0.0)
+        return max((ends[n] for n in t.launch if n in ends), default=0.0)
 
-    groups = sorted(_groups(tensors, buckets), key=lambda g: max(ready_of(t) for t in g))
-    responses = _simulate(groups, ready_of, cost, threshold, cycle_us)
+    if in_order:
+        responses = [(group, 0.0) for group in _groups(tensors, buckets)]
+        recorded_waiters = {n for t in tensors for n in t.part["consumers"]}
+        every_waiter = {
+            n for n in recorded_waiters if graph.nodes[n]["kind"] != "backward"
+        } or recorded_waiters
+    else:
+        groups = sorted(_groups(tensors, buckets), key=lambda g: max(ready_of(t) for t in g))
+        responses = _simulate(groups, ready_of, cost, threshold, cycle_us)
     out = graph.copy()
-    out.remove_nodes_from(_comm_nodes(graph))
+    out.remove_nodes_from(all_reduces(graph))
     previous = None
     upstream: set[str] = set()  # ops the responses so far wait for, directly or not
     for k, (members, gap) in enumerate(responses):
         node = f"comm/fused{k}"
         nbytes = sum(t.bytes for t in members)
-        launch = sorted({n for t in members for n in t.part["launch"]})
+        launch = sorted({n for t in members for n in t.launch})
         for n in launch:
             if n not in upstream:
                 upstream |= nx.ancestors(out, n) | {n}
         # a recorded waiter that runs before a launch of this (later, larger) response cannot wait for
         # it: the recorded waiter was found by time, for the recorded grouping
-        consumers = sorted({n for t in members for n in t.part["consumers"]} - upstream)
+        waiters = every_waiter if in_order else {n for t in members for n in t.part["consumers"]}
+        consumers = sorted(waiters - upstream)
         part = {
             "key": node,
             "tensors": [
@@ -314,11 +398,19 @@ def _pack(tensors: list[CollectiveTensor], threshold: int) -> list[list[Collecti
     return responses
 
 
+def regroup(
+    graph: nx.DiGraph, cost: AllreduceCost, settings: Mapping[str, Any], buckets: Sequence[Sequence[str]] = ()
+) -> nx.DiGraph:
+    """`apply_fusion` as the recorded library does it: Horovod with ``settings``' fusion threshold
+    and cycle time (a run's recorded ones, with a plan's on top), DDP in bucket order."""
+    if settings.get("library") == DDP:
+        return apply_fusion(graph, cost, 0, 0.0, buckets, in_order=True)
+    threshold, cycle = int(settings["fusion_threshold_bytes"]), float(settings["cycle_time_ms"])
+    return apply_fusion(graph, cost, threshold, cycle, buckets)
+
+
 def fusion_correction_us(graph: nx.DiGraph, cost: AllreduceCost, settings: Mapping[str, Any]) -> float:
     """The recorded graph's replayed step time less the model's for the recorded settings: what
     the model misses on this step (added to a plan's step time, so that plans are priced by the
     difference the model sees)."""
-    modelled = apply_fusion(
-        graph, cost, int(settings["fusion_threshold_bytes"]), float(settings["cycle_time_ms"])
-    )
-    return replay(graph).step_us - replay(modelled).step_us
+    return replay(graph).step_us - replay(regroup(graph, cost, settings)).step_us

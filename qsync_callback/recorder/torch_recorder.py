@@ -28,7 +28,9 @@ first session opens with a ``qsync::clock_sync`` mark and the overhead calibrati
 event).
 
 With several ranks the caller synchronizes them (the recorder makes no collective call of its
-own, so a failure on one rank can never leave another waiting in one): right before the boundary
+own while a rank may have failed, so a failure on one rank can never leave another waiting in one;
+its one collective work, the all-reduce calibration under DDP, waits for the meeting after the
+window closes, `restart_step_clock`): right before the boundary
 at ``warmup_steps - 1``, which opens the first session (so that the clock-sync marks of all ranks
 fall at one moment), and right after each of ``session_end_steps`` (so that the unprofiled step
 that follows starts together on all ranks, then `restart_step_clock`).
@@ -65,6 +67,12 @@ from qsync_callback.lp.modules import LPModule
 from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.copy_costs import copy_costs
+from qsync_callback.recorder.ddp_buckets import (
+    attach_bucket_tensors,
+    ddp_communication,
+    is_ddp,
+    time_allreduces,
+)
 from qsync_callback.recorder.kineto import (
     CALIBRATION_RANGE,
     CLOCK_SYNC,
@@ -229,6 +237,7 @@ class TorchRecorder:
             raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
         self.model = model
         self.ddp_module = ddp_module
+        self._time_allreduces = False  # the all-reduce calibration is due at the next meeting
         self.optimizers = list(optimizers)
         self.trace_dir = Path(trace_dir)
         self.warmup_steps = warmup_steps
@@ -351,8 +360,13 @@ class TorchRecorder:
         return finished
 
     def restart_step_clock(self) -> None:
-        """Leave the time since the last boundary out of the measured steps (the caller did work of
-        its own there, such as waiting for other ranks)."""
+        """Called right after the ranks met: first what needs every rank together (under DDP, once
+        the window has closed, the all-reduce calibration, `ddp_buckets.time_allreduces`), then leave
+        the time since the last boundary out of the measured steps (the caller did work of its own
+        there, such as waiting for other ranks)."""
+        if self._time_allreduces and self.trace is not None:
+            self._time_allreduces = False
+            self.trace.communication["allreduce_us"] = time_allreduces(self.ddp_module)
         self._last_boundary = time.perf_counter()
         self._last_faults = _minor_page_faults()
 
@@ -485,6 +499,11 @@ class TorchRecorder:
             fingerprint=self.fingerprint,
             raw_trace=RAW_TRACE_FILE,
         )
+        if is_ddp(self.ddp_module):
+            layers = [layer["name"] for layer in trace.layers]
+            trace.communication = ddp_communication(self.ddp_module, self.model, layers)
+            attach_bucket_tensors(trace.ops, trace.communication["buckets"])
+            self._time_allreduces = self.world_size > 1  # when the ranks meet next
         if self.device.startswith("cuda"):
             trace.measured["peak_bytes"] = max(self._cuda_peaks.values())
             trace.measured["peak_source"] = (

@@ -42,7 +42,9 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
       "communication": {...},           # the collective library's settings in effect, and where its
                                         # own record is (Horovod: fusion threshold, cycle time,
-                                        # groups, timeline; see `recorder/horovod_timeline.py`)
+                                        # groups, timeline; see `recorder/horovod_timeline.py`;
+                                        # DDP: its buckets and bucket caps, see
+                                        # `recorder/ddp_buckets.py`)
       "fingerprint": {...},
       "raw_trace": "kineto.json"        # the profiler's own trace, beside this file
     }
@@ -126,7 +128,8 @@ class Op:
     ``"tensors"``: [{"name": <Horovod's tensor name, last path component>, "variable": <the variable
     whose gradient it is, or null>, "shape": [...], "dtype": ..., "bytes": ...,
     "timeline": <rank 0 only: `TensorRecord.to_dict()`, the coordinator's phases and response>}].
-    """
+    A DDP bucket's all-reduce lists its gradients the same way, named by parameter, each with the
+    ``"layer"`` that owns it (`recorder/ddp_buckets.py`)."""
 
     id: int
     name: str
@@ -281,6 +284,7 @@ _COLLECTIVE = Fields(
                     "shape": Nullable(ListOf(Nullable(INTEGER))),
                     "dtype": Nullable(STRING),
                     "bytes": Nullable(COUNT),
+                    "layer": Nullable(STRING),
                     "timeline": Nullable(
                         Fields(
                             required={"op_us": _SPAN},
@@ -422,6 +426,10 @@ _TRACE = Fields(
                 "plan_in_effect": BOOLEAN,
                 "timeline": Nullable(STRING),
                 "timeline_note": STRING,
+                "buckets": ListOf(ListOf(Fields(required={"name": STRING, "bytes": COUNT}))),
+                "bucket_cap_mb": Nullable(AMOUNT),
+                "bucket_cap_mb_list": Nullable(ListOf(AMOUNT)),
+                "allreduce_us": Fields(required={"bytes": ListOf(COUNT), "us": ListOf(AMOUNT)}),
             }
         ),
     },

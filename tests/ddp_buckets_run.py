@@ -1,0 +1,90 @@
+"""Run by the tests as its own program: a deep MLP (widths of 1 MiB and more per layer, so that
+DDP's default buckets leave most of the gradients for after backward) trained under DDP on 2 CPU
+processes with ``QSyncCallback(mode=<mode>, levers=("buckets",))``; arguments: the output directory,
+the mode, the number of steps, and optionally a plan file to apply from step 0.
+
+Each rank writes ``rank<k>.json`` with DDP's bucket sizes after the last step (its logging data)
+and the losses. The tests start it with `run_two_ranks`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from qsync_callback import QSyncCallback
+
+WIDTH, DEPTH = 512, 6
+
+
+class DeepMLP(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        blocks = [m for _ in range(DEPTH) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())]
+        self.net = nn.Sequential(*blocks, nn.Linear(WIDTH, 10))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LastBuckets(pl.Callback):
+    """DDP's bucket sizes after each step (Lightning unwraps the model when training ends)."""
+
+    sizes: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sizes = trainer.strategy.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+        self.sizes = [int(s) for s in str(sizes).replace(",", " ").split()]
+
+
+def run_two_ranks(out: Path, mode: str, steps: int, plan: Path | None = None) -> subprocess.CompletedProcess:
+    """This program, run in ``out`` (its output directory too)."""
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(out), mode, str(steps), str(plan or "")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=out,
+    )
+
+
+def main() -> None:
+    out, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    plan = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    pl.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.randn(4096, WIDTH), torch.randint(0, 10, (4096,)))
+    model = DeepMLP()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        callbacks=[
+            QSyncCallback(mode=mode, output_dir=out, levers=("buckets",), plan_cache=False, plan=plan),
+            last := LastBuckets(),
+        ],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    result = {"bucket_sizes": last.sizes, "losses": model.losses}
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
