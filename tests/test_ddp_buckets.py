@@ -24,7 +24,14 @@ from qsync_callback.planner.ddp_buckets import (
     gradient_layers,
 )
 from qsync_callback.predictor.predict import Predictor
-from qsync_callback.predictor.tensor_fusion import AllreduceCost, all_reduces, fit_allreduce_cost
+from qsync_callback.predictor.replay import replay
+from qsync_callback.predictor.tensor_fusion import (
+    AllreduceCost,
+    all_reduces,
+    fit_allreduce_cost,
+    regroup,
+    shared_core_us,
+)
 from qsync_callback.recorder.trace import load_trace_dir
 
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
@@ -139,6 +146,22 @@ def test_the_recorded_buckets_as_a_plan_price_as_the_recorded_run(recorded):
     graph = predictor.graphs[0]
     assert len(all_reduces(graph)) == 2
     assert one.step_ms != predictor.predict().step_ms
+
+
+def test_on_a_cpu_an_all_reduce_beside_backward_is_charged_to_the_step(recorded):
+    predictor = Predictor(recorded)
+    graph, cost, settings = predictor.graphs[0], predictor.fusion_cost(), recorded[0].communication
+    names = [t["name"] for b in settings["buckets"] for t in b]
+    per_layer = regroup(graph, cost, settings, [names[i : i + 2] for i in range(0, len(names), 2)])
+    after_backward = regroup(graph, cost, settings, [names])
+    assert shared_core_us(after_backward) == 0.0  # one bucket, launched by the last backward op
+    assert shared_core_us(per_layer) > 0.0
+    fingerprint = recorded[0].fingerprint
+    with_charge = predictor.predict(
+        Plan(fingerprint=fingerprint, buckets=[names[i : i + 2] for i in range(0, len(names), 2)])
+    )
+    replayed = replay(per_layer).step_us + predictor._fused()[1][0] + shared_core_us(per_layer)
+    assert with_charge.replayed_step_ms[0] == pytest.approx(replayed / 1e3)
 
 
 def test_a_bucket_plan_must_name_every_gradient_once(recorded):

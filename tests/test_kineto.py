@@ -51,6 +51,34 @@ def test_collective_depends_on_the_op_that_launched_it_and_is_waited_for():
     ]
 
 
+def test_two_buckets_started_out_of_order_on_gloos_two_threads_keep_their_own_launchers():
+    """Gloo runs collectives on two threads: the second bucket may start first. Each keeps the op
+    that launched it (matched by element count)."""
+    first, second = {"Input Dims": [[1000]]}, {"Input Dims": [[3000]]}
+    raw = {
+        "traceEvents": [
+            _x("qsync::step#3", 0, 300, cat="user_annotation"),
+            _x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 10, 10),
+            _x("c10d::allreduce_", 12, 4, **{"Input Dims": [[[1000]], []]}),
+            _x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 30, 10),
+            _x("c10d::allreduce_", 32, 4, **{"Input Dims": [[[3000]], []]}),
+            _x("gloo:all_reduce", 40, 100, tid=GLOO + 1, cat="user_annotation", **second),
+            _x("gloo:all_reduce", 60, 90, tid=GLOO, cat="user_annotation", **first),
+            _x("torch.distributed.ddp.reducer::copy_bucket_to_grad", 160, 5),
+            _x("aten::copy_", 161, 3, **first),
+            _x("torch.distributed.ddp.reducer::copy_bucket_to_grad", 170, 5),
+            _x("aten::copy_", 171, 3, **second),
+            _x("aten::add_", 200, 20),
+        ]
+    }
+    ops = convert_kineto(raw)["ops"]
+    launchers = [op for op in ops if "AccumulateGrad" in op.name]
+    comms = {op.collective["numel"]: op for op in ops if op.kind == "comm"}
+    assert comms[1000].deps == [launchers[0].id] and comms[3000].deps == [launchers[1].id]
+    copies = [op for op in ops if "copy_bucket_to_grad" in op.name]
+    assert comms[1000].id in copies[0].deps  # the first bucket's copy back waits for it
+
+
 def _i(ts, tid=MAIN, nbytes=64):
     args = {"Bytes": nbytes, "Addr": 1, "Device Type": 0, "Total Allocated": 64}
     return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "tid": tid, "ts": ts, "args": args}

@@ -168,14 +168,22 @@ def build_global_graph(traces: Sequence[Trace], step_position: int) -> nx.DiGrap
 
 
 def _join_ranks(graph: nx.DiGraph, per_rank_comms: list[list[str]]) -> list[list[str]]:
-    """Each collective's node on every rank: by name where every rank has the same unique names,
-    otherwise the k-th of each rank (by start time)."""
-    keys = [[tensor_key(graph.nodes[n]["name"]) for n in comms] for comms in per_rank_comms]
-    if all(len(set(k)) == len(k) and set(k) == set(keys[0]) for k in keys):
+    """Each collective's node on every rank: by name (and first tensor, where the op names its
+    tensors: DDP's buckets) where every rank has the same names, the j-th of a repeated name with
+    the j-th (by start time); otherwise the k-th of each rank (by start time). Gloo runs collectives
+    on two threads, so the k-th to start need not be the same collective on every rank."""
+    keys = [[_join_key(graph.nodes[n]) for n in comms] for comms in per_rank_comms]
+    keys = [[(key, k[:i].count(key)) for i, key in enumerate(k)] for k in keys]  # the j-th of each name
+    if all(set(k) == set(keys[0]) and len(k) == len(keys[0]) for k in keys):
         by_key = [dict(zip(k, comms, strict=True)) for k, comms in zip(keys, per_rank_comms, strict=True)]
         return [[nodes[key] for nodes in by_key] for key in keys[0]]
     count = min(len(c) for c in per_rank_comms)
     return [[comms[k] for comms in per_rank_comms] for k in range(count)]
+
+
+def _join_key(attrs: dict) -> tuple[str, str | None]:
+    tensors = _tensors(attrs)
+    return tensor_key(attrs["name"]), tensors[0]["name"] if tensors else None
 
 
 def _by_response(

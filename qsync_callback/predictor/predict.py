@@ -47,6 +47,7 @@ from qsync_callback.predictor.tensor_fusion import (
     fit_allreduce_cost,
     fusion_correction_us,
     regroup,
+    shared_core_us,
 )
 from qsync_callback.recorder.trace import Trace
 
@@ -246,8 +247,14 @@ class Predictor:
                 t.communication["allreduce_us"] for t in self.traces if "allreduce_us" in t.communication
             ]
             cost = fit_allreduce_cost(self._graphs, self.traces[0].world_size, library, alone)
-            self._fusion = (cost, [fusion_correction_us(g, cost, settings) for g in self._graphs])
+            shared = self._shared_cores
+            self._fusion = (cost, [fusion_correction_us(g, cost, settings, shared) for g in self._graphs])
         return self._fusion
+
+    @property
+    def _shared_cores(self) -> bool:
+        """Whether the all-reduces take the cores backward runs on (DDP on a CPU: `shared_core_us`)."""
+        return self.traces[0].communication.get("library") == DDP and self.traces[0].device == "cpu"
 
     def _apply_fusion(
         self, graphs: Sequence[nx.DiGraph], plan: Plan, source: str
@@ -257,7 +264,10 @@ class Predictor:
         settings = {**self.traces[0].communication, **plan.communication}
         check_buckets(self._graphs[0], plan.buckets, source, complete=settings.get("library") == DDP)
         cost, corrections = self._fused()
-        return [regroup(g, cost, settings, plan.buckets) for g in graphs], corrections
+        regrouped = [regroup(g, cost, settings, plan.buckets) for g in graphs]
+        if self._shared_cores:
+            corrections = [c + shared_core_us(g) for c, g in zip(corrections, regrouped, strict=True)]
+        return regrouped, corrections
 
 
 def _closest(step_us: Sequence[float], median_us: float) -> int:

@@ -44,6 +44,11 @@ size the fit has no ``alpha``, and every split looks free). The recorded buckets
 from the last rank's launch to the first rank's wait) then set ``beta`` where they cost more per
 byte than alone: on a CPU they run beside backward and share its cores. Without a timing alone, the
 recorded buckets are fitted as Horovod's responses are.
+
+On a CPU the all-reduces do not overlap backward for free: gloo reduces on the cores that run
+backward, so the part of each all-reduce that the replay runs beside backward ops is added to the
+step (`shared_core_us`), in a plan's figure and in the correction alike. A GPU's collectives run
+beside its kernels and are not charged.
 """
 
 from __future__ import annotations
@@ -409,8 +414,24 @@ def regroup(
     return apply_fusion(graph, cost, threshold, cycle, buckets)
 
 
-def fusion_correction_us(graph: nx.DiGraph, cost: AllreduceCost, settings: Mapping[str, Any]) -> float:
+def shared_core_us(graph: nx.DiGraph) -> float:
+    """How long the replayed step's all-reduces run beside its backward ops (between each one's
+    start and the end of the last backward op): on a CPU, compute time they take from backward."""
+    timing = replay(graph)
+    backward = [timing.end[n] for n, kind in graph.nodes(data="kind") if kind == "backward"]
+    if not backward:
+        return 0.0
+    last = max(backward)
+    return sum(max(0.0, min(timing.end[n], last) - timing.start[n]) for n in all_reduces(graph))
+
+
+def fusion_correction_us(
+    graph: nx.DiGraph, cost: AllreduceCost, settings: Mapping[str, Any], shared_cores: bool = False
+) -> float:
     """The recorded graph's replayed step time less the model's for the recorded settings: what
     the model misses on this step (added to a plan's step time, so that plans are priced by the
-    difference the model sees)."""
-    return replay(graph).step_us - replay(regroup(graph, cost, settings)).step_us
+    difference the model sees); ``shared_cores``: the model's step includes `shared_core_us`."""
+    modelled = regroup(graph, cost, settings)
+    return (
+        replay(graph).step_us - replay(modelled).step_us - (shared_core_us(modelled) if shared_cores else 0.0)
+    )

@@ -353,14 +353,37 @@ def _numel_of_first_input(node: _Event, main_events: list[_Event], main_starts: 
     return 0
 
 
+def _c10d_numel(event: _Event) -> int | None:
+    """Element count of a ``c10d::`` launch's tensors (its first input, a list of tensors)."""
+    dims = event.args.get("Input Dims") or []
+    if dims and isinstance(dims[0], list) and dims[0] and all(isinstance(d, list) for d in dims[0]):
+        return sum(math.prod(d) for d in dims[0])
+    return None
+
+
+def _match_launches(comms: list[Op], launches: list[tuple[float, int | None]]) -> list[float]:
+    """Each collective's launch time: the first launch not yet taken with its element count, else
+    the first not yet taken (a backend with several threads may start a later launch first)."""
+    free = list(range(len(launches)))
+    out = []
+    for comm in comms:
+        numel = (comm.collective or {}).get("numel")
+        pick = next((i for i in free if launches[i][1] == numel), free[0])
+        free.remove(pick)
+        out.append(launches[pick][0])
+    return out
+
+
 def _link_collectives(
     ops: list[Op], node_events: dict[Any, list[_Event]], main_tid: Any, main_events: list[_Event]
 ) -> None:
     """Collective <- the main-thread op that launched it; waiting op <- collective.
 
-    The launching op is the one around the k-th ``c10d::`` launch event of the step (the k-th
-    collective to start); the backend's thread may start the collective while the training thread
-    is already in a later op, so the op running at the collective's start is not the launcher.
+    The launching op is the one around the collective's ``c10d::`` launch event: the first launch of
+    the step with its element count not taken by a collective that started before it (gloo runs
+    collectives on two threads, so a later launch may start first); the backend's thread may start
+    the collective while the training thread is already in a later op, so the op running at the
+    collective's start is not the launcher. The collectives are then taken in launch order.
     The main thread must have the collective's result by the time it runs the first op that uses
     it: for DDP's k-th bucket, the first of the k-th group of ``copy_bucket_to_grad`` ops (groups
     matched to buckets by element count); elsewhere the first op that starts after the collective
@@ -371,7 +394,7 @@ def _link_collectives(
     """
     main_nodes = node_events.get(main_tid, [])
     main_starts = [e.ts for e in main_events]
-    launch_ts = [e.ts for e in main_events if e.name.startswith(C10D_PREFIX) and "barrier" not in e.name]
+    launch_events = [e for e in main_events if e.name.startswith(C10D_PREFIX) and "barrier" not in e.name]
     comm_by_step: dict[int, list[Op]] = defaultdict(list)
     for op in ops:
         if op.kind == "comm":
@@ -382,10 +405,17 @@ def _link_collectives(
         starts = [e.ts for e in step_nodes]
         copies = [p for p, e in enumerate(step_nodes) if DDP_COPY_BACK in e.name]
         copy_numel = [_numel_of_first_input(step_nodes[p], main_events, main_starts) for p in copies]
-        launches = [ts for ts in launch_ts if step_nodes and starts[0] <= ts <= step_nodes[-1].end]
+        launches = [
+            (e.ts, _c10d_numel(e))
+            for e in launch_events
+            if step_nodes and starts[0] <= e.ts <= step_nodes[-1].end
+        ]
+        if len(launches) == len(comms):
+            launched = _match_launches(comms, launches)
+        else:
+            launched = [comm.start_us for comm in comms]
         next_copy = 0
-        for k, comm in enumerate(comms):
-            launched_at = launches[k] if len(launches) == len(comms) else comm.start_us
+        for comm, launched_at in sorted(zip(comms, launched, strict=True), key=lambda pair: pair[1]):
             launch = bisect.bisect_right(starts, launched_at) - 1
             if launch >= 0:
                 comm.deps.append(step_nodes[launch].node_id)
