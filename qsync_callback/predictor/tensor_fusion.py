@@ -263,7 +263,9 @@ def apply_fusion(
     with these settings and buckets, or, ``in_order``, into DDP's buckets, one response each in
     their order (see the module docstring)."""
     out = graph
-    for _ in range(PASSES):
+    # DDP's buckets are waited for after backward, so regrouping them moves no backward op: the
+    # recorded graph's readiness is the transformed graph's, and one pass is enough
+    for _ in range(1 if in_order else PASSES):
         out = _regroup(graph, replay(out).end, cost, threshold_bytes, cycle_ms * 1e3, buckets, in_order)
     return out
 
@@ -317,9 +319,7 @@ def _regroup(
         node = f"comm/fused{k}"
         nbytes = sum(t.bytes for t in members)
         launch = sorted({n for t in members for n in t.launch})
-        for n in launch:
-            if n not in upstream:
-                upstream |= nx.ancestors(out, n) | {n}
+        _add_ancestors(out, launch, upstream)
         # a recorded waiter that runs before a launch of this (later, larger) response cannot wait for
         # it: the recorded waiter was found by time, for the recorded grouping
         waiters = every_waiter if in_order else {n for t in members for n in t.part["consumers"]}
@@ -354,6 +354,19 @@ def _regroup(
             out.add_edge(previous, node, kind="order")
         previous = node
     return out
+
+
+def _add_ancestors(graph: nx.DiGraph, nodes: Sequence[str], seen: set[str]) -> None:
+    """Add ``nodes`` and their ancestors to ``seen``, which holds the ancestors of each of its
+    nodes already: a walk stops at a node seen, so that all the responses' walks together visit
+    each node once."""
+    stack = [n for n in nodes if n not in seen]
+    seen.update(stack)
+    while stack:
+        for p in graph.predecessors(stack.pop()):
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
 
 
 def _simulate(
