@@ -177,6 +177,34 @@ def test_the_fit_falls_back_on_what_the_responses_allow():
         fit_allreduce_cost([bare], 2)
 
 
+def test_ddps_fit_takes_alpha_from_the_timings_alone_and_the_higher_beta():
+    """DDP's buckets have no timeline: every recorded bucket counts; with all-reduces timed alone,
+    alpha and beta are theirs (the ranks averaged), beta raised to the recorded buckets' where
+    those cost more per byte beside backward."""
+    recorded = _responses((1000, 160.0, None), (3000, 360.0, None))
+    for node in recorded.nodes:
+        recorded.nodes[node]["parts"][0]["tensors"][0]["timeline"] = None
+    plain = fit_allreduce_cost([recorded], 2, "ddp")
+    assert (plain.alpha_us, plain.beta_us_per_byte, plain.delay_us, plain.responses) == pytest.approx(
+        (60.0, 0.1, 0.0, 2)
+    )
+    ranks = [{"bytes": [0, 1000], "us": [50.0, 60.0]}, {"bytes": [0, 1000], "us": [70.0, 80.0]}]
+    beside = fit_allreduce_cost([recorded], 2, "ddp", ranks)
+    # alpha 60 (the ranks' mean line: 60 + 0.01 b); the recorded cost (y - 60) . x / x . x = 0.1 per byte
+    assert (beside.alpha_us, beside.beta_us_per_byte, beside.delay_us, beside.responses) == pytest.approx(
+        (60.0, 0.1, 0.0, 2)
+    )
+    alone = fit_allreduce_cost([recorded], 2, "ddp", [{"bytes": [0, 1000], "us": [10.0, 1010.0]}])
+    assert (alone.alpha_us, alone.beta_us_per_byte) == pytest.approx((10.0, 1.0))  # alone costs more
+    falling = fit_allreduce_cost([recorded], 2, "ddp", [{"bytes": [0, 1000], "us": [90.0, 50.0]}])
+    assert falling.alpha_us == pytest.approx(70.0)  # no slope alone: their mean, beta the recorded
+    assert falling.beta_us_per_byte == pytest.approx((90 * 1000 + 290 * 3000) / (1000**2 + 3000**2))
+    with pytest.raises(
+        QSyncInputError, match="^no recorded bucket all-reduce to fit the all-reduce cost on$"
+    ):
+        fit_allreduce_cost([_responses()], 2, "ddp")
+
+
 def test_a_regrouped_response_is_a_whole_comm_node_of_its_tensors(predictor):
     graph = build_global_graph([_rank(0), _rank(1)], 0)
     cost = predictor.fusion_cost()

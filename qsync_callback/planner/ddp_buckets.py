@@ -143,7 +143,7 @@ def choose_buckets(predictor: Predictor, base: Plan | None = None) -> BucketChoi
     layers = gradient_layers(predictor)
     cost = predictor.fusion_cost()
     settings = predictor.traces[0].communication
-    sizes = {n: t["bytes"] for bucket in settings["buckets"] for t in bucket for n in [t["name"]]}
+    sizes = {t["name"]: t["bytes"] for bucket in settings["buckets"] for t in bucket}
 
     def priced(name: str, buckets: list[list[str]]) -> BucketCandidate:
         plan = Plan.from_dict({**base.to_dict(), "buckets": buckets})
