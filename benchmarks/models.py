@@ -358,12 +358,14 @@ def timed_fit(
     callbacks: Sequence[pl.Callback] = (),
     procs: int = 1,
     batches: int | None = None,
+    prepare: Callable[[pl.LightningModule], pl.LightningModule] | None = None,
 ) -> tuple[pl.Trainer, StepTimer, pl.LightningModule, DataLoader]:
     """Fit ``spec``'s model for ``max_steps`` on CPU (DDP over gloo when ``procs`` > 1) with
     ``callbacks`` and a `StepTimer` after them: work a callback does at the start of step b is then
     timed in step b - 1. No logger, progress bar or checkpoints. ``batches``: a data set of that
     many batches, gone through for as many epochs as the steps need (default: one batch per step,
-    all of them in memory for the whole run)."""
+    all of them in memory for the whole run). ``prepare``: what the model is given to fit as, from the
+    model built (a compiled module, say)."""
     pl.seed_everything(SEED, verbose=False)
     timer = StepTimer()
     trainer = pl.Trainer(
@@ -378,7 +380,7 @@ def timed_fit(
         logger=False,
     )
     module, loader = spec.build(), spec.dataloader(batches or max_steps * procs)
-    trainer.fit(module, loader)
+    trainer.fit(prepare(module) if prepare is not None else module, loader)
     return trainer, timer, module, loader
 
 

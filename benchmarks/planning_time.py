@@ -9,7 +9,9 @@ predictor (graphs and tensor lifetimes of the recorded steps), the indicator, an
 allocation for speed (the default target) and for a memory budget halfway between the recorded
 peak and the least any plan reaches; then, for the same budget, the activation planner (issue 13:
 recompute and offload per module, every layer and block a candidate) by its MILP and by its greedy,
-with the gap between their predicted step times, and all levers together (`plan_memory`). Issue 3's
+with the gap between their predicted step times, and all levers together (`plan_memory`); and
+the compiled-regions planner (issue 14) for a run of `REGIONS_RUN_STEPS` steps, every module a
+candidate, at the cost model's uncalibrated constants (nothing is compiled during this short run). Issue 3's
 and issue 13's target: planning, after the probes, under 2 s for 200 layers.
 
 ``--quick``: a smoke pass on 20 layers. Writes ``<out>/planning_time.md`` and ``.json``.
@@ -32,8 +34,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback.integrations.lightning import QSyncCallback
-from qsync_callback.plan import Constraints
+from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import exact_activation, greedy_activation
+from qsync_callback.planner.compiled_regions import choose_regions
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import allocate_precision, least_memory_plan
 from qsync_callback.predictor.indicator import sensitivity
@@ -46,6 +49,7 @@ STEPS = 40
 TARGET_S = 2.0
 ACTIVATION_BUDGET = 0.85  # the activation planner's budget, a share of the recorded peak
 TARGET_LAYERS = 200
+REGIONS_RUN_STEPS = 20_000
 QUICK_LAYERS = 20
 
 
@@ -122,7 +126,15 @@ def time_planning(trace_dir: Path) -> dict[str, Any]:
         traces, Constraints(memory_budget=budget, precisions=tuple(PRECISIONS), best_effort=True)
     )
     together_done = time.perf_counter()
+    # compiled regions for a long run (the recording was too short for any compile to pay back)
+    traces[0].compiled_regions = {**traces[0].compiled_regions, "steps_left": REGIONS_RUN_STEPS}
+    regions = choose_regions(predictor, Plan.empty(traces[0].fingerprint))
+    regions_done = time.perf_counter()
     return {
+        "regions_s": regions_done - together_done,
+        "regions_candidates": regions.search.get("candidates"),
+        "regions_method": regions.search.get("method"),
+        "regions_chosen": len(regions.chosen) if regions.plan is not None else 0,
         "activation_budget_bytes": budget,
         "activation_options": len(exact.options),
         "activation_milp_s": exact_done - memory_done,
@@ -176,6 +188,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['activation_greedy_ms_step']:.2f} ms, fits: {result['activation_greedy_feasible']}) |",
         f"| all levers together (`plan_memory`) | {result['memory_plan_all_levers_s']:.2f} s "
         f"(fits: {result['memory_plan_all_levers_feasible']}) |",
+        f"| compiled regions for a {REGIONS_RUN_STEPS}-step run ({result['regions_candidates']} candidates, "
+        f"{result['regions_method']}, {result['regions_chosen']} chosen) | {result['regions_s']:.2f} s |",
         "",
         f"Planning for speed (predictor built, indicator, greedy): "
         f"{result['predictor_s'] + planning:.2f} s; target {TARGET_S:.0f} s for {TARGET_LAYERS} layers"

@@ -1,4 +1,5 @@
-"""A torch model's layers: what a plan can address (`layers_of`), under which names a module is
+"""A torch model's layers: what a plan can address (`layers_of`, and the blocks holding them,
+`blocks_of`), under which names a module is
 registered (`registrations`), which layer's output feeds which inside an ``nn.Sequential``
 (`sequential_next`), and the table the trace keeps of them (`layer_table`).
 
@@ -26,6 +27,13 @@ def layers_of(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
         if not has_children or owns_params:
             found[name] = module
     return found
+
+
+def blocks_of(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The submodules that are not layers (`layers_of`): the blocks that hold them, at any depth
+    below the root (a transformer block, its attention, an ``nn.Sequential``)."""
+    layers = layers_of(model)
+    return {name: module for name, module in model.named_modules() if name and name not in layers}
 
 
 def registrations(model: nn.Module, target: nn.Module) -> list[tuple[nn.Module, str]]:

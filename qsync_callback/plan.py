@@ -383,9 +383,10 @@ class Plan:
             self.validate_for(layers, source=source)
 
     def validate_for(self, layers: Iterable[str], source: str = "<plan>") -> None:
-        """Raise QSyncInputError if precision or fused_regions name layers not in `layers`, or
-        activation a module that holds none of them (a layer, or a dotted prefix of layers' names:
-        the block ``net.3`` of ``net.3.conv1``).
+        """Raise QSyncInputError if precision names layers not in `layers`, or activation or
+        fused_regions a module that holds none of them (a layer, or a dotted prefix of layers' names:
+        the block ``net.3`` of ``net.3.conv1``; a torch region names one such module, a TF region
+        every layer).
 
         Buckets are not checked: they may name parameters rather than layers.
         """
@@ -396,7 +397,7 @@ class Plan:
         names = [
             *self.precision,
             *(name for name in self.activation if name not in modules),
-            *(name for region in self.fused_regions for name in region),
+            *(name for region in self.fused_regions for name in region if name not in modules),
         ]
         for name in names:
             if name not in known and name not in seen:

@@ -132,6 +132,60 @@ def test_ranks_naming_a_collective_differently_are_joined_by_position_and_named_
     assert comms["comm/0"]["parts"][0]["launch"] == ["r0/0", "r1/0"]
 
 
+GLOO = "gloo:all_reduce"
+
+
+def _bucket_rank(rank: int, launches: dict[str, tuple[float, float]]):
+    """DDP's buckets as gloo records them: every all-reduce named "gloo:all_reduce", each naming its
+    gradients (bucket -> (start, end) as this rank saw it, in this rank's order of launch: op i
+    launches all-reduce 10 + i); the update at 200-210 waits for all of them."""
+    gradients = {"b0": ["fc2.weight", "fc2.bias"], "b1": ["fc1.weight", "fc1.bias"]}
+    ops, waits = [], []
+    for i, (bucket, (start, end)) in enumerate(launches.items()):
+        tensors = [{"name": n, "variable": n, "bytes": 40, "dtype": "float32"} for n in gradients[bucket]]
+        collective = {"op": "all_reduce", "numel": 20, "bytes": 80, "tensors": tensors}
+        ops.append(op(i, f"grad_{bucket}", "backward", "main", 5 * i, 5))
+        ops.append(op(10 + i, GLOO, "comm", f"comm:{i}", start, end - start, deps=[i], collective=collective))
+        waits.append(10 + i)
+    ops.append(op(20, "update", "update", "main", 200, 10, deps=waits))
+    return trace(ops, step_end=210, rank=rank, world_size=2)
+
+
+def test_collectives_of_one_name_are_joined_by_their_first_tensor():
+    """Rank 0 starts bucket 0 (10-80) then bucket 1 (20-150); rank 1, on gloo's two threads, bucket 1
+    (30-150) then bucket 0 (50-80). Joined by name and first tensor, not by position: bucket 0 spans
+    50-80, launched by rank 0's op 0 and rank 1's op 1."""
+    traces = [
+        _bucket_rank(0, {"b0": (10, 80), "b1": (20, 150)}),
+        _bucket_rank(1, {"b1": (30, 150), "b0": (50, 80)}),
+    ]
+    comms = _comms(build_global_graph(traces, 0))
+    joined = {
+        n: (
+            [t["name"] for t in a["collective"]["tensors"]],
+            a["parts"][0]["launch"],
+            a["recorded_start"],
+            a["dur"],
+        )
+        for n, a in comms.items()
+    }
+    assert joined == {
+        "comm/0": (["fc2.weight", "fc2.bias"], ["r0/0", "r1/1"], 50, 30),
+        "comm/1": (["fc1.weight", "fc1.bias"], ["r0/1", "r1/0"], 30, 120),
+    }
+
+
+def test_ranks_with_as_many_collectives_named_differently_are_joined_by_position():
+    r0 = _named_rank(0, {"x": (10, 50), "y": (30, 60)}, names={"x": "rank0/all_reduce"})
+    r1 = _named_rank(1, {"x": (20, 40), "z": (35, 70)}, names={"x": "rank1/allreduce"})
+    comms = _comms(build_global_graph([r0, r1], 0))
+    assert {n: a["parts"][0]["launch"] for n, a in comms.items()} == {
+        "comm/0": ["r0/0", "r1/0"],
+        "comm/1": ["r0/1", "r1/1"],
+    }
+    assert [p["key"] for p in comms["comm/1"]["parts"]] == ["y"]  # named after rank 0's
+
+
 def test_the_main_queue_hangs_off_the_step_start_even_when_its_first_op_waits_for_another_thread():
     """TF's executor thread runs op 0 (0-10); the main thread's first op (10-30) waits for it. Both
     queues start at the step start."""
@@ -160,12 +214,14 @@ def test_a_single_rank_graph_keeps_its_recorded_times():
 
 
 def _attrs_rank(rank: int, tensor_bytes: int | None = 1000):
-    """main: backward 0-100 (layer fc, 64 bytes) launches the all-reduce (comm:1, 100-250), the
-    update 260-300 waits for it; TF's executor thread tid:3 runs two ops (0-20, 20-50) that wait for
-    nothing. The op's collective says 999 bytes, its one tensor ``tensor_bytes``."""
+    """main: backward 0-100 (layer fc, module fc.act, 64 bytes, one 8x16 float input) launches the
+    all-reduce (comm:1, 100-250), the update 260-300 waits for it; TF's executor thread tid:3 runs
+    two ops (0-20, 20-50) that wait for nothing. The op's collective says 999 bytes, its one tensor
+    ``tensor_bytes``."""
     tensor = {"name": "a", "variable": "w/a:0", "shape": [250], "dtype": "float32", "bytes": tensor_bytes}
+    shapes = {"input_shapes": [[8, 16]], "input_dtypes": ["float"]}
     ops = [
-        op(0, "grad", "backward", "main", 0, 100, layer="fc", bytes=64),
+        op(0, "grad", "backward", "main", 0, 100, layer="fc", bytes=64, module="fc.act", **shapes),
         op(
             1,
             "Allreduce/a",
@@ -213,6 +269,9 @@ def test_the_global_graphs_attributes_and_edge_kinds():
         "gap": 0.0,
         "rank": 1,
         "layer": "fc",
+        "module": "fc.act",
+        "shapes": [[8, 16]],
+        "dtypes": ["float"],
         "bytes": 64,
         "collective": None,
         "op_id": 0,
@@ -228,6 +287,9 @@ def test_the_global_graphs_attributes_and_edge_kinds():
         "gap": 0.0,
         "rank": None,
         "layer": None,
+        "module": None,
+        "shapes": [],
+        "dtypes": [],
         "bytes": 0,
         "collective": {"op": "all_reduce", "bytes": 1000, "tensors": [tensor]},
         "op_id": 1,

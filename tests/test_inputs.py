@@ -89,7 +89,7 @@ def test_plan_for_other_layers_is_refused(trace_dir, tmp_path, capsys):
 
 def test_plan_decisions_not_priced_yet_are_refused_not_ignored(trace_dir):
     traces = load_trace_dir(trace_dir)
-    with pytest.raises(QSyncInputError, match="fused_regions decisions cannot be priced yet"):
+    with pytest.raises(QSyncInputError, match="names no op's module .* record it again"):
         predict(traces, Plan(fused_regions=[["fc"]]))
     with pytest.raises(QSyncInputError, match="offload cannot be priced: .* no fitted copy cost"):
         predict(traces, Plan(activation={"fc": "offload"}))

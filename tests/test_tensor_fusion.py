@@ -1,7 +1,11 @@
-"""Pricing Horovod's tensor fusion: hand-written two-rank traces whose answers are worked out by hand
-(fused against separate, the threshold splitting, the cycle time delaying, a gradient group), the
-recorded graph's responses, refusals. A real two-process run that records Horovod's timeline and
-plans from it is in ``test_horovod_timeline.py``."""
+"""Pricing Horovod's tensor fusion and DDP's buckets: hand-written two-rank traces whose answers are
+worked out by hand (fused against separate, the threshold splitting, the cycle time delaying, a
+gradient group; DDP's buckets in bucket order, their waiters after backward, the all-reduce time
+beside backward charged on a CPU), the recorded graph's responses, refusals. Real two-process runs
+are in ``test_horovod_timeline.py`` (Horovod's timeline) and ``test_ddp_buckets.py`` (DDP)."""
+
+import re
+import warnings
 
 import networkx as nx
 import pytest
@@ -11,11 +15,19 @@ from qsync_callback.plan import Plan
 from qsync_callback.planner.tensor_fusion import choose_groups, choose_settings, group_candidates, next_launch
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.predictor.replay import replay
 from qsync_callback.predictor.tensor_fusion import (
     ALL_REDUCE,
+    AllreduceCost,
+    all_reduces,
     apply_fusion,
     can_price_fusion,
+    check_buckets,
+    collective_tensors,
     fit_allreduce_cost,
+    fusion_correction_us,
+    regroup,
+    shared_core_us,
 )
 
 from tracebuilder import op, trace
@@ -327,6 +339,7 @@ def test_what_fusion_pricing_needs_is_named_when_missing():
         if op_.collective:
             op_.kind = "backward"
     assert can_price_fusion(plain) == "the traces have no collective records from Horovod's timeline"
+    assert all_reduces(build_global_graph(plain, 0)) == []  # nor is it an all-reduce of the step graph
 
 
 def test_the_next_launch_says_the_settings_as_flags_and_as_environment():
@@ -341,3 +354,371 @@ def test_the_next_launch_says_the_settings_as_flags_and_as_environment():
     assert (
         next_launch({"cycle_time_ms": 5.0}) == "horovodrun --cycle-time-ms 5 ...   (or HOROVOD_CYCLE_TIME=5)"
     )
+
+
+def test_the_fit_leaves_out_responses_without_records_and_keeps_small_figures():
+    # a response without timeline records before one with them: the fit is on the second alone
+    mixed = _responses((1000, 60.0, None), (3000, 80.0, 4.0))
+    mixed.nodes["r0"]["parts"][0]["tensors"][0]["timeline"] = None
+    fitted = fit_allreduce_cost([mixed], 2)
+    assert (fitted.alpha_us, fitted.beta_us_per_byte, fitted.delay_us, fitted.responses) == pytest.approx(
+        (0.0, 80.0 / 3000, 4.0, 1)
+    )
+    # an intercept under a microsecond is kept, not fitted through the origin
+    small = fit_allreduce_cost([_responses((1000, 10.5, None), (3000, 30.5, None))], 2)
+    assert (small.alpha_us, small.beta_us_per_byte) == pytest.approx((0.5, 0.01))
+    # one size of one byte: its duration per byte
+    assert fit_allreduce_cost([_responses((1, 40.0, None))], 2).beta_us_per_byte == pytest.approx(40.0)
+
+
+def _buckets_of(*responses: tuple[list[int | None], float]) -> nx.DiGraph:
+    """Recorded DDP buckets, each (its gradients' bytes, duration us): no timeline records."""
+    graph = _responses(*((0, dur, None) for _, dur in responses))
+    for i, (sizes, _) in enumerate(responses):
+        tensors = [{"name": f"p{i}.{j}", "bytes": nbytes, "timeline": None} for j, nbytes in enumerate(sizes)]
+        graph.nodes[f"r{i}"]["parts"][0]["tensors"] = tensors
+    return graph
+
+
+def test_ddps_fit_counts_a_gradient_of_unknown_size_as_no_bytes():
+    # one bucket of 1000 known bytes and a gradient of unknown size: 0.1 us per byte, no alpha
+    one = fit_allreduce_cost([_buckets_of(([1000, None], 100.0))], 2, "ddp")
+    assert (one.alpha_us, one.beta_us_per_byte, one.delay_us, one.world_size) == pytest.approx(
+        (0.0, 0.1, 0.0, 2)
+    )
+    # buckets of no known bytes: the timings alone give alpha and beta, with no division by nothing
+    alone = [{"bytes": [0, 1000], "us": [10.0, 20.0]}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sizeless = fit_allreduce_cost([_buckets_of(([None], 60.0), ([None, None], 80.0))], 4, "ddp", alone)
+    assert (sizeless.alpha_us, sizeless.beta_us_per_byte, sizeless.delay_us) == pytest.approx(
+        (10.0, 0.01, 0.0)
+    )
+    assert (sizeless.world_size, sizeless.responses) == (4, 2)
+    # a bucket of one byte that took 60 us beside backward: 50 us more than alone, per byte
+    tiny = fit_allreduce_cost([_buckets_of(([1], 60.0))], 2, "ddp", alone)
+    assert (tiny.alpha_us, tiny.beta_us_per_byte) == pytest.approx((10.0, 50.0))
+
+
+# DDP's buckets on a hand-written two-rank step (microseconds, the same on both ranks):
+#   backward of fc2 0-50 and its AccumulateGrad 50-60; backward of fc1 60-140 and its AccumulateGrad
+#   140-150, which waits for bucket 0 (the training thread stalled beside it, inside backward);
+#   bucket 0 (fc2.weight 400 bytes, fc2.bias 100, scale 100: a parameter of no recorded layer)
+#   all-reduced 50-110 on comm:1, launched by fc2's backward op; bucket 1 (fc1.weight 800, fc1.bias
+#   100) 150-250 on comm:2, launched by fc1's AccumulateGrad; the optimizer 260-300 waits for both.
+#   A buffer broadcast (no bucket) runs 0-10 on comm:0. Op ids: backward 0-3, buckets 4 and 5,
+#   optimizer 6, broadcast 7.
+# With `BUCKET_COST` (50 + 0.1 us per byte) bucket 0 costs 110, bucket 1 140, both in one 200.
+
+DDP_BUCKETS = [["fc2.weight", "fc2.bias", "scale"], ["fc1.weight", "fc1.bias"]]
+GRADIENTS = {
+    "fc2.weight": (400, "fc2"),
+    "fc2.bias": (100, "fc2"),
+    "scale": (100, None),
+    "fc1.weight": (800, "fc1"),
+    "fc1.bias": (100, "fc1"),
+}
+BUCKET_COST = AllreduceCost(50.0, 0.1, 0.0, 2, 2)
+DDP = {"library": "ddp"}
+
+
+def _gradient(name: str) -> dict:
+    nbytes, layer = GRADIENTS[name]
+    return {"name": name, "variable": name, "bytes": nbytes, "dtype": "float32", "layer": layer}
+
+
+def _ddp_rank(rank: int) -> object:
+    def bucket(k: int) -> dict:
+        tensors = [_gradient(n) for n in DDP_BUCKETS[k]]
+        nbytes = sum(t["bytes"] for t in tensors)
+        return {"op": "all_reduce", "numel": nbytes // 4, "bytes": nbytes, "tensors": tensors}
+
+    ops = [
+        op(0, "fc2_backward", "backward", "main", 0, 50, layer="fc2"),
+        op(1, "AccumulateGrad", "backward", "main", 50, 10, layer="fc2"),
+        op(2, "fc1_backward", "backward", "main", 60, 80, layer="fc1"),
+        op(3, "AccumulateGrad", "backward", "main", 140, 10, layer="fc1", deps=[4]),
+        op(4, "gloo:all_reduce", "comm", "comm:1", 50, 60, deps=[0], collective=bucket(0)),
+        op(5, "gloo:all_reduce", "comm", "comm:2", 150, 100, deps=[3], collective=bucket(1)),
+        op(6, "Optimizer.step", "update", "main", 260, 40, deps=[4, 5]),
+        op(7, "gloo:broadcast", "comm", "comm:0", 0, 10, collective={"op": "broadcast", "bytes": 16}),
+    ]
+    communication = {
+        "library": "ddp",
+        "buckets": [[_gradient(n) for n in b] for b in DDP_BUCKETS],
+        "allreduce_us": {"bytes": [0, 1000], "us": [50.0, 150.0]},  # 50 + 0.1 us per byte alone
+    }
+    return trace(ops, 300, rank=rank, world_size=2, host="h", communication=communication)
+
+
+def _ddp_ranks() -> list:
+    return [_ddp_rank(0), _ddp_rank(1)]
+
+
+def _ddp_graph(ranks: list | None = None) -> nx.DiGraph:
+    return build_global_graph(ranks or _ddp_ranks(), 0)
+
+
+def _op(rank_trace, op_id: int):
+    return next(o for o in rank_trace.ops if o.id == op_id)
+
+
+def _buckets(graph: nx.DiGraph) -> list[tuple[str, float, float, list[str], list[str], list[str]]]:
+    """Each all-reduce of ``graph`` as replayed: node, start, end, tensors, launch, consumers."""
+    timing = replay(graph)
+    return [
+        (
+            n,
+            timing.start[n],
+            timing.end[n],
+            [t["name"] for t in graph.nodes[n]["collective"]["tensors"]],
+            graph.nodes[n]["parts"][0]["launch"],
+            graph.nodes[n]["parts"][0]["consumers"],
+        )
+        for n in sorted(all_reduces(graph))
+    ]
+
+
+def test_a_ddp_gradient_is_ready_when_the_last_backward_op_of_its_layer_ended_on_every_rank():
+    """fc2's gradients wait for its AccumulateGrad (ends 60), not for the op that launched their
+    bucket (50); scale, of no recorded layer, for its bucket's launch (50); fc1's for its
+    AccumulateGrad (150)."""
+    graph = _ddp_graph()
+    assert replay(graph).step_us == pytest.approx(300)
+    ready = [(t.name, t.launch, t.bytes) for t in collective_tensors(graph, replay(graph).end)]
+    assert ready == [
+        ("scale", ("r0/0", "r1/0"), 100),
+        ("fc2.weight", ("r0/1", "r1/1"), 400),
+        ("fc2.bias", ("r0/1", "r1/1"), 100),
+        ("fc1.weight", ("r0/3", "r1/3"), 800),
+        ("fc1.bias", ("r0/3", "r1/3"), 100),
+    ]
+    # a layer that rank 1 did not record: its gradients are ready when their bucket was launched;
+    # a gradient of unknown size counts no bytes
+    ranks = _ddp_ranks()
+    _op(ranks[1], 0).layer = _op(ranks[1], 1).layer = None
+    for rank_trace in ranks:
+        _op(rank_trace, 4).collective["tensors"][2]["bytes"] = None
+    graph = _ddp_graph(ranks)
+    partial = {t.name: (t.launch, t.bytes) for t in collective_tensors(graph, replay(graph).end)}
+    assert partial["fc2.weight"] == (("r0/0", "r1/0"), 400) and partial["scale"] == (("r0/0", "r1/0"), 0)
+    assert partial["fc1.bias"] == (("r0/3", "r1/3"), 100)
+
+
+def test_ddp_buckets_go_one_after_the_other_in_bucket_order_each_once_its_gradients_are_ready():
+    """A bucket starts once its last gradient is ready and the bucket before it is done. The
+    recorded buckets: 0 at 60-170 (fc2's AccumulateGrad ends at 60), 1 at 170-310, the optimizer
+    320-360 (its 10 us gap kept). scale alone first: 50-110, then fc2's 110-210, fc1's 210-350."""
+    graph = _ddp_graph()
+    recorded = regroup(graph, BUCKET_COST, DDP, DDP_BUCKETS)
+    after = ["r0/6", "r1/6"]
+    fc2, fc1 = ["r0/0", "r0/1", "r1/0", "r1/1"], ["r0/3", "r1/3"]
+    assert _buckets(recorded) == [
+        ("comm/fused0", 60, 170, DDP_BUCKETS[0], fc2, after),
+        ("comm/fused1", 170, 310, DDP_BUCKETS[1], fc1, after),
+    ]
+    assert replay(recorded).step_us == pytest.approx(360)
+    assert (
+        recorded.nodes["comm/fused1"]["dur"] == pytest.approx(140)
+        and recorded.nodes["comm/fused1"]["gap"] == 0
+    )
+    assert recorded.edges["comm/fused0", "comm/fused1"]["kind"] == "order"
+    assert recorded.nodes["comm/0"]["name"] == "gloo:broadcast"  # not an all-reduce: left as it was
+    # no plan: the recorded buckets
+    assert _buckets(regroup(graph, BUCKET_COST, DDP)) == _buckets(recorded)
+    scale_first = regroup(graph, BUCKET_COST, DDP, [["scale"], ["fc2.weight", "fc2.bias"], DDP_BUCKETS[1]])
+    assert _buckets(scale_first) == [
+        ("comm/fused0", 50, 110, ["scale"], ["r0/0", "r1/0"], after),
+        ("comm/fused1", 110, 210, ["fc2.weight", "fc2.bias"], ["r0/1", "r1/1"], after),
+        ("comm/fused2", 210, 350, DDP_BUCKETS[1], fc1, after),
+    ]
+    assert replay(scale_first).step_us == pytest.approx(400)
+    # in bucket order, not in order of readiness: fc1's first (150-290), then fc2's (290-400)
+    reversed_ = regroup(graph, BUCKET_COST, DDP, DDP_BUCKETS[::-1])
+    assert [(n, start, end) for n, start, end, *_ in _buckets(reversed_)] == [
+        ("comm/fused0", 150, 290),
+        ("comm/fused1", 290, 400),
+    ]
+    assert replay(reversed_).step_us == pytest.approx(450)
+    one = regroup(graph, BUCKET_COST, DDP, [[n for b in DDP_BUCKETS for n in b]])
+    assert [(n, start, end) for n, start, end, *_ in _buckets(one)] == [("comm/fused0", 150, 350)]
+
+
+def test_ddp_buckets_are_waited_for_after_backward_not_by_a_stall_inside_it():
+    """fc1's AccumulateGrad waited for bucket 0 in the recording (a stall beside the all-reduce on a
+    shared core): no new bucket is waited for there, every one by the optimizer. Where every
+    recorded waiter is inside backward, those are the waiters, each for the buckets launched
+    before it."""
+    recorded = regroup(_ddp_graph(), BUCKET_COST, DDP, DDP_BUCKETS)
+    assert set(recorded.predecessors("r0/3")) == {"r0/2"}
+    assert set(recorded.successors("comm/fused0")) == {"comm/fused1", "r0/6", "r1/6"}
+    # the optimizer waits for no bucket: the stalled AccumulateGrad waits for bucket 0 (60-170, so
+    # it runs 170-180), bucket 1 (launched by it) for nothing (180-320)
+    ranks = _ddp_ranks()
+    for rank_trace in ranks:
+        _op(rank_trace, 6).deps = []
+    inside = regroup(_ddp_graph(ranks), BUCKET_COST, DDP, DDP_BUCKETS)
+    fc2, fc1 = ["r0/0", "r0/1", "r1/0", "r1/1"], ["r0/3", "r1/3"]
+    assert _buckets(inside) == [
+        ("comm/fused0", 60, 170, DDP_BUCKETS[0], fc2, ["r0/3", "r1/3"]),
+        ("comm/fused1", 180, 320, DDP_BUCKETS[1], fc1, []),
+    ]
+
+
+def test_on_a_cpu_the_all_reduce_time_beside_backward_is_charged_to_the_step():
+    """Backward ends at 150. The recorded buckets: bucket 0 runs 60-170, 90 us of it beside
+    backward; bucket 1 none. scale first: 60 + 40 us. One bucket, or fc1's first: none."""
+    graph = _ddp_graph()
+    plans = {
+        "recorded": (DDP_BUCKETS, 90.0),
+        "scale first": ([["scale"], ["fc2.weight", "fc2.bias"], DDP_BUCKETS[1]], 100.0),
+        "one": ([[n for b in DDP_BUCKETS for n in b]], 0.0),
+        "reversed": (DDP_BUCKETS[::-1], 0.0),
+    }
+    for name, (buckets, beside) in plans.items():
+        assert shared_core_us(regroup(graph, BUCKET_COST, DDP, buckets)) == pytest.approx(beside), name
+    no_backward = _ddp_ranks()
+    for rank_trace in no_backward:
+        for o in rank_trace.ops:
+            o.kind = "forward" if o.kind == "backward" else o.kind
+    assert shared_core_us(_ddp_graph(no_backward)) == 0.0
+    # the correction: the recorded step (300) less the model's for the recorded buckets (360), and
+    # less the model's charge where it is charged (90)
+    assert fusion_correction_us(graph, BUCKET_COST, DDP) == pytest.approx(-60)
+    assert fusion_correction_us(graph, BUCKET_COST, DDP, shared_cores=True) == pytest.approx(-150)
+    # priced: replayed + correction + charge; the recorded buckets price as the recorded step
+    predictor = Predictor(_ddp_ranks())
+    cost = predictor.fusion_cost()
+    assert (cost.alpha_us, cost.beta_us_per_byte, cost.world_size) == pytest.approx((50.0, 0.1, 2))
+    assert predictor.predict().step_ms == pytest.approx(0.300)
+    expected_ms = {"recorded": 0.360 - 0.150 + 0.090, "scale first": 0.400 - 0.150 + 0.100}
+    expected_ms.update({"one": 0.400 - 0.150, "reversed": 0.450 - 0.150})
+    for name, (buckets, _) in plans.items():
+        assert _ms(predictor, buckets=buckets) == pytest.approx(expected_ms[name]), name
+
+
+def test_a_ddp_bucket_plan_names_every_gradient_once():
+    graph = _ddp_graph()
+    names = [n for b in DDP_BUCKETS for n in b]
+    check_buckets(graph, DDP_BUCKETS, "plan.json", complete=True)
+    check_buckets(graph, [], "plan.json", complete=True)  # no buckets: the recorded ones
+    refusals = [
+        (DDP_BUCKETS + [[]], "plan.json: an empty bucket"),
+        (
+            [["fc2.weight", "fc2.bias"], ["fc1.weight"]],
+            "plan.json: DDP all-reduces every gradient in some bucket; in none: fc1.bias, scale",
+        ),
+        ([names, ["fc2.bias"]], "plan.json: 'fc2.bias' is in more than one bucket"),
+        ([[*names, "fc3.weight"]], "plan.json: bucket entry 'fc3.weight' is not an all-reduced gradient"),
+    ]
+    for buckets, message in refusals:
+        with pytest.raises(QSyncInputError, match=f"^{re.escape(message)}$"):
+            check_buckets(graph, buckets, "plan.json", complete=True)
+    # Horovod's groups (not complete): a gradient in no group goes alone, an empty group is nothing
+    check_buckets(graph, [["fc2.weight"], []], "plan.json")
+    with pytest.raises(QSyncInputError, match="^plan.json: 'scale' is in more than one bucket$"):
+        check_buckets(graph, [["scale"], ["scale"]], "plan.json")
+
+
+def test_what_ddp_pricing_needs_is_named_when_missing():
+    # the buffers' broadcast carries no bucket (no tensors) and needs no timeline
+    assert can_price_fusion(_ddp_ranks()) is None
+    unnamed = _ddp_ranks()
+    for rank_trace in unnamed:
+        for o in rank_trace.ops:
+            if o.collective:
+                o.collective.pop("tensors", None)
+    assert can_price_fusion(unnamed) == "no recorded all-reduce carried one of DDP's buckets"
+    sizeless = _ddp_ranks()
+    _op(sizeless[1], 5).collective["tensors"][0]["bytes"] = None
+    assert can_price_fusion(sizeless) == "some all-reduced tensors have no known size"
+
+
+# Horovod's loop, by hand (each rank the same): the cost and the recorded times are chosen so that
+# each figure below follows from the module docstring's rules.
+
+
+def _collective(name: str, nbytes: int) -> dict:
+    tensor = {"name": name, "variable": f"w/{name}:0", "dtype": "float32", "bytes": nbytes}
+    return {"op": "all_reduce", "bytes": nbytes, "tensors": [tensor]}
+
+
+def _stalled_rank(rank: int) -> object:
+    """b1 0-100 launches a (1000 bytes, 100-180); b2 waits for a (180-280); b3 280-380 launches b
+    (3000 bytes, 380-480); the update 490-530 waits for both."""
+    ops = [
+        op(0, "b1", "backward", "main", 0, 100),
+        op(1, "b2", "backward", "main", 180, 100, deps=[3]),
+        op(2, "b3", "backward", "main", 280, 100),
+        op(3, "Allreduce/a", "comm", "comm:1", 100, 80, deps=[0], collective=_collective("a", 1000)),
+        op(4, "Allreduce/b", "comm", "comm:1", 380, 100, deps=[2], collective=_collective("b", 3000)),
+        op(5, "SGD/update", "update", "main", 490, 40, deps=[3, 4]),
+    ]
+    return trace(ops, 530, rank=rank, world_size=2, host="h", communication=dict(RECORDED))
+
+
+def test_a_waiter_inside_backward_is_not_made_to_wait_for_a_response_launched_after_it():
+    """a and b fused (cycle 1 ms): b2 runs before b's launch (b3), so it cannot wait for the fused
+    response; only the update does. Without its wait b2 runs 100-200 and b3 200-300: readiness from
+    the first transformed graph, b at 300. The first cycle is at 100 + 500 = 600: the response runs
+    600-700 (20 + 0.02 * 4000), its gap 300 after b was ready; the update 710-750."""
+    graph = build_global_graph([_stalled_rank(0), _stalled_rank(1)], 0)
+    fused = apply_fusion(graph, AllreduceCost(20.0, 0.02, 0.0, 2, 2), threshold_bytes=MIB, cycle_ms=1.0)
+    assert _buckets(fused) == [
+        ("comm/fused0", 600, 700, ["a", "b"], ["r0/0", "r0/2", "r1/0", "r1/2"], ["r0/5", "r1/5"])
+    ]
+    assert fused.nodes["comm/fused0"]["gap"] == pytest.approx(300)
+    assert replay(fused).step_us == pytest.approx(750)
+
+
+def _spaced_rank(rank: int, ends: list[float]) -> object:
+    """Backward ops end at ``ends``, each launching a tensor t<i> of 1000 bytes (10 us recorded);
+    the update waits for all, 100 us after the last backward op."""
+    ops, start = [], 0.0
+    for i, end in enumerate(ends):
+        ops.append(op(2 * i, f"b{i}", "backward", "main", start, end - start))
+        collective = _collective(f"t{i}", 1000)
+        ops.append(
+            op(2 * i + 1, f"Allreduce/t{i}", "comm", "comm:1", end, 10, deps=[2 * i], collective=collective)
+        )
+        start = end
+    waits = [2 * i + 1 for i in range(len(ends))]
+    ops.append(op(99, "SGD/update", "update", "main", ends[-1] + 100, 40, deps=waits))
+    return trace(ops, ends[-1] + 140, rank=rank, world_size=2, host="h", communication=dict(RECORDED))
+
+
+def _fused_starts(ranks: list, cost: AllreduceCost, threshold: int, cycle_ms: float) -> list:
+    return [
+        (start, tensors)
+        for _, start, _, tensors, *_ in _buckets(
+            apply_fusion(build_global_graph(ranks, 0), cost, threshold, cycle_ms)
+        )
+    ]
+
+
+def test_horovods_cycles_tick_on_from_the_first_and_wait_for_the_loop():
+    """Responses of 10 us (no per-byte cost), cycle 100 us: t0 (ready 100) goes at the first cycle,
+    150; the next cycles are at 250 (nothing ready) and 350 (t1, ready then); t2 (ready 600) at
+    650."""
+    flat = AllreduceCost(10.0, 0.0, 0.0, 2, 3)
+    spaced = [_spaced_rank(r, [100, 350, 600]) for r in (0, 1)]
+    assert _fused_starts(spaced, flat, MIB, 0.1) == [(150, ["t0"]), (350, ["t1"]), (650, ["t2"])]
+    # a cycle of 1 ms: all three at the first cycle (600), packed while they fit 2500 bytes
+    assert _fused_starts(spaced, flat, 2500, 1.0) == [(600, ["t0", "t1"]), (610, ["t2"])]
+    # a cycle of 0.5 us and responses of 0.1 us: t0 at 100.25, the loop free again at 100.35; the
+    # cycles go on every 0.5 us from 100.25, and t1 (ready 300.2) goes at the next, 300.25
+    fine = [_spaced_rank(r, [100, 300.2]) for r in (0, 1)]
+    starts = _fused_starts(fine, AllreduceCost(0.1, 0.0, 0.0, 2, 2), MIB, 0.0005)
+    assert [s for s, _ in starts] == pytest.approx([100.25, 300.25])
+    # a collective launched by no op of the step (the second on its thread, waiting for nothing) is
+    # ready at the step's start: it goes at the first cycle, 50, alone
+    unlaunched = [_spaced_rank(r, [100, 350, 600]) for r in (0, 1)]
+    for rank_trace in unlaunched:
+        _op(rank_trace, 3).deps = []
+    graph = build_global_graph(unlaunched, 0)
+    assert [(t.name, t.launch) for t in collective_tensors(graph, replay(graph).end)] == [
+        ("t1", ()),
+        ("t0", ("r0/0", "r1/0")),
+        ("t2", ("r0/4", "r1/4")),
+    ]
+    assert _fused_starts(unlaunched, flat, MIB, 0.1) == [(50, ["t1"]), (150, ["t0"]), (650, ["t2"])]

@@ -130,7 +130,12 @@ class QSyncCallback(pl.Callback):
             constraints = self._loop.settings.constraints
             precisions = constraints.precisions if "precision" in constraints.levers else ()
             self._run = LightningRun(
-                trainer, pl_module, batch, precisions, "activation" in constraints.levers
+                trainer,
+                pl_module,
+                batch,
+                precisions,
+                "activation" in constraints.levers,
+                "regions" in constraints.levers,
             )
         self._loop.step_boundary(self._run)
 

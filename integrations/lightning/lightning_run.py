@@ -15,6 +15,8 @@ from pytorch_lightning.utilities import rank_zero_info
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_ddp_buckets import DDPBucketApplier
 from qsync_callback.appliers.torch_precision import precision_applier
+from qsync_callback.appliers.torch_regions import RegionApplier
+from qsync_callback.predictor.compiled_regions import payback_gate
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.tuning_loop import Applier
 
@@ -58,6 +60,7 @@ class LightningRun:
         batch: Any,
         precisions: tuple[str, ...],
         activation: bool = True,
+        regions: bool = True,
     ):
         self.trainer = trainer
         self.pl_module = pl_module
@@ -65,6 +68,7 @@ class LightningRun:
         self.job = f"{type(pl_module).__module__}.{type(pl_module).__qualname__}"
         self.precisions = precisions
         self.activation = activation  # the activation lever is allowed: record what it needs
+        self.regions = regions  # the regions lever is allowed: compile modules to calibrate on
         self._recorder: TorchRecorder | None = None
         self._batch_shapes = batch_shapes_of(batch)
         self._fingerprint: dict[str, Any] = {}
@@ -75,6 +79,9 @@ class LightningRun:
             # alive) and no copy competes with the step's ops for the cores
             # (`predictor.activation.overlaps`)
             "activation": ActivationApplier(pl_module),
+            # keyed by its plan field (`tuning_loop.apply_plan`); one object for the run: a plan applied
+            # again (the loop's turns) runs the graphs its first apply compiled
+            "fused_regions": RegionApplier(pl_module),
         }
         if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):  # world size > 1
             self._appliers["buckets"] = DDPBucketApplier(lambda: trainer.strategy.model, self._set_ddp)
@@ -113,8 +120,27 @@ class LightningRun:
             layer_statistics=planning,
             activation_costs=planning and self.activation,
             offload_stats=self._appliers["activation"].step_stats,
+            compiled_regions=payback_gate if planning and self.regions else None,
+            steps_left=self._steps_left(),
+            partial_last_batch=self._partial_last_batch(),
         )
         return self._recorder
+
+    def _partial_last_batch(self) -> bool | None:
+        """Whether an epoch of the training data ends with a smaller batch (a new shape, which a
+        compiled region compiles again for), or None where the data loader does not say."""
+        loader = self.trainer.train_dataloader
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is None or sampler is None or not hasattr(sampler, "__len__"):
+            return None
+        return not loader.drop_last and len(sampler) % batch_size != 0
+
+    def _steps_left(self) -> int | None:
+        """The optimizer steps the run has left (from ``max_steps`` or ``max_epochs`` and the data),
+        or None where Lightning cannot tell (an iterable dataset without a length)."""
+        total = self.trainer.estimated_stepping_batches
+        return None if total == float("inf") else max(int(total) - self.trainer.global_step, 0)
 
     def appliers(self) -> Mapping[str, Applier]:
         recorder, activation = self._recorder, self._appliers["activation"]

@@ -110,8 +110,9 @@ def _int_mm_takes(device: torch.device, m: int, k: int, n: int) -> bool:
 
 
 def _label(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range, opened only while a profiler runs (record_function costs microseconds)."""
-    if torch._C._autograd._profiler_enabled():
+    """A profiler range, opened only while a profiler runs (record_function costs microseconds), and
+    not inside a compiled region (dynamo cannot trace the profiler's state)."""
+    if not torch.compiler.is_compiling() and torch._C._autograd._profiler_enabled():
         return torch.autograd.profiler.record_function(name)
     return _NOTHING
 

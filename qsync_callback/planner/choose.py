@@ -7,23 +7,25 @@ run, precision and per-module recompute/offload chosen together (`memory_plan.py
 TensorFlow runs the op-type and gradient-groups planner (`tf_plans.py`: traces with op-type costs or
 Horovod's settings); and on a torch run under DDP with the buckets lever allowed, DDP's gradient
 buckets (`ddp_buckets.py`), on top of the precision plan where there is one (activation policies
-and buckets are not priced together yet). A new plan kind adds its planner here, next to a
-predictor transform and an applier; never a branch in an integration.
+and buckets are not priced together yet); and on a torch run recorded for them with the regions
+lever allowed, the modules to compile (`compiled_regions.py`), on top of both. A new plan kind adds
+its planner here, next to a predictor transform and an applier; never a branch in an integration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner import PlanChoice
+from qsync_callback.planner.compiled_regions import choose_regions, format_region_plan
 from qsync_callback.planner.ddp_buckets import choose_buckets, format_bucket_plan
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
-from qsync_callback.predictor.predict import Predictor
+from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import DDP, can_price_fusion
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import format_memory_plan, format_precision_plan, median_noise_pct, slowest_rank
@@ -37,6 +39,7 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
         choice = plan_memory(traces, constraints)
         table = format_memory_plan(choice, recorded, _noise(traces))
         return PlanChoice(choice.chosen.plan, choice.feasible, table)
+    chosen: PlanChoice | None = None
     if "precision" in constraints.levers and traces and traces[0].precision_costs.get("layers"):
         choice, indicator = plan_precision(
             traces,
@@ -48,11 +51,14 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
         choice.plan.constraints = constraints.to_dict()
         table = format_precision_plan(choice, indicator, recorded, traces[0].layers, _noise(traces))
         chosen = PlanChoice(choice.plan, choice.feasible, table)
-        return _with_buckets(traces, constraints, chosen) if _plans_buckets(traces, constraints) else chosen
-    if has_tf_candidates(traces):
+    elif has_tf_candidates(traces):
         return choose_tf_plan(traces, constraints)
     if _plans_buckets(traces, constraints):
-        return _with_buckets(traces, constraints, None)
+        chosen = _with_buckets(traces, constraints, chosen)
+    if _plans_regions(traces, constraints):
+        chosen = _with_regions(traces, constraints, chosen)
+    if chosen is not None:
+        return chosen
     if "precision" in constraints.levers:
         raise QSyncInputError(
             "the trace has no layer statistics and per-layer precision probes to plan from; record it "
@@ -90,16 +96,47 @@ def _plans_buckets(traces: Sequence[Trace], constraints: Constraints) -> bool:
     )
 
 
+def _plans_regions(traces: Sequence[Trace], constraints: Constraints) -> bool:
+    """Whether compiled regions are to be chosen: the lever allowed, on torch traces recorded for it
+    (``Trace.compiled_regions``, with the steps left)."""
+    return "regions" in constraints.levers and bool(traces) and bool(traces[0].compiled_regions)
+
+
 def _with_buckets(traces: Sequence[Trace], constraints: Constraints, choice: PlanChoice | None) -> PlanChoice:
-    """``choice`` (another lever's plan, or none) with DDP's buckets chosen on top; the bucket
-    table follows the other."""
+    """``choice`` with DDP's buckets chosen on top (`_on_top`)."""
+
+    def plan_buckets(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
+        buckets = choose_buckets(predictor, base)
+        return buckets.plan, buckets.recorded.prediction, format_bucket_plan(buckets)
+
+    return _on_top(traces, constraints, choice, plan_buckets)
+
+
+def _with_regions(traces: Sequence[Trace], constraints: Constraints, choice: PlanChoice | None) -> PlanChoice:
+    """``choice`` with compiled regions chosen on top (`_on_top`)."""
+
+    def plan_regions(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
+        regions = choose_regions(predictor, base)
+        return regions.plan, regions.base, format_region_plan(regions)
+
+    return _on_top(traces, constraints, choice, plan_regions)
+
+
+def _on_top(
+    traces: Sequence[Trace],
+    constraints: Constraints,
+    choice: PlanChoice | None,
+    planner: Callable[[Predictor, Plan], tuple[Plan | None, Prediction, str]],
+) -> PlanChoice:
+    """``choice`` (another lever's plan, or none) with ``planner``'s decisions on top: its plan
+    (None: nothing to add), the prediction of the plan it went on, and its table, which follows
+    the other's."""
     base = choice.plan if choice is not None else Plan.empty(traces[0].fingerprint)
-    buckets = choose_buckets(Predictor(traces), base)
-    plan = buckets.plan or base
+    added, base_prediction, table = planner(Predictor(traces), base)
+    plan = added or base
     plan.constraints = constraints.to_dict()
-    if buckets.plan is None and choice is None:
-        plan.prediction = buckets.recorded.prediction.figures()
-    table = format_bucket_plan(buckets)
+    if added is None and choice is None:
+        plan.prediction = base_prediction.figures()
     if choice is not None:
         table = f"{choice.table}\n{table}"
     return PlanChoice(plan, choice.feasible if choice is not None else True, table)

@@ -14,7 +14,8 @@ Node attributes:
 - ``dur``: microseconds, the recorded duration less the profiler's own share (`Trace.own_us`);
 - ``gap``: microseconds the queue sat idle before the op once everything it waits for was done
   (host work between ops: Python, the dispatcher), less the profiler's share;
-- ``kind``, ``name``, ``layer``, ``rank``, ``bytes``, ``collective``, ``op_id``.
+- ``kind``, ``name``, ``layer``, ``module`` (the innermost module that ran it: `Op`), ``rank``,
+  ``bytes``, ``collective``, ``op_id``, and ``shapes`` and ``dtypes`` (its inputs', as recorded).
 
 Edges: queue order (``kind="order"``) and waits across queues (``kind="dep"``): a collective waits
 for the op that launched it, the op that consumes a collective waits for it, and a rank's step end
@@ -85,6 +86,9 @@ def _add_rank(graph: nx.DiGraph, trace: Trace, step_index: int, offset_us: float
             gap_kept=trace.gap_kept(op),
             rank=rank,
             layer=op.layer,
+            module=op.module,
+            shapes=op.input_shapes,
+            dtypes=op.input_dtypes,
             bytes=op.bytes,
             collective=op.collective,
             op_id=op.id,

@@ -8,8 +8,10 @@ A plan is priced as changes to the recorded graph and liveness: per-layer precis
 (`precision.py`: changed op durations and extra tensors on the graphs compiled once, with no copy)
 per-op-type precision (`op_precision.py`, time only: transformed copies of the graphs), and
 per-module activation policies (`activation.py`: recompute and offload, as added op time on the same
-compiled graphs and synthetic tensors). A plan with decisions this version cannot price yet (fused
-regions) is refused with a message naming them, never silently priced as if empty. Tensor fusion
+compiled graphs and synthetic tensors), and compiled regions (`compiled_regions.py`: the fusion
+cost model's durations on copies of the graphs; time only, on torch traces). A plan with decisions
+this version cannot price (regions on a TF trace, activation policies beside fusion or regions) is
+refused with a message naming them, never silently priced as if empty. Tensor fusion
 (Horovod's ``communication``: fusion threshold and cycle time, and ``buckets``: gradient groups;
 DDP's ``buckets``) is priced by regrouping the recorded all-reduces (`tensor_fusion.py`, time only)
 on traces with Horovod's timeline records or DDP's buckets; on others it is refused, saying what
@@ -28,6 +30,12 @@ import numpy as np
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import KEEP, Plan
 from qsync_callback.predictor.activation import ActivationPricing, check_activation_plan
+from qsync_callback.predictor.compiled_regions import (
+    FusionCosts,
+    apply_regions,
+    check_region_plan,
+    fit_fusion_costs,
+)
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import MemoryCurve, tensor_lifetimes
 from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan
@@ -75,12 +83,13 @@ class Prediction:
 def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> None:
     """Refuse a plan made for another run, or with decisions this version cannot price."""
     plan.check_for(traces[0].fingerprint, [layer["name"] for layer in traces[0].layers], source=source)
-    if plan.fused_regions:
-        raise QSyncInputError(f"{source}: the plan's fused_regions decisions cannot be priced yet")
-    if _acting(plan.activation) and (plan.op_precision or plan.buckets or plan.communication):
+    check_region_plan(traces, plan.fused_regions, source)
+    if _acting(plan.activation) and (
+        plan.op_precision or plan.buckets or plan.communication or plan.fused_regions
+    ):
         raise QSyncInputError(
-            f"{source}: activation policies cannot be priced together with per-op-type precision or "
-            "fusion decisions yet"
+            f"{source}: activation policies cannot be priced together with per-op-type precision, "
+            "fusion decisions or compiled regions yet"
         )
     if plan.buckets or plan.communication:
         reason = can_price_fusion(traces)
@@ -126,6 +135,7 @@ class Predictor:
         self._activation_pricing: ActivationPricing | None = None  # built when first needed
         self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
+        self._fusion_costs: FusionCosts | None = None  # fitted when first needed
         self._estimates: dict[tuple[frozenset, frozenset], Prediction] = {}  # `estimate`'s, by plan
 
     def predict(self, plan: Plan | None = None, plan_source: str = "<plan>") -> Prediction:
@@ -134,7 +144,7 @@ class Predictor:
             plan = Plan()
         else:
             check_plan(self.traces, plan, plan_source)
-        if not (plan.op_precision or plan.buckets or plan.communication):
+        if not (plan.op_precision or plan.buckets or plan.communication or plan.fused_regions):
             activation = _acting(plan.activation)
             runs = self._durations(plan.precision)
             if activation:
@@ -145,6 +155,9 @@ class Predictor:
         ]
         if plan.op_precision:
             graphs = [apply_op_precision(g, self.traces, plan.op_precision) for g in graphs]
+        if plan.fused_regions:
+            modules = [region[0] for region in plan.fused_regions]
+            graphs = [apply_regions(g, modules, self.fusion_costs) for g in graphs]
         corrections = [0.0] * len(graphs)
         if plan.buckets or plan.communication:
             graphs, corrections = self._apply_fusion(graphs, plan, plan_source)
@@ -165,11 +178,26 @@ class Predictor:
             self._estimates[key] = self._estimate(precision, activation)
         return self._estimates[key]
 
-    def _estimate(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> Prediction:
+    @property
+    def typical_step(self) -> int:
+        """The recorded step whose replay is closest to the median of the recorded steps' replays
+        (the one quick estimates and the region planner price on)."""
         if self._typical is None:
             replayed = [c.run().step_us for c in self._compiled]
             self._typical = _closest(replayed, statistics.median(replayed))
-        at = self._typical
+        return self._typical
+
+    @property
+    def fusion_costs(self) -> FusionCosts:
+        """The fusion cost model's constants (`compiled_regions.fit_fusion_costs`) on the recorded
+        graphs, calibrated on the modules compiled during the warm-up; fitted when first needed."""
+        if self._fusion_costs is None:
+            probes = self.traces[0].compiled_regions.get("probes", {})
+            self._fusion_costs = fit_fusion_costs(self._graphs, probes)
+        return self._fusion_costs
+
+    def _estimate(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> Prediction:
+        at = self.typical_step
         runs = self._durations(precision, [at])
         if activation:
             runs = self.activation.durations(activation, runs, [at])

@@ -100,11 +100,6 @@ class CollectiveTensor:
     launch: tuple[str, ...]  # the nodes whose end makes it ready (its layer's or its part's launch)
 
 
-def fusion_settings(traces: Sequence[Trace]) -> dict[str, Any]:
-    """The recorded run's Horovod settings (``fusion_threshold_bytes``, ``cycle_time_ms``)."""
-    return dict(traces[0].communication)
-
-
 def can_price_fusion(traces: Sequence[Trace]) -> str | None:
     """None if the traces have what pricing fusion needs, otherwise why not."""
     library = traces[0].communication.get("library")

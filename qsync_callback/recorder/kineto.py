@@ -3,7 +3,8 @@
 What the torch recorder puts into the profiled window, and this module reads back:
 - ``qsync::step#<k>`` ranges on the training thread bound each step;
 - ``qsync::layer::<name>`` ranges (opened by module hooks, `layer_ranges.py`; recorded as
-  ``cpu_op`` events) attribute forward ops to layers;
+  ``cpu_op`` events) attribute forward ops to layers, and those and the ``qsync::module::<name>``
+  ranges of the blocks holding layers attribute them to their innermost module;
 - ``qsync::calibration::<loop>`` ranges hold the profiled half of the overhead calibration loops
   (`overhead.py`), whose events `calibration_event_counts` counts;
 - ``qsync::clock_sync`` marks the moment all ranks left a barrier (the common clock's zero);
@@ -35,6 +36,8 @@ from qsync_callback.recorder.trace import Op, Step
 
 STEP_PREFIX = "qsync::step#"
 LAYER_PREFIX = "qsync::layer::"
+MODULE_PREFIX = "qsync::module::"
+RANGE_PREFIXES = (LAYER_PREFIX, MODULE_PREFIX)
 CALIBRATION_RANGE = "qsync::calibration"
 CALIBRATION_LOOP_PREFIX = CALIBRATION_RANGE + "::"
 MEMORY_EVENT = "[memory]"
@@ -164,7 +167,7 @@ def event_kind(cat: str, name: str) -> str | None:
     which the recorder adds, hooks and all), ``"memory"`` (an allocation or free), ``"op"`` (any
     other host-side event: an op, a CUDA runtime call, a user annotation the run opens anyway), or
     None (device activity, which costs the host nothing)."""
-    if name.startswith(LAYER_PREFIX):
+    if name.startswith(RANGE_PREFIXES):
         return "range"
     if name == MEMORY_EVENT:
         return "memory"
@@ -204,7 +207,7 @@ def _thread_nodes(evs: list[_Event], main: bool) -> list[_Event]:
         is_comm = bool(_COMM_NAME.match(e.name))
         if e.cat not in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset") and not is_comm:
             continue
-        if e.name.startswith((LAYER_PREFIX, FREED_PREFIX)):
+        if e.name.startswith((*RANGE_PREFIXES, FREED_PREFIX)):
             continue
         if main and is_comm:
             continue
@@ -312,33 +315,39 @@ class _Cover:
 
 
 def _attribute_layers(main_events: list[_Event], ops: list[Op]) -> None:
-    """Forward ops take the innermost ``qsync::layer::`` range around them; backward ops the layer of
-    the forward op with the same autograd sequence number; AccumulateGrad the backward op's before it."""
-    seq_layer: dict[int, str] = {}
-    open_layers: list[_Event] = []
+    """Forward ops take the innermost ``qsync::layer::`` range around them as their layer and the
+    innermost range of either kind as their module; backward ops those of the forward op with the
+    same autograd sequence number; AccumulateGrad the backward op's before it."""
+    seq_owner: dict[int, tuple[str | None, str]] = {}
+    open_ranges: list[_Event] = []
     for e in main_events:
-        while open_layers and e.ts >= open_layers[-1].end:
-            open_layers.pop()
-        if e.name.startswith(LAYER_PREFIX):
-            open_layers.append(e)
+        while open_ranges and e.ts >= open_ranges[-1].end:
+            open_ranges.pop()
+        if e.name.startswith(RANGE_PREFIXES):
+            open_ranges.append(e)
             continue
-        if e.cat != "cpu_op" or not open_layers or e.name.startswith(BACKWARD_PREFIX):
+        if e.cat != "cpu_op" or not open_ranges or e.name.startswith(BACKWARD_PREFIX):
             continue
-        layer = open_layers[-1].name[len(LAYER_PREFIX) :]
+        layer = next(
+            (r.name[len(LAYER_PREFIX) :] for r in reversed(open_ranges) if r.name.startswith(LAYER_PREFIX)),
+            None,
+        )
+        inner = open_ranges[-1].name
+        module = inner[len(LAYER_PREFIX if inner.startswith(LAYER_PREFIX) else MODULE_PREFIX) :]
         if e.node_id is not None:
-            ops[e.node_id].layer = layer
+            ops[e.node_id].layer, ops[e.node_id].module = layer, module
         seq = e.args.get("Sequence number")
         if seq is not None:
-            seq_layer.setdefault(seq, layer)
-    previous_backward_layer = None
+            seq_owner.setdefault(seq, (layer, module))
+    previous: tuple[str | None, str | None] = (None, None)
     for op in ops:
         if op.thread != "main" or op.kind != "backward":
             continue
         if ACCUMULATE_GRAD in op.name:
-            op.layer = previous_backward_layer
-        elif op.seq is not None and op.seq in seq_layer:
-            op.layer = seq_layer[op.seq]
-            previous_backward_layer = op.layer
+            op.layer, op.module = previous
+        elif op.seq is not None and op.seq in seq_owner:
+            op.layer, op.module = seq_owner[op.seq]
+            previous = (op.layer, op.module)
 
 
 def _numel_of_first_input(node: _Event, main_events: list[_Event], main_starts: list[float]) -> int:

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from qsync_callback.recorder.kineto import FREED_PREFIX
 
@@ -49,13 +50,13 @@ def _storages(device_type: str, roots: Iterable[torch.Tensor | None]) -> Iterato
     tensors = [*roots, *itertools.compress(objects, map(_tensor_types().__contains__, map(type, objects)))]
     del objects
     for tensor in tensors:
-        if tensor is None or tensor.device.type != device_type:
-            continue
+        if tensor is None or tensor.device.type != device_type or isinstance(tensor, FakeTensor):
+            continue  # a fake tensor (torch.compile's, kept alive by its caches) holds no data
         try:
             storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors: no storage of their own
             continue
-        ptr = storage.data_ptr()
         if ptr and ptr not in seen and storage.device.type == device_type:
             seen.add(ptr)
             yield storage

@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from qsync_callback.recorder.layer_ranges import LayerRanges
 
@@ -29,6 +30,8 @@ class SavedActivations:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, FakeTensor):  # torch.compile tracing a region: it saves nothing real
+            return tensor
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self._skip and ptr not in self._seen:

@@ -19,7 +19,9 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
 
 On request the recorder also gathers the precision indicator's layer statistics over the first
 ``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
-every swappable layer at each precision asked for (`precision_probes.py`); both go into the trace.
+every swappable layer at each precision asked for (`precision_probes.py`), and compiles a few of
+the model's modules to calibrate the fusion cost model where a region could pay for its compile in
+the steps left (`region_probes.py`); all go into the trace.
 
 Before the window opens the recorder counts the bytes resident in parameters, buffers, gradients,
 optimizer state, DDP's buckets and any other live tensor on the device (`resident_bytes`); the
@@ -64,7 +66,7 @@ import orjson
 import torch
 
 from qsync_callback.lp.modules import LPModule
-from qsync_callback.model_layers import layer_table, layers_of
+from qsync_callback.model_layers import blocks_of, layer_table, layers_of
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.copy_costs import copy_costs
 from qsync_callback.recorder.ddp_buckets import (
@@ -91,6 +93,12 @@ from qsync_callback.recorder.overhead import (
     profiler_kwargs,
 )
 from qsync_callback.recorder.precision_probes import probe_precision_costs
+from qsync_callback.recorder.region_probes import (
+    RegionGate,
+    RegionInputs,
+    compiled_region_costs,
+    probe_modules,
+)
 from qsync_callback.recorder.saved_tensors import SavedActivations
 from qsync_callback.recorder.trace import Trace, rank_trace_path
 
@@ -232,6 +240,9 @@ class TorchRecorder:
         measure_steps: int = 0,
         activation_costs: bool = False,
         offload_stats: Callable[[], Mapping[str, Any]] | None = None,
+        compiled_regions: RegionGate | None = None,
+        steps_left: int | None = None,
+        partial_last_batch: bool | None = None,
     ):
         if warmup_steps < 2 or profile_steps < 1:
             raise ValueError("warmup_steps must be at least 2 and profile_steps at least 1")
@@ -253,6 +264,11 @@ class TorchRecorder:
         self.module_calls: dict[str, int] | None = None  # per module, in the warm-up step
         self.call_problems: dict[str, str] = {}
         self._offload_stats = offload_stats
+        self._region_gate = compiled_regions  # compile modules to calibrate on, where it says so
+        self._steps_left = steps_left  # from this recorder's first step to the end of the run
+        self._partial_last_batch = partial_last_batch
+        self._region_inputs: RegionInputs | None = None
+        self._called_blocks: set[str] = set()  # the blocks whose forward ran in a recorded session
         self._offload_steps = 0  # the steps ended since the offload counts started
         self._statistics = LayerStatistics(model) if layer_statistics else None
         self._statistics_data: dict[str, Any] = {}
@@ -331,6 +347,8 @@ class TorchRecorder:
             self.unprofiled_page_faults.append(faults - self._last_faults)
         if self._statistics is not None and step in (0, COLD_STEPS):
             self._gather_statistics(step)
+        if self._region_gate is not None and step in (0, 1):
+            self._keep_region_inputs(step)
         if step in (self.warmup_steps - 2, self.warmup_steps - 1):
             self.prepare_window()  # once; counts its own time
         work = time.perf_counter()
@@ -370,6 +388,14 @@ class TorchRecorder:
         self._last_boundary = time.perf_counter()
         self._last_faults = _minor_page_faults()
 
+    def _keep_region_inputs(self, step: int) -> None:
+        """The arguments of the modules to compile during the warm-up, from their first call in the
+        first step (`region_probes.RegionInputs`)."""
+        if step == 0:
+            self._region_inputs = RegionInputs(self.model, probe_modules(self.model))
+        elif self._region_inputs is not None:
+            self._region_inputs.remove()
+
     def _gather_statistics(self, step: int) -> None:
         """The indicator's layer statistics, over the cold steps (which are not timed)."""
         if step == 0:
@@ -408,7 +434,7 @@ class TorchRecorder:
     def _start_session(self) -> None:
         self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
         self._profiler.__enter__()
-        self._ranges = LayerRanges(layers_of(self.model))
+        self._ranges = LayerRanges(layers_of(self.model), blocks_of(self.model))
         self._ranges.install()
 
     def _start_step_memory(self, step: int) -> None:
@@ -464,6 +490,13 @@ class TorchRecorder:
             self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
         if self._activation_costs:
             self.trace.activation_costs = self._activation_costs_of(self.trace)
+        if self._region_gate is not None:
+            steps_left = None if self._steps_left is None else max(self._steps_left - self.close_step, 0)
+            inputs = self._region_inputs.inputs if self._region_inputs is not None else {}
+            self.trace.compiled_regions = compiled_region_costs(
+                self.model, self.trace, inputs, steps_left, sorted(self._called_blocks), self._region_gate
+            )
+            self.trace.compiled_regions["partial_last_batch"] = self._partial_last_batch
         if self._offload_stats is not None:
             self._offload_stats()  # the measured steps' moves start from here
             self._offload_steps = 0
@@ -582,10 +615,13 @@ class TorchRecorder:
         self._stop_saved_activations()
         if self._statistics is not None:
             self._statistics.stop()
+        if self._region_inputs is not None:
+            self._region_inputs.remove()
         if self._step_range is not None:
             torch.ops.profiler._record_function_exit(self._step_range)
             self._step_range = None
         if self._ranges is not None:
+            self._called_blocks |= self._ranges.called_blocks
             self._ranges.remove()
             self._ranges = None
         if self._profiler is not None:

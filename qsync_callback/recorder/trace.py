@@ -31,6 +31,14 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                     "from_store": {...}, ...},   # the offload store's fitted copies
                            "refused": {"net.2": "called twice per step", ...}},
                                         # modules that cannot take an activation policy, and why
+      "compiled_regions": {"steps_left": 980,   # training steps after the window (null: unknown)
+                           "called_blocks": ["blocks.0", ...],   # blocks whose forward ran
+                           "partial_last_batch": true,   # an epoch ends with a smaller batch
+                                                         # (null: the data loader does not say)
+                           "probes": {"blocks.0": {"eager_us": .., "compiled_us": .., "compile_s": ..,
+                                                   "graphs": 1}, ...},
+                           "note": "..."},      # modules compiled during the warm-up
+                                        # (`recorder/region_probes.py`), or why none were
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024, "next": "net.1"}, ...],
                                         # "next": the next child of its nn.Sequential, or null
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "...",
@@ -119,6 +127,9 @@ OP_TYPE_COSTS = "op_types"  # the key of the per-op-type precision costs under T
 class Op:
     """One node-to-be of the data-flow graph: an outermost op on one thread, or a collective.
 
+    ``layer`` is the innermost layer that ran it (`model_layers.layers_of`), ``module`` the innermost
+    module of any kind (a layer, or a block's own op: ``blocks.0`` for its residual add); both None
+    outside the model's forward and backward.
     ``thread`` names the queue it ran on: "main" (the training loop's thread, which also runs
     backward on CPU), "comm:<n>" (a communication thread or stream), "cuda:<stream>", or
     "tid:<n>" for any other thread. ``deps`` are ids of ops on other threads it waited for
@@ -139,6 +150,7 @@ class Op:
     dur_us: float
     step: int
     layer: str | None = None
+    module: str | None = None
     seq: int | None = None
     input_shapes: list = field(default_factory=list)
     input_dtypes: list = field(default_factory=list)
@@ -186,6 +198,7 @@ class Trace:
     precision_costs: dict[str, Any] = field(default_factory=dict)
     layer_statistics: dict[str, Any] = field(default_factory=dict)
     activation_costs: dict[str, Any] = field(default_factory=dict)
+    compiled_regions: dict[str, Any] = field(default_factory=dict)
     layers: list[dict] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
     profiler_overhead_us: dict[str, float] = field(default_factory=dict)
@@ -312,6 +325,7 @@ _OP = Fields(
     },
     optional={
         "layer": Nullable(STRING),
+        "module": Nullable(STRING),
         "seq": Nullable(INTEGER),
         "input_shapes": ListOf(ANY),
         "input_dtypes": ListOf(ANY),
@@ -371,6 +385,25 @@ _ACTIVATION_COSTS = Fields(
         "refused": MapOf(STRING),
     }
 )
+_COMPILED_REGIONS = Fields(
+    optional={
+        "steps_left": Nullable(COUNT),
+        "called_blocks": ListOf(STRING),
+        "partial_last_batch": Nullable(BOOLEAN),
+        "probes": MapOf(
+            Fields(
+                optional={
+                    "eager_us": AMOUNT,
+                    "compiled_us": AMOUNT,
+                    "compile_s": AMOUNT,
+                    "graphs": COUNT,
+                    "error": STRING,
+                }
+            )
+        ),
+        "note": STRING,
+    }
+)
 _TRACE = Fields(
     required={
         "rank": COUNT,
@@ -391,6 +424,7 @@ _TRACE = Fields(
         "precision_costs": _PRECISION_COSTS,
         "layer_statistics": Fields(),  # `statistics_schema.check_statistics` where not empty
         "activation_costs": _ACTIVATION_COSTS,
+        "compiled_regions": _COMPILED_REGIONS,
         "layers": ListOf(
             Fields(
                 required={"name": STRING, "type": STRING},

@@ -1,0 +1,180 @@
+"""Compile a few of the model's own modules during the warm-up, to calibrate the fusion cost model
+(`predictor/compiled_regions.py`) on this machine.
+
+`probe_modules` picks at most `MAX_PROBES` modules: the first instance of the model's most repeated
+block (a transformer block, a residual block: what a region plan compiles most), and inside it a
+layer that runs a library kernel alone (a Linear or a convolution: what compiling a region costs
+beyond its kernels) and a normalization layer (one or two fused kernels).
+`RegionInputs` keeps a copy of each one's arguments from its first call in
+a cold step (a forward pre-hook, removed once every module was seen). Once the window has closed,
+`probe_regions` runs each module on its arguments, forward and backward (with fixed random output
+gradients), on a deep copy (the live module, its parameters and their gradients are left alone):
+eager and under ``torch.compile`` (inductor) in turns, `PROBE_REPEATS` times each after the
+compile; a region's compile time is its first compiled forward and backward less an eager one.
+The result is plain JSON (``Trace.compiled_regions["probes"]``)::
+
+    {"blocks.0": {"eager_us": 812.0, "compiled_us": 655.1, "compile_s": 21.4, "graphs": 1},
+     "blocks.0.ln1": {"error": "..."}}
+
+A probe that fails (the compiler is missing, the module breaks its graph: ``graphs`` > 1) says so
+and calibrates nothing; planning goes on with the model's defaults. Nothing is compiled where the
+caller's gate says no region could pay for its compile in the steps left (the integration passes
+`compiled_regions.payback_gate`: the recorder does not price).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from qsync_callback.model_layers import blocks_of
+from qsync_callback.recorder.trace import Trace
+
+MAX_PROBES = 3
+PROBE_REPEATS = 5
+_LIBRARY_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _structure(module: nn.Module) -> tuple:
+    """What makes two modules compile to the same code: their class and parameter shapes."""
+    return (type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
+
+
+def probe_modules(model: nn.Module) -> list[str]:
+    """The modules to compile during the warm-up (see the module docstring); empty if the model has
+    no block that repeats."""
+    blocks = blocks_of(model)
+    counts = Counter(_structure(module) for module in blocks.values())
+    repeated = [(name, counts[_structure(m)]) for name, m in blocks.items() if counts[_structure(m)] > 1]
+    if not repeated:
+        return []
+    most = max(times for _, times in repeated)
+    block = next(name for name, times in repeated if times == most)
+    chosen = [block]
+    for kinds in (_LIBRARY_LAYERS, _NORMS):
+        inner = (f"{block}.{n}" for n, m in blocks[block].named_modules() if n and isinstance(m, kinds))
+        chosen.extend(itertools.islice(inner, 1))
+    return chosen[:MAX_PROBES]
+
+
+class RegionInputs:
+    """Keeps a detached copy of each named module's arguments at its first call."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        modules = dict(model.named_modules())
+        self.inputs: dict[str, tuple[tuple, dict]] = {}
+        self._handles = [
+            modules[name].register_forward_pre_hook(self._hook(name), with_kwargs=True)
+            for name in names
+            if name in modules
+        ]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if name not in self.inputs:
+                self.inputs[name] = tree_map(_copy_input, (args, kwargs))
+
+        return keep
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _copy_input(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+def probe_regions(model: nn.Module, inputs: dict[str, tuple[tuple, dict]]) -> dict[str, dict[str, Any]]:
+    """Each module's eager and compiled forward+backward time, its compile time and graph count
+    (see the module docstring); a probe that raised says why instead."""
+    modules = dict(model.named_modules())
+    probes: dict[str, dict[str, Any]] = {}
+    for name, (args, kwargs) in inputs.items():
+        try:
+            probes[name] = _probe(modules[name], args, kwargs)
+        except Exception as exc:  # the compiler's own failure is a finding, not the run's
+            probes[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return probes
+
+
+def _probe(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    eager = copy.deepcopy(module)
+    graphs = [0]
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs[0] += 1
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(copy.deepcopy(module), backend=counting_backend)
+    grads: list[torch.Tensor] | None = None
+
+    def step(run: nn.Module) -> float:
+        nonlocal grads
+        for p in run.parameters():
+            p.grad = None
+        start = time.perf_counter()
+        out = [
+            t for t in tree_leaves(run(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if grads is None:
+            grads = [torch.randn_like(t) for t in out]
+        if out:
+            torch.autograd.backward(out, grads)
+        return (time.perf_counter() - start) * 1e6
+
+    step(eager)
+    first_eager = step(eager)
+    compile_s = (step(compiled) - first_eager) / 1e6
+    eager_us, compiled_us = [], []
+    for _ in range(PROBE_REPEATS):
+        eager_us.append(step(eager))
+        compiled_us.append(step(compiled))
+    return {
+        "eager_us": statistics.median(eager_us),
+        "compiled_us": statistics.median(compiled_us),
+        "compile_s": max(compile_s, 0.0),
+        "graphs": graphs[0],
+    }
+
+
+RegionGate = Callable[[Trace, int, list[str]], str | None]  # why not to compile any module, or None
+
+
+def compiled_region_costs(
+    model: nn.Module,
+    trace: Trace,
+    inputs: dict[str, tuple[tuple, dict]],
+    steps_left: int | None,
+    called_blocks: list[str],
+    gate: RegionGate,
+) -> dict[str, Any]:
+    """``Trace.compiled_regions``: the steps left, the blocks whose forward ran in the recorded
+    steps (a block never called, an ``nn.ModuleList``, is no region), and the probes, unless
+    ``gate`` (given the trace, the steps left where known and those blocks) says why no region is
+    worth compiling; then a note saying so."""
+    out: dict[str, Any] = {"steps_left": steps_left, "called_blocks": called_blocks}
+    if not inputs:
+        out["note"] = "no block repeats in the model: nothing compiled to calibrate on"
+        return out
+    reason = gate(trace, steps_left, called_blocks) if steps_left is not None else None
+    if reason is not None:
+        out["note"] = f"{reason}: nothing compiled to calibrate on"
+        return out
+    out["probes"] = probe_regions(model, inputs)
+    return out

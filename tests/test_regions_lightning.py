@@ -1,0 +1,126 @@
+"""Compiled regions planned in real Lightning training: the recorder attributes a block's own ops to
+it, compiles the model's repeated block and two layers inside it during the warm-up (real inductor
+compiles), the planner prices regions on the recorded graph calibrated on them, and the loop applies,
+verifies and keeps or rolls back whatever it chose, never breaking the run."""
+
+import gc
+import math
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from qsync_callback import QSyncCallback
+from qsync_callback.predictor.compiled_regions import price_region
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.live_memory import live_storages
+from qsync_callback.recorder.trace import load_trace_dir
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block with functional ops of its own (the residual add, a GELU)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, width: int = 64, depth: int = 2):
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 4)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.head(self.blocks(self.stem(x))), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class StopAt(pl.Callback):
+    """Ends the fit after ``steps``: the trainer's ``max_steps`` stays the run's nominal length, which
+    the planner weighs compile time against."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64 * 40, 16, generator=g), torch.randint(0, 4, (64 * 40,), generator=g))
+    callback = QSyncCallback(
+        mode="apply",
+        warmup_steps=3,
+        profile_steps=2,
+        measure_steps=3,
+        verify_steps=2,
+        alternate_rounds=1,
+        levers=("regions",),
+        output_dir=tmp_path,
+        plan_cache=False,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=10**6,  # a long run: the compile pays back, so the warm-up compiles to calibrate
+        callbacks=[callback, StopAt(40)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=64))
+    stepped_aside = [str(w.message) for w in caught if "steps aside" in str(w.message)]
+    assert not stepped_aside, stepped_aside
+    assert trainer.global_step == 40 and all(math.isfinite(loss) for loss in model.losses)
+
+    (trace,) = load_trace_dir(tmp_path / "trace")
+    # a block's own ops are its module's; a layer's ops are the layer's
+    adds = [op for op in trace.ops if op.kind == "forward" and op.name == "aten::add" and op.module]
+    assert {op.module for op in adds} == {"blocks.0", "blocks.1"}
+    assert all(op.layer is None for op in adds)
+    assert {op.module for op in trace.ops if op.name == "aten::layer_norm"} == {"blocks.0.ln", "blocks.1.ln"}
+    # the steps left were the run's nominal length, and the warm-up compiled three modules
+    regions = trace.compiled_regions
+    assert regions["steps_left"] > 10**6 - 100
+    assert regions["called_blocks"] == ["blocks", "blocks.0", "blocks.1"]
+    assert regions["partial_last_batch"] is False  # 40 full batches of 64
+    assert set(regions["probes"]) == {"blocks.0", "blocks.0.fc1", "blocks.0.ln"}
+    for probe in regions["probes"].values():
+        assert probe["graphs"] == 1 and probe["compile_s"] > 0 and probe["compiled_us"] > 0
+    predictor = Predictor([trace])
+    costs = predictor.fusion_costs
+    assert costs.source.startswith("calibrated on 3")
+    block = price_region(predictor.graphs[predictor.typical_step], "blocks.0", costs)
+    assert block.ops >= 8 and block.library_us > 0
+
+
+def test_live_tensors_are_counted_beside_the_fake_tensors_a_compile_leaves_alive():
+    """torch.compile's caches keep fake tensors (no data) alive after a compile; counting the live
+    storages (the recorder's resident bytes, its measured peak) skips them instead of failing."""
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), backend="aot_eager")
+    compiled(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    gc.collect()
+    assert any(isinstance(o, FakeTensor) for o in gc.get_objects())
+    kept = torch.ones(1000)
+    assert live_storages("cpu")[kept.untyped_storage().data_ptr()] == 4000
