@@ -8,9 +8,13 @@ For each model (the transformer-like ones by default):
    during the warm-up to calibrate on (`recorder/region_probes.py`). From them, offline,
    `planner.compiled_regions.choose_regions` picks the regions (timed: the planning seconds), and
    both searches run on the same candidates where the exhaustive one can (the MCMC's gap to it).
+   Beside the chosen plan (which may be none), a plan the planner did not choose is priced too:
+   every copy of the repeated block compiled ("blocks"), so that the predictor's error on a region
+   plan is measured whatever the planner decides.
 2. **timing**, in fresh processes, in turns, ``--repeats`` times each, with a fresh inductor cache
-   each (a cold compile): eager; the region plan (`appliers/torch_regions.py`, applied before the
-   fit); the whole model (``trainer.fit(torch.compile(model))``, Lightning's way). The step time
+   each (a cold compile): eager; the chosen region plan and the blocks plan
+   (`appliers/torch_regions.py`, applied before the fit); the whole model
+   (``trainer.fit(torch.compile(model))``, Lightning's way). The step time
    is the median of the steps after the first ``SKIP_STEPS``; the compile time, the first two steps'
    time beyond two median steps. Then the region plan once more on the cache of its last run: the
    next launch of a kept plan (inductor's FX graph cache).
@@ -43,8 +47,8 @@ from models import get_model, timed_fit
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import Plan
-from qsync_callback.planner.compiled_regions import RegionSearch, choose_regions
-from qsync_callback.predictor.compiled_regions import price_region
+from qsync_callback.planner.compiled_regions import RegionSearch, choose_regions, region_signature
+from qsync_callback.predictor.compiled_regions import forward_owners, price_region, region_candidates
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
@@ -53,7 +57,7 @@ WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 RUN_STEPS = 20_000  # the nominal length of the run the plan is made for
 TIME_STEPS, SKIP_STEPS = 40, 8
 MAX_CHECKED = 4  # regions compiled alone to check the cost model on, per model
-CONFIGS = ("eager", "regions", "whole model")
+CONFIGS = ("eager", "regions", "blocks", "whole model")
 
 
 class StopAt(pl.Callback):
@@ -102,7 +106,7 @@ def time_worker(model: str, config: str, plan: Path | None, run_dir: Path) -> No
 
     def prepare(module: pl.LightningModule) -> pl.LightningModule:
         nonlocal applier
-        if config == "regions":
+        if config in ("regions", "blocks"):
             applier = RegionApplier(module)
             applier(Plan.load(plan))
         return torch.compile(module) if config == "whole model" else module
@@ -135,6 +139,17 @@ def run_worker(script: Path, args: list[str], run_dir: Path, timeout: float, cac
     return run_dir
 
 
+def repeated_blocks(trace: Any, graph: Any) -> list[str]:
+    """Every module with the recorded ops and shapes of the first one compiled during the warm-up
+    (the model's most repeated block), or none."""
+    probes = list(trace.compiled_regions.get("probes", {}))
+    if not probes:
+        return []
+    owners = region_candidates(forward_owners(graph), trace.compiled_regions.get("called_blocks"))
+    first = region_signature(graph, probes[0])
+    return [m for m in owners if region_signature(graph, m) == first]
+
+
 def step_figures(step_ms: list[float]) -> tuple[float, float]:
     """The median step after `SKIP_STEPS`, and the first two steps' time beyond two median steps (s)."""
     median = statistics.median(step_ms[SKIP_STEPS:])
@@ -157,17 +172,27 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
     graph = predictor.graphs[predictor.typical_step]
     search = RegionSearch(graph, predictor.fusion_costs, choice.steps_left or RUN_STEPS)
     plan = choice.plan or Plan(fingerprint=traces[0].fingerprint)
-    plan_path = runs / f"{model}-plan.json"
-    plan_path.write_text(json.dumps(plan.to_dict()))
+    blocks = Plan(
+        fingerprint=traces[0].fingerprint, fused_regions=[[m] for m in repeated_blocks(traces[0], graph)]
+    )
+    plans = {"regions": plan, "blocks": blocks}
+    paths = {name: runs / f"{model}-{name}.json" for name in plans}
+    for name, path in paths.items():
+        path.write_text(json.dumps(plans[name].to_dict()))
+    predicted = {
+        "eager": choice.base.step_ms,
+        "regions": choice.prediction.step_ms if choice.plan is not None else choice.base.step_ms,
+        "blocks": predictor.predict(blocks).step_ms if blocks.fused_regions else None,
+    }
     measured: dict[str, list[float]] = {c: [] for c in CONFIGS}
     compile_s: dict[str, list[float]] = {c: [] for c in CONFIGS}
     last_cache: Path | None = None
     for r in range(repeats):
         for config in CONFIGS:
-            if config == "regions" and not plan.fused_regions:
+            if config in plans and not plans[config].fused_regions:
                 continue
             cache = caches / f"{config.replace(' ', '-')}-{r}"
-            args = ["--worker", "time", model, "--config", config, "--plan", str(plan_path)]
+            args = ["--worker", "time", model, "--config", config, "--plan", str(paths.get(config, ""))]
             done = run_worker(script, args, runs / f"{model}-{config.replace(' ', '-')}-{r}", timeout, cache)
             if done is not None:
                 median, compiled = step_figures(json.loads((done / "steps.json").read_text())["step_ms"])
@@ -177,7 +202,7 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
                     last_cache = cache
     warm_compile_s = None
     if last_cache is not None:
-        args = ["--worker", "time", model, "--config", "regions", "--plan", str(plan_path)]
+        args = ["--worker", "time", model, "--config", "regions", "--plan", str(paths["regions"])]
         done = run_worker(script, args, runs / f"{model}-regions-next-launch", timeout, last_cache)
         if done is not None:
             warm_compile_s = step_figures(json.loads((done / "steps.json").read_text())["step_ms"])[1]
@@ -199,20 +224,24 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
     exhaustive = search.exhaustive() if len(search.names) <= 14 else None
     mcmc = search.mcmc()
     medians = {c: statistics.median(v) if v else None for c, v in measured.items()}
-    predicted = choice.prediction.step_ms if choice.plan is not None else choice.base.step_ms
-    regions_ms = medians["regions"] if plan.fused_regions else medians["eager"]
+    if not plan.fused_regions:
+        medians["regions"] = medians["eager"]
+    errors = {
+        c: 100 * (predicted[c] / medians[c] - 1) if predicted.get(c) and medians.get(c) else None
+        for c in ("eager", "regions", "blocks")
+    }
     return {
         "model": model,
         "chosen": chosen,
+        "blocks": [r[0] for r in blocks.fused_regions],
         "predicted_ms": predicted,
-        "predicted_base_ms": choice.base.step_ms,
+        "error_pct": errors,
         "predicted_compile_s": choice.compile_s,
         "measured_ms": measured,
         "median_ms": medians,
         "noise_pct": {c: range_noise_pct(v) for c, v in measured.items()},
         "compile_s": {c: statistics.median(v) if v else None for c, v in compile_s.items()},
         "next_launch_compile_s": warm_compile_s,
-        "error_pct": 100 * (predicted / regions_ms - 1) if regions_ms else None,
         "planning_s": planning_s,
         "candidates": len(search.names),
         "search": choice.search,
@@ -225,35 +254,53 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """Per model and configuration: measured step time (runs), spread, compile time, predicted step
+    time and its error (predicted less measured); and per model the planner's figures."""
     lines = [
-        "| model | regions chosen | eager ms | regions ms (predicted, error) | whole-model ms | "
-        "compile s: regions (predicted) / next launch / whole model | noise | planning s | "
-        "MCMC vs exhaustive | cost model error: calibrated on / not |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | configuration | measured ms (runs) | noise | compile s (predicted) | predicted ms "
+        "| error |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
+    notes = []
     for row in rows:
         if "failed" in row:
-            lines.append(f"| {row['model']} | failed: {row['failed']} | | | | | | | | |")
+            lines.append(f"| {row['model']} | failed: {row['failed']} | | | | | |")
             continue
-        med, comp, noise = row["median_ms"], row["compile_s"], row["noise_pct"]
-        chosen = ", ".join(row["chosen"][:4]) + (" ..." if len(row["chosen"]) > 4 else "") or "none"
+        for config in CONFIGS:
+            runs = row["measured_ms"][config]
+            if not runs and config != "regions":
+                continue
+            label = {
+                "regions": f"chosen regions: {', '.join(row['chosen'][:4]) or 'none (eager)'}",
+                "blocks": f"blocks: {', '.join(row['blocks'][:2])}"
+                + (", ..." if len(row["blocks"]) > 2 else ""),
+            }.get(config, config)
+            predicted = row["predicted_ms"].get(config)
+            compiled = row["compile_s"][config]
+            if config == "regions" and row["chosen"]:
+                compiled_text = f"{na(compiled, '.1f')} ({row['predicted_compile_s']:.1f})"
+            else:
+                compiled_text = na(compiled, ".1f")
+            listed = ", ".join(f"{m:.1f}" for m in runs) or "as eager"
+            lines.append(
+                f"| {row['model']} | {label} | {na(row['median_ms'][config], '.1f')} ({listed}) | "
+                f"{na(row['noise_pct'][config], '.1f')}% | {compiled_text} | {na(predicted, '.1f')} | "
+                f"{na(row['error_pct'].get(config), '+.1f')}% |"
+            )
         gap = (
-            f"{row['mcmc_value_s']:.1f} / {row['exhaustive_value_s']:.1f} s"
+            f"MCMC {row['mcmc_value_s']:.1f} s against exhaustive {row['exhaustive_value_s']:.1f} s"
             if row["exhaustive_value_s"] is not None
             else f"MCMC only ({row['candidates']} candidates)"
         )
-        noises = "/".join(na(noise[c], ".1f") for c in CONFIGS)
-        calibrated = ", ".join(f"{m}: {e:+.0f}%" for m, e in row["calibration_errors_pct"].items())
-        uncalibrated = ", ".join(f"{m}: {e:+.0f}%" for m, e in row["uncalibrated_errors_pct"].items())
-        lines.append(
-            f"| {row['model']} | {chosen} | {na(med['eager'], '.1f')} | {na(med['regions'], '.1f')} "
-            f"({row['predicted_ms']:.1f}, {na(row['error_pct'], '+.1f')}%) | "
-            f"{na(med['whole model'], '.1f')} | "
-            f"{na(comp['regions'], '.1f')} ({row['predicted_compile_s']:.1f}) / "
-            f"{na(row['next_launch_compile_s'], '.1f')} / {na(comp['whole model'], '.1f')} | {noises}% | "
-            f"{row['planning_s']:.2f} | {gap} | {calibrated or '-'} / {uncalibrated or '-'} |"
+        calibrated = ", ".join(f"{m} {e:+.0f}%" for m, e in row["calibration_errors_pct"].items()) or "-"
+        uncalibrated = ", ".join(f"{m} {e:+.0f}%" for m, e in row["uncalibrated_errors_pct"].items()) or "-"
+        notes.append(
+            f"- {row['model']}: planning {row['planning_s']:.2f} s over {row['candidates']} candidates "
+            f"({gap}); next launch of the plan compiles in {na(row['next_launch_compile_s'], '.1f')} s; "
+            f"cost model error on the modules compiled during the warm-up: {calibrated}; on others: "
+            f"{uncalibrated}."
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *notes])
 
 
 def main(argv: list[str] | None = None) -> int:
