@@ -185,11 +185,13 @@ class RegionSearch:
         value = 0.0
         best = (set(), 0.0)
         scale = max((abs(self.value([m])) for m in self.names), default=1.0) or 1.0
+        walked = 0
         for step in range(steps):
             temperature = scale * 0.1 * (1 - step / steps) + 1e-9
             moves = self._moves(current, heat)
             if not moves:
                 break
+            walked += 1
             weights = [w for _, _, _, w in moves]
             kind, module, proposed, _ = rng.choices(moves, weights)[0]
             new_value = self.value(proposed)
@@ -201,7 +203,7 @@ class RegionSearch:
                 current, value = proposed, new_value
                 if value > best[1]:
                     best = (set(current), value)
-        return sorted(best[0]), best[1], steps
+        return sorted(best[0]), best[1], walked
 
     def _moves(
         self, current: set[str], heat: dict[str, list[float]]
@@ -222,7 +224,9 @@ class RegionSearch:
                 else:
                     moves.append(("compile", m, current | {m}, 1.0))
                     twins = {
-                        t for t in self.twins[m] if not (self.ancestors[t] | self.descendants[t]) & current
+                        t
+                        for t in self.twins[m]
+                        if t not in current and not (self.ancestors[t] | self.descendants[t]) & current
                     }
                     if len(twins) > 1:
                         moves.append(("compile", m, current | twins, 1.0))

@@ -183,6 +183,7 @@ def fit_fusion_costs(
     """``op_us`` and ``bytes_per_us`` from the recorded forward fusible ops with input shapes (the
     median time of the small ones; the bytes over the time beyond ``op_us`` of the large ones), and
     the compiled constants from ``probes`` (`calibrate`) where given."""
+    graphs = list(graphs)
     small, large = [], []
     for graph in graphs:
         for _, attrs in graph.nodes(data=True):
@@ -197,7 +198,7 @@ def fit_fusion_costs(
     busy = sum(max(dur - op_us, 0.0) for _, dur in large)
     bytes_per_us = moved / busy if large and busy > 0 else 1e4  # 10 GB/s when nothing says
     costs = FusionCosts(op_us=op_us, bytes_per_us=bytes_per_us)
-    return calibrate(costs, list(graphs) if probes else [], probes or {})
+    return calibrate(costs, graphs if probes else [], probes or {})
 
 
 def price_region(graph: nx.DiGraph, module: str, costs: FusionCosts) -> RegionCost | None:
