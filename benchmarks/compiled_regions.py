@@ -26,7 +26,7 @@ The table gives per model: each configuration's step time (runs, spread), compil
 plan's predicted step time and its error, and the cost model's per-region errors.
 
     python benchmarks/compiled_regions.py [--models attention,transformer] [--repeats 2] [--quick]
-        [--out benchmarks/results]
+        [--out benchmarks/results] [--resume]
 """
 
 from __future__ import annotations
@@ -129,8 +129,14 @@ def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
     (run_dir / "probes.json").write_text(json.dumps(probe_regions(module, inputs.inputs)))
 
 
+RESUME = False  # `--resume`: a run whose directory holds its output already is not run again
+OUTPUTS = ("trace", "steps.json", "probes.json")  # what a record, time or probe worker leaves
+
+
 def run_worker(script: Path, args: list[str], run_dir: Path, timeout: float, cache: Path) -> Path | None:
     """A worker run with ``cache`` as inductor's cache directory; its directory, or None if it failed."""
+    if RESUME and any((run_dir / name).exists() for name in OUTPUTS):
+        return run_dir
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
     if rc != 0:
@@ -219,8 +225,8 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
             for module, probe in json.loads((done / "probes.json").read_text()).items():
                 cost = price_region(graph, module, predictor.fusion_costs)
                 if cost is not None and probe.get("compiled_us") and probe.get("graphs") == 1:
-                    predicted = cost.compiled_us / cost.eager_us
-                    model_errors[module] = 100 * (predicted / (probe["compiled_us"] / probe["eager_us"]) - 1)
+                    ratio = cost.compiled_us / cost.eager_us
+                    model_errors[module] = 100 * (ratio / (probe["compiled_us"] / probe["eager_us"]) - 1)
     exhaustive = search.exhaustive() if len(search.names) <= 14 else None
     mcmc = search.mcmc()
     medians = {c: statistics.median(v) if v else None for c, v in measured.items()}
@@ -310,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: attention, 1 run each")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -325,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             probe_worker(model, args.modules.split(","), args.worker_dir)
         return 0
+    global RESUME
+    RESUME = args.resume
     say_allocator()
     models, repeats = (["attention"], 1) if args.quick else (args.models.split(","), args.repeats)
     environment = bench_environment(repeats=repeats, run_steps=RUN_STEPS)
