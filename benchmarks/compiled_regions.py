@@ -47,8 +47,13 @@ from models import get_model, timed_fit
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import Plan
-from qsync_callback.planner.compiled_regions import RegionSearch, choose_regions, region_signature
-from qsync_callback.predictor.compiled_regions import forward_owners, price_region, region_candidates
+from qsync_callback.planner.compiled_regions import RegionSearch, choose_regions
+from qsync_callback.predictor.compiled_regions import (
+    forward_owners,
+    price_region,
+    region_candidates,
+    region_signature,
+)
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
@@ -122,7 +127,7 @@ def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
 
     spec = get_model(model)
     module = spec.build()
-    inputs = RegionInputs(module, modules)
+    inputs = RegionInputs(module, [[name] for name in modules])
     batch = next(iter(spec.dataloader(1)))
     module.training_step(batch, 0).backward()
     inputs.remove()
@@ -223,7 +228,7 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
         done = run_worker(script, args, runs / f"{model}-probe", timeout, caches / "probe")
         if done is not None:
             for module, probe in json.loads((done / "probes.json").read_text()).items():
-                cost = price_region(graph, module, predictor.fusion_costs)
+                cost = price_region(graph, module, predictor.fusion_costs, {})  # the model alone
                 if cost is not None and probe.get("compiled_us") and probe.get("graphs") == 1:
                     ratio = cost.compiled_us / cost.eager_us
                     model_errors[module] = 100 * (ratio / (probe["compiled_us"] / probe["eager_us"]) - 1)

@@ -199,22 +199,32 @@ def test_calibration_makes_the_model_match_the_compiled_probe():
     assert calibrate(COSTS, [graph], broken) == COSTS  # a graph break calibrates nothing
 
 
-def test_two_probes_with_different_kernel_counts_fit_both_constants():
-    graph = build_global_graph([model_trace()], 0)
+def test_the_constants_come_from_the_small_probes_and_the_block_is_priced_as_measured():
+    graph = build_global_graph([model_trace(("b0", "b1"))], 0)
     block, ln = price_region(graph, "b0", COSTS), price_region(graph, "b0.ln", COSTS)
-    # measured ratios made by constants kernel 4 us and region 30 us
-    truth = FusionCosts(op_us=5.0, bytes_per_us=1000.0, kernel_us=4.0, region_us=30.0)
+    assert (block.fused_kernels, ln.fused_kernels) == (4, 2)
+    # the LayerNorm's ratio made by region 30 us (kernel 10 us as the default); the block measured
+    # slower than any constants would say (what the model does not see)
+    truth = FusionCosts(op_us=5.0, bytes_per_us=1000.0, kernel_us=10.0, region_us=30.0)
     probes = {
-        name: {
-            "eager_us": c.eager_us,
-            "compiled_us": price_region(graph, name, truth).compiled_us,
-            "compile_s": 1.0,
-        }
-        for name, c in (("b0", block), ("b0.ln", ln))
+        "b0": {"eager_us": block.eager_us, "compiled_us": 1.5 * block.eager_us, "compile_s": 1.0},
+        "b0.ln": {"eager_us": ln.eager_us, "compiled_us": price_region(graph, "b0.ln", truth).compiled_us},
     }
     fitted = calibrate(COSTS, [graph], probes)
-    assert fitted.kernel_us == pytest.approx(4.0)
-    assert fitted.region_us == pytest.approx(30.0)
+    assert fitted.kernel_us == COSTS.kernel_us  # one small probe: the kernel cost is kept
+    assert fitted.region_us == pytest.approx(30.0)  # the block left out of the fit
+    assert dict(fitted.measured_ratio) == pytest.approx(
+        {"b0": 1.5, "b0.ln": probes["b0.ln"]["compiled_us"] / ln.eager_us}
+    )
+    # the block, and its twin, are priced at the block's measured ratio; the model alone is not
+    for name in ("b0", "b1"):
+        priced = price_region(graph, name, fitted)
+        assert priced.measured and priced.compiled_us == pytest.approx(1.5 * priced.eager_us)
+        assert not price_region(graph, name, fitted, {}).measured
+    # and a plan compiling it replays at that ratio
+    before = replay(graph).step_us
+    after = replay(apply_regions(graph, ["b1"], fitted)).step_us
+    assert after - before == pytest.approx(0.5 * price_region(graph, "b1", fitted).eager_us)
 
 
 def test_candidates_are_every_module_and_block_that_ran_forward_ops():

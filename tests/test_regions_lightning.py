@@ -3,6 +3,7 @@ it, compiles the model's repeated block and two layers inside it during the warm
 compiles), the planner prices regions on the recorded graph calibrated on them, and the loop applies,
 verifies and keeps or rolls back whatever it chose, never breaking the run."""
 
+import copy
 import gc
 import math
 import warnings
@@ -17,6 +18,7 @@ from qsync_callback import QSyncCallback
 from qsync_callback.predictor.compiled_regions import price_region
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.live_memory import live_storages
+from qsync_callback.recorder.region_probes import RegionInputs, probe_modules
 from qsync_callback.recorder.trace import load_trace_dir
 
 
@@ -124,3 +126,18 @@ def test_live_tensors_are_counted_beside_the_fake_tensors_a_compile_leaves_alive
     assert any(isinstance(o, FakeTensor) for o in gc.get_objects())
     kept = torch.ones(1000)
     assert live_storages("cpu")[kept.untyped_storage().data_ptr()] == 4000
+
+
+def test_the_probes_take_the_first_layer_of_each_kind_that_is_called():
+    """Inside ``nn.TransformerEncoderLayer`` the first Linear, ``self_attn.out_proj``, is never called
+    (attention reads its weight): the probe takes ``linear1``, the first one called."""
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    model = nn.Sequential(layer, copy.deepcopy(layer))
+    groups = probe_modules(model)
+    assert groups[0] == ["0"] and "0.self_attn.out_proj" in groups[1] and groups[2] == ["0.norm1", "0.norm2"]
+    inputs = RegionInputs(model, groups)
+    model(torch.randn(2, 5, 16)).sum().backward()
+    inputs.remove()
+    assert set(inputs.inputs) == {"0", "0.linear1", "0.norm1"}
+    (x,), kwargs = inputs.inputs["0.linear1"]
+    assert x.shape == (2, 5, 16) and kwargs == {}

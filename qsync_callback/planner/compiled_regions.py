@@ -50,9 +50,10 @@ from qsync_callback.predictor.compiled_regions import (
     FusionCosts,
     RegionCost,
     forward_owners,
+    measured_ratios,
     price_region,
     region_candidates,
-    region_nodes,
+    region_signature,
 )
 from qsync_callback.predictor.predict import Prediction, Predictor
 
@@ -76,16 +77,6 @@ class RegionChoice:
     compile_s: float
     search: dict[str, float | int | str] = field(default_factory=dict)
     probe_errors: dict[str, float] = field(default_factory=dict)  # per probe: predicted vs measured, %
-
-
-def region_signature(graph: nx.DiGraph, module: str) -> tuple:
-    """What the compiled code of ``module`` depends on: its forward ops' names and input shapes
-    (two identical blocks have the same)."""
-    per_rank = region_nodes(graph, module)
-    if not per_rank:
-        return ()
-    forward, _ = per_rank[min(per_rank)]
-    return tuple((graph.nodes[n]["name"], repr(graph.nodes[n].get("shapes"))) for n in forward)
 
 
 def _inside(inner: str, outer: str) -> bool:
@@ -118,7 +109,8 @@ class RegionSearch:
         broken_signatures = {region_signature(graph, m) for m in broken}
         broken_names = {m for m in candidates if region_signature(graph, m) in broken_signatures}
         left_out = {a for m in broken_names for a in [m, *_prefixes(m)]}
-        priced = [price_region(graph, m, costs) for m in candidates if m not in left_out]
+        measured = measured_ratios(graph, costs)
+        priced = [price_region(graph, m, costs, measured) for m in candidates if m not in left_out]
         self.regions = {c.module: c for c in priced if c is not None and c.saving_us > 0}
         self.names = sorted(self.regions)
         self.signature = {m: region_signature(graph, m) for m in self.names}
@@ -276,13 +268,14 @@ def choose_regions(predictor: Predictor, base: Plan) -> RegionChoice:
 
 
 def probe_errors(predictor: Predictor, costs: FusionCosts) -> dict[str, float]:
-    """Per module compiled during the warm-up: the model's predicted compiled-to-eager ratio against
-    the measured one, in percent (the error on the regions it was calibrated on)."""
+    """Per module compiled during the warm-up: the model's predicted compiled-to-eager ratio (the
+    model's, not the measured ratio modules of its ops are priced at) against the measured one, in
+    percent (the error on the regions it was calibrated on)."""
     probes = predictor.traces[0].compiled_regions.get("probes", {})
     graph = predictor.graphs[predictor.typical_step]
     out = {}
     for module, probe in probes.items():
-        cost = price_region(graph, module, costs)
+        cost = price_region(graph, module, costs, {})  # the model's price, not the probe's own
         if cost is None or not probe.get("compiled_us") or not probe.get("eager_us"):
             continue
         predicted = cost.compiled_us / cost.eager_us
@@ -304,7 +297,12 @@ def format_region_plan(choice: RegionChoice) -> str:
     for region in choice.chosen:
         lines.append(
             f"  {region.module[:40]:<40} saves {region.saving_us / 1e3:7.3f} ms/step  "
-            f"compile ~{region.compile_s:5.1f} s  ({region.ops} ops, {region.fused_kernels} fused kernels)"
+            f"compile ~{region.compile_s:5.1f} s  ({region.ops} ops, "
+            + (
+                "priced as the one compiled in the warm-up)"
+                if region.measured
+                else f"{region.fused_kernels} fused kernels)"
+            )
         )
     if choice.prediction is not None:
         change = 100 * (choice.prediction.step_ms / choice.base.step_ms - 1)

@@ -24,6 +24,12 @@ its region's forward chains kept. ``kernel_us`` and ``region_us`` come from regi
 the warm-up where there are any (`recorder/region_probes.py`, ``Trace.compiled_regions``), else from
 `DEFAULT_KERNEL_US` and `DEFAULT_REGION_US` (and the plan says so).
 
+Measured first: a module with the recorded ops and shapes of one compiled during the warm-up (the
+model's repeated block, and every copy of it) is priced at that one's measured compiled-to-eager
+ratio, not the model's (`measured_ratios`); the model prices the rest, its constants fitted on the
+small probes (`calibrate`). On this CPU the two differ most where inductor's code is slower than
+eager's for reasons the model does not see (a transformer layer's dropout: 20% slower compiled).
+
 A region's compile time is ``compile_s_fixed`` plus ``compile_s_per_op`` seconds per op, a line
 fitted on the probes' compiles (one probe, or probes of one size: per op only; none:
 `DEFAULT_COMPILE_S_PER_OP`); a module of the same class and parameter shapes as one already
@@ -33,6 +39,7 @@ under a second where the first took 35 s) and costs `REUSE_COMPILE_S`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -70,6 +77,7 @@ DEFAULT_KERNEL_US = 10.0
 DEFAULT_REGION_US = 80.0
 DEFAULT_COMPILE_S_PER_OP = 0.5
 REUSE_COMPILE_S = 1.0
+SMALL_PROBE_KERNELS = 2  # probes of at most this many fused kernels fit the constants (`calibrate`)
 _LARGE_OP_BYTES = 64 * 1024  # ops moving at least this much fit the bandwidth; smaller ones op_us
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
@@ -128,6 +136,8 @@ class FusionCosts:
     region_us: float = DEFAULT_REGION_US  # per compiled region, per direction
     compile_s_per_op: float = DEFAULT_COMPILE_S_PER_OP
     compile_s_fixed: float = 0.0
+    # per module compiled during the warm-up: its measured compiled-to-eager time ratio
+    measured_ratio: tuple[tuple[str, float], ...] = ()
     source: str = "defaults"  # where kernel_us, region_us and compile_s_per_op come from
 
     def to_dict(self) -> dict[str, float | str]:
@@ -138,6 +148,7 @@ class FusionCosts:
             "region_us": self.region_us,
             "compile_s_per_op": self.compile_s_per_op,
             "compile_s_fixed": self.compile_s_fixed,
+            "measured_ratio": dict(self.measured_ratio),
             "source": self.source,
         }
 
@@ -153,6 +164,7 @@ class RegionCost:
     library_us: float
     fused_kernels: int
     compile_s: float
+    measured: bool = False  # compiled_us from a module of the same ops compiled during the warm-up
 
     @property
     def saving_us(self) -> float:
@@ -201,14 +213,41 @@ def fit_fusion_costs(
     return calibrate(costs, graphs if probes else [], probes or {})
 
 
-def price_region(graph: nx.DiGraph, module: str, costs: FusionCosts) -> RegionCost | None:
+def region_signature(graph: nx.DiGraph, module: str) -> tuple:
+    """What the compiled code of ``module`` depends on: its forward ops' names and input shapes
+    (two identical blocks have the same)."""
+    per_rank = region_nodes(graph, module)
+    if not per_rank:
+        return ()
+    forward, _ = per_rank[min(per_rank)]
+    return tuple((graph.nodes[n]["name"], repr(graph.nodes[n].get("shapes"))) for n in forward)
+
+
+def measured_ratios(graph: nx.DiGraph, costs: FusionCosts) -> dict[tuple, float]:
+    """The measured compiled-to-eager ratio of each module compiled during the warm-up, by its
+    signature on ``graph`` (`region_signature`): what a module of the same ops is priced at."""
+    found = {region_signature(graph, module): ratio for module, ratio in costs.measured_ratio}
+    found.pop((), None)
+    return found
+
+
+def price_region(
+    graph: nx.DiGraph, module: str, costs: FusionCosts, measured: Mapping[tuple, float] | None = None
+) -> RegionCost | None:
     """``module``'s region on ``graph``'s slowest rank (the recorded eager time of its ops and the
-    gaps between them, against the compiled prediction), or None if it recorded no ops."""
+    gaps between them, against the compiled prediction), or None if it recorded no ops. A module
+    with the ops of one compiled during the warm-up (``measured``, by signature; default
+    `measured_ratios`) is priced at that one's measured ratio instead of the model's."""
     per_rank = region_nodes(graph, module)
     if not per_rank:
         return None
     priced = [_price_rank(graph, module, forward, backward, costs) for forward, backward in per_rank.values()]
-    return max(priced, key=lambda cost: cost.eager_us)
+    cost = max(priced, key=lambda c: c.eager_us)
+    measured = measured_ratios(graph, costs) if measured is None else measured
+    ratio = measured.get(region_signature(graph, module)) if measured else None
+    if ratio is None:
+        return cost
+    return dataclasses.replace(cost, compiled_us=cost.eager_us * ratio, measured=True)
 
 
 def _price_rank(
@@ -297,10 +336,15 @@ def calibrate(costs: FusionCosts, graphs: Sequence[nx.DiGraph], probes: Mapping[
     during the warm-up: each probe (`recorder/region_probes.py`) measured a module's eager and
     compiled forward+backward and its compile time. ``region_us`` and ``kernel_us`` are solved so that
     the model's compiled time matches the measured one, the eager-to-compiled time ratio carried
-    over to the recorded ops (the probe ran the module alone, outside the step); with one probe,
-    ``kernel_us`` keeps its default and ``region_us`` takes the rest. Returns ``costs`` unchanged
-    when no probe measured a compiled time."""
+    over to the recorded ops (the probe ran the module alone, outside the step), on the probes of at
+    most `SMALL_PROBE_KERNELS` fused kernels where there are any (a Linear, a LayerNorm: the block
+    probed beside them mixes in what the model does not see, such as dropout's random numbers,
+    which inductor makes slower here); with one probe, ``kernel_us`` keeps its default and
+    ``region_us`` takes the rest. Each probe's measured ratio is kept (``measured_ratio``): a module
+    with its ops is priced at it (`price_region`). Returns ``costs`` unchanged when no probe
+    measured a compiled time."""
     rows = []
+    ratios: list[tuple[str, float]] = []
     for module, probe in probes.items():
         if (
             not probe.get("compiled_us")
@@ -309,16 +353,18 @@ def calibrate(costs: FusionCosts, graphs: Sequence[nx.DiGraph], probes: Mapping[
             or not graphs
         ):
             continue
-        recorded = [c for g in graphs if (c := price_region(g, module, costs)) is not None]
+        recorded = [c for g in graphs if (c := price_region(g, module, costs, {})) is not None]
         if not recorded:
             continue
         cost = min(recorded, key=lambda c: c.eager_us)
         measured_compiled = cost.eager_us * probe["compiled_us"] / probe["eager_us"]
         base = cost.compiled_us - cost.fused_kernels * costs.kernel_us - 2 * costs.region_us
         rows.append((cost, measured_compiled - base, probe.get("compile_s"), cost.ops))
+        ratios.append((module, probe["compiled_us"] / probe["eager_us"]))
     if not rows:
         return costs
-    kernel_us, region_us = _solve_constants(rows, costs.kernel_us)
+    small = [row for row in rows if row[0].fused_kernels <= SMALL_PROBE_KERNELS]
+    kernel_us, region_us = _solve_constants(small or rows, costs.kernel_us)
     compiles = [(ops, s) for _, _, s, ops in rows if s]
     fixed, per_op = _fit_line(compiles) if compiles else (costs.compile_s_fixed, costs.compile_s_per_op)
     return FusionCosts(
@@ -328,6 +374,7 @@ def calibrate(costs: FusionCosts, graphs: Sequence[nx.DiGraph], probes: Mapping[
         region_us=region_us,
         compile_s_per_op=per_op,
         compile_s_fixed=fixed,
+        measured_ratio=tuple(ratios),
         source=f"calibrated on {len(rows)} compiled region(s): {', '.join(c.module for c, *_ in rows)}",
     )
 
@@ -375,14 +422,30 @@ def _solve_constants(
 def apply_regions(graph: nx.DiGraph, regions: Sequence[str], costs: FusionCosts) -> nx.DiGraph:
     """A copy of ``graph`` with each region's ops as compiled: library ops keep their time, view ops
     take none, each fused chain's time goes to its first op (the rest take none), the gaps between the
-    region's ops go, and the region's own cost goes to its first op in each direction."""
+    region's ops go, and the region's own cost goes to its first op in each direction; a region with
+    the ops of a module compiled during the warm-up has its ops and gaps scaled by that one's
+    measured ratio instead."""
     out = graph.copy()
+    measured = measured_ratios(graph, costs)
     for module in regions:
+        ratio = measured.get(region_signature(graph, module)) if measured else None
         for forward, backward in region_nodes(graph, module).values():
+            if ratio is not None:
+                _scale_nodes(out, forward, ratio)
+                _scale_nodes(out, backward, ratio)
+                continue
             kept_share = _kept_share(graph, forward)
             _compile_nodes(out, graph, forward, costs, kept_share, is_forward=True)
             _compile_nodes(out, graph, backward, costs, kept_share, is_forward=False)
     return out
+
+
+def _scale_nodes(out: nx.DiGraph, nodes: list[str], ratio: float) -> None:
+    """The ops and the gaps between them ``ratio`` times as long (a measured region's time)."""
+    for i, n in enumerate(nodes):
+        out.nodes[n]["dur"] *= ratio
+        if i:
+            out.nodes[n]["gap"] *= ratio
 
 
 def _compile_nodes(

@@ -4,14 +4,15 @@
 `probe_modules` picks at most `MAX_PROBES` modules: the first instance of the model's most repeated
 block (a transformer block, a residual block: what a region plan compiles most), and inside it a
 layer that runs a library kernel alone (a Linear or a convolution: what compiling a region costs
-beyond its kernels) and a normalization layer (one or two fused kernels). `RegionInputs` keeps a
-copy of each one's arguments from its first call in a cold step (a forward pre-hook, removed once
-every module was seen). Once the window has closed, `probe_regions` runs each module on its
-arguments, forward and backward (with fixed random output gradients), on a deep copy (the live
-module, its parameters and their gradients are left alone): eager and under ``torch.compile``
-(inductor) in turns, `PROBE_REPEATS` times each after the compile, each the least of its runs
-(noise only adds time: a 0.3 ms LayerNorm once took a median 4.5 ms eager here, and spoiled the
-fit). A region's compile time is its first compiled forward and backward less an eager one.
+beyond its kernels) and a normalization layer (one or two fused kernels), each the first of its
+kind called in a step. `RegionInputs` keeps a copy of each one's arguments from its first call in
+a cold step (forward pre-hooks, removed after that step). Once the window has closed,
+`probe_regions` runs each module on its arguments, forward and backward (with fixed random output
+gradients), on a deep copy (the live module, its parameters and their gradients are left alone):
+eager and under ``torch.compile`` (inductor) in turns, `PROBE_REPEATS` times each after the
+compile, each the least of its runs (noise only adds time: a 0.3 ms LayerNorm once took a median
+4.5 ms eager here, and spoiled the fit). A region's compile time is its first compiled forward and
+backward less an eager one.
 The result is plain JSON (``Trace.compiled_regions["probes"]``)::
 
     {"blocks.0": {"eager_us": 812.0, "compiled_us": 655.1, "compile_s": 21.4, "graphs": 1},
@@ -26,7 +27,6 @@ caller's gate says no region could pay for its compile in the steps left (the in
 from __future__ import annotations
 
 import copy
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -50,9 +50,10 @@ def _structure(module: nn.Module) -> tuple:
     return (type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
 
 
-def probe_modules(model: nn.Module) -> list[str]:
-    """The modules to compile during the warm-up (see the module docstring); empty if the model has
-    no block that repeats."""
+def probe_modules(model: nn.Module) -> list[list[str]]:
+    """The modules to compile during the warm-up (see the module docstring), as groups of which the
+    first one called is compiled (a Linear inside ``nn.MultiheadAttention`` is never called: its
+    weight is); empty if the model has no block that repeats."""
     blocks = blocks_of(model)
     counts = Counter(_structure(module) for module in blocks.values())
     repeated = [(name, counts[_structure(m)]) for name, m in blocks.items() if counts[_structure(m)] > 1]
@@ -60,28 +61,33 @@ def probe_modules(model: nn.Module) -> list[str]:
         return []
     most = max(times for _, times in repeated)
     block = next(name for name, times in repeated if times == most)
-    chosen = [block]
+    groups = [[block]]
     for kinds in (_LIBRARY_LAYERS, _NORMS):
-        inner = (f"{block}.{n}" for n, m in blocks[block].named_modules() if n and isinstance(m, kinds))
-        chosen.extend(itertools.islice(inner, 1))
-    return chosen[:MAX_PROBES]
+        inner = [f"{block}.{n}" for n, m in blocks[block].named_modules() if n and isinstance(m, kinds)]
+        if inner:
+            groups.append(inner)
+    return groups[:MAX_PROBES]
 
 
 class RegionInputs:
-    """Keeps a detached copy of each named module's arguments at its first call."""
+    """Keeps a detached copy of the arguments of the first module of each group called, at its first
+    call."""
 
-    def __init__(self, model: nn.Module, names: list[str]):
+    def __init__(self, model: nn.Module, groups: list[list[str]]):
         modules = dict(model.named_modules())
         self.inputs: dict[str, tuple[tuple, dict]] = {}
+        self._taken: set[int] = set()  # the groups with a module called
         self._handles = [
-            modules[name].register_forward_pre_hook(self._hook(name), with_kwargs=True)
-            for name in names
+            modules[name].register_forward_pre_hook(self._hook(name, g), with_kwargs=True)
+            for g, group in enumerate(groups)
+            for name in group
             if name in modules
         ]
 
-    def _hook(self, name: str) -> Callable[..., None]:
+    def _hook(self, name: str, group: int) -> Callable[..., None]:
         def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if name not in self.inputs:
+            if group not in self._taken:
+                self._taken.add(group)
                 self.inputs[name] = tree_map(_copy_input, (args, kwargs))
 
         return keep
