@@ -907,3 +907,17 @@ def test_the_gate_wants_a_region_to_save_more_than_its_compile():
 
     assert gate(591.0) is not None  # saves 500 us over 1000 steps: exactly its compile
     assert gate(591.00025) is None  # 0.25 us more over the 1000 steps
+
+
+def test_a_region_holding_copies_of_the_measured_block_prices_them_as_measured():
+    graph = build_global_graph([model_trace(("net.b0", "net.b1"), slow=SLOW)], 0)
+    eager = {name: price_region(graph, name, COSTS, {}).eager_us for name in ("net.b0", "net.b1")}
+    probes = {"net.b0": {"eager_us": 100.0, "compiled_us": 150.0}}
+    fitted = calibrate(COSTS, [graph], probes)
+    whole = price_region(graph, "net", fitted)
+    assert whole.measured and whole.compiled_us == pytest.approx(1.5 * (eager["net.b0"] + eager["net.b1"]))
+    modelled = price_region(graph, "net", fitted, {})
+    assert not modelled.measured and modelled.compiled_us < whole.compiled_us
+    before = replay(graph).step_us
+    after = replay(apply_regions(graph, ["net"], fitted)).step_us
+    assert after - before == pytest.approx(whole.compiled_us - whole.eager_us)

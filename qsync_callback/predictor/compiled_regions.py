@@ -25,8 +25,9 @@ the warm-up where there are any (`recorder/region_probes.py`, ``Trace.compiled_r
 `DEFAULT_KERNEL_US` and `DEFAULT_REGION_US` (and the plan says so).
 
 Measured first: a module with the recorded ops and shapes of one compiled during the warm-up (the
-model's repeated block, and every copy of it) is priced at that one's measured compiled-to-eager
-ratio, not the model's (`measured_ratios`); the model prices the rest, its constants fitted on the
+model's repeated block, and every copy of it), alone or inside a larger region, is priced at that
+one's measured compiled-to-eager ratio, not the model's (`measured_parts`); the model prices the
+rest, its constants fitted on the
 small probes (`calibrate`). On this CPU the two differ most where inductor's code is slower than
 eager's for reasons the model does not see (a transformer layer's dropout: 20% slower compiled).
 
@@ -39,7 +40,6 @@ under a second where the first took 35 s) and costs `REUSE_COMPILE_S`.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -235,39 +235,91 @@ def price_region(
     graph: nx.DiGraph, module: str, costs: FusionCosts, measured: Mapping[tuple, float] | None = None
 ) -> RegionCost | None:
     """``module``'s region on ``graph``'s slowest rank (the recorded eager time of its ops and the
-    gaps between them, against the compiled prediction), or None if it recorded no ops. A module
-    with the ops of one compiled during the warm-up (``measured``, by signature; default
-    `measured_ratios`) is priced at that one's measured ratio instead of the model's."""
+    gaps between them, against the compiled prediction), or None if it recorded no ops. The parts of
+    it with the ops of a module compiled during the warm-up (itself, or blocks inside it: the
+    outermost such; ``measured``, by signature, default `measured_ratios`) are priced at that one's
+    measured ratio, the rest by the model."""
     per_rank = region_nodes(graph, module)
     if not per_rank:
         return None
-    priced = [_price_rank(graph, module, forward, backward, costs) for forward, backward in per_rank.values()]
-    cost = max(priced, key=lambda c: c.eager_us)
     measured = measured_ratios(graph, costs) if measured is None else measured
-    ratio = measured.get(region_signature(graph, module)) if measured else None
-    if ratio is None:
-        return cost
-    return dataclasses.replace(cost, compiled_us=cost.eager_us * ratio, measured=True)
+    priced = [
+        _price_rank(graph, module, forward, backward, costs, measured)
+        for forward, backward in per_rank.values()
+    ]
+    return max(priced, key=lambda c: c.eager_us)
+
+
+def measured_parts(
+    graph: nx.DiGraph, module: str, forward: list[str], measured: Mapping[tuple, float]
+) -> list[tuple[str, float]]:
+    """The outermost modules in ``module``'s region (itself included) whose forward ops (on this
+    rank: ``forward``) have the signature of a module compiled during the warm-up, with its ratio."""
+    if not measured:
+        return []
+    inner: dict[str, list[str]] = {}
+    for n in forward:
+        owner = graph.nodes[n]["module"]
+        parts = owner.split(".")
+        top = len(module.split("."))
+        for k in range(top, len(parts) + 1):
+            inner.setdefault(".".join(parts[:k]), []).append(n)
+    found: list[tuple[str, float]] = []
+    for name in sorted(inner, key=lambda m: m.count(".")):
+        if any(name == p or name.startswith(p + ".") for p, _ in found):
+            continue
+        signature = tuple((graph.nodes[n]["name"], repr(graph.nodes[n].get("shapes"))) for n in inner[name])
+        if signature in measured:
+            found.append((name, measured[signature]))
+    return found
+
+
+def _split_measured(
+    graph: nx.DiGraph, parts: list[tuple[str, float]], nodes: list[str]
+) -> tuple[list[tuple[list[str], float]], list[str]]:
+    """``nodes`` split into each measured part's (with its ratio) and the rest."""
+    owned: list[tuple[list[str], float]] = [([], ratio) for _, ratio in parts]
+    rest = []
+    for n in nodes:
+        owner = graph.nodes[n]["module"]
+        k = next((i for i, (p, _) in enumerate(parts) if owner == p or owner.startswith(p + ".")), None)
+        (owned[k][0] if k is not None else rest).append(n)
+    return owned, rest
 
 
 def _price_rank(
-    graph: nx.DiGraph, module: str, forward: list[str], backward: list[str], costs: FusionCosts
+    graph: nx.DiGraph,
+    module: str,
+    forward: list[str],
+    backward: list[str],
+    costs: FusionCosts,
+    measured: Mapping[tuple, float],
 ) -> RegionCost:
-    kept_share = _kept_share(graph, forward)
+    parts = measured_parts(graph, module, forward, measured)
+    measured_fwd, rest_fwd = _split_measured(graph, parts, forward)
+    measured_bwd, rest_bwd = _split_measured(graph, parts, backward)
+    kept_share = _kept_share(graph, rest_fwd)
     priced = [
-        _price_direction(graph, forward, costs, kept_share, is_forward=True),
-        _price_direction(graph, backward, costs, kept_share, is_forward=False),
+        _price_direction(graph, rest_fwd, costs, kept_share, is_forward=True),
+        _price_direction(graph, rest_bwd, costs, kept_share, is_forward=False),
     ]
+    scaled = sum(ratio * _eager_us(graph, nodes) for nodes, ratio in [*measured_fwd, *measured_bwd])
     ops = len(forward) + len(backward)
     return RegionCost(
         module=module,
-        eager_us=sum(p[0] for p in priced),
-        compiled_us=sum(p[1] for p in priced),
+        eager_us=_eager_us(graph, forward) + _eager_us(graph, backward),
+        compiled_us=sum(p[1] for p in priced) + scaled,
         ops=ops,
         library_us=sum(p[2] for p in priced),
         fused_kernels=sum(p[3] for p in priced),
         compile_s=costs.compile_s_fixed + costs.compile_s_per_op * ops,
+        measured=bool(parts),
     )
+
+
+def _eager_us(graph: nx.DiGraph, nodes: list[str]) -> float:
+    """The ops' recorded time and the host gaps between them (not the one before the first)."""
+    return sum(graph.nodes[n]["dur"] for n in nodes) + sum(graph.nodes[n]["gap"] for n in nodes[1:])
 
 
 def _price_direction(
@@ -280,8 +332,12 @@ def _price_direction(
     library = sum(graph.nodes[n]["dur"] for n in nodes if op_category(graph.nodes[n]["name"]) == LIBRARY_KIND)
     chains = _chains(graph, nodes)
     fused = sum(_chain_us(graph, chain, costs, kept_share, is_forward) for chain in chains)
-    eager = sum(graph.nodes[n]["dur"] for n in nodes) + sum(graph.nodes[n]["gap"] for n in nodes[1:])
-    return eager, library + fused + costs.region_us, library, sum(_kernels(graph, c) for c in chains)
+    return (
+        _eager_us(graph, nodes),
+        library + fused + costs.region_us,
+        library,
+        sum(_kernels(graph, c) for c in chains),
+    )
 
 
 def _chains(graph: nx.DiGraph, nodes: list[str]) -> list[list[str]]:
@@ -422,21 +478,26 @@ def _solve_constants(
 def apply_regions(graph: nx.DiGraph, regions: Sequence[str], costs: FusionCosts) -> nx.DiGraph:
     """A copy of ``graph`` with each region's ops as compiled: library ops keep their time, view ops
     take none, each fused chain's time goes to its first op (the rest take none), the gaps between the
-    region's ops go, and the region's own cost goes to its first op in each direction; a region with
-    the ops of a module compiled during the warm-up has its ops and gaps scaled by that one's
-    measured ratio instead."""
+    region's ops go, and the region's own cost goes to its first op in each direction; the parts of
+    a region with the ops of a module compiled during the warm-up (`measured_parts`) have their ops
+    and gaps scaled by that one's measured ratio instead."""
     out = graph.copy()
     measured = measured_ratios(graph, costs)
     for module in regions:
-        ratio = measured.get(region_signature(graph, module)) if measured else None
         for forward, backward in region_nodes(graph, module).values():
-            if ratio is not None:
-                _scale_nodes(out, forward, ratio)
-                _scale_nodes(out, backward, ratio)
-                continue
-            kept_share = _kept_share(graph, forward)
-            _compile_nodes(out, graph, forward, costs, kept_share, is_forward=True)
-            _compile_nodes(out, graph, backward, costs, kept_share, is_forward=False)
+            parts = measured_parts(graph, module, forward, measured)
+            measured_fwd, rest_fwd = _split_measured(graph, parts, forward)
+            measured_bwd, rest_bwd = _split_measured(graph, parts, backward)
+            for nodes, ratio in [*measured_fwd, *measured_bwd]:
+                _scale_nodes(out, nodes, ratio)
+            kept_share = _kept_share(graph, rest_fwd)
+            _compile_nodes(out, graph, rest_fwd, costs, kept_share, is_forward=True)
+            _compile_nodes(out, graph, rest_bwd, costs, kept_share, is_forward=False)
+            # inside the region no host gap is left between its parts (as `_price_rank` prices it)
+            heads = {nodes[0] for nodes, _ in [*measured_fwd, *measured_bwd] if nodes}
+            heads |= {nodes[0] for nodes in (rest_fwd, rest_bwd) if nodes}
+            for n in heads - {nodes[0] for nodes in (forward, backward) if nodes}:
+                out.nodes[n]["gap"] = 0.0
     return out
 
 
