@@ -129,6 +129,8 @@ def test_op_categories_on_profiler_names():
     assert op_category("aten::view") == VIEW_KIND
     assert op_category(BWD + "TransposeBackward0") == VIEW_KIND
     assert op_category(BWD + "UnsafeViewBackward0") == VIEW_KIND
+    assert op_category("aten::dropout") == LIBRARY_KIND  # random numbers keep their time
+    assert op_category(BWD + "NativeDropoutBackward0") == FUSIBLE_KIND  # a multiply by the mask
     assert op_category("aten::gelu") == FUSIBLE_KIND
     assert op_category(BWD + "NativeLayerNormBackward0") == FUSIBLE_KIND
     assert op_category("aten::layer_norm") == FUSIBLE_KIND

@@ -8,7 +8,8 @@ backward ops of those (autograd's nodes; AccumulateGrad stays outside: the compi
 hands each gradient to it). Each direction, forward and backward, is priced apart:
 
 - **library kernels** (`LIBRARY`: matmuls, convolutions, attention, embeddings, recurrent cells),
-  which inductor leaves to the same library calls, keep their recorded time;
+  which inductor leaves to the same library calls, keep their recorded time, and so do the ops
+  drawing random numbers (dropout), which inductor's code draws no faster;
 - **views** (`VIEWS`: reshapes, transposes, splits) cost nothing compiled: they become indexing;
 - every other op is **fusible** (pointwise and reductions). Each maximal chain of fusible ops between
   two library kernels becomes fused kernels (one per reduction in it, at least one), each costing
@@ -63,6 +64,15 @@ LIBRARY = frozenset(
         "lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnnrnnlayer", "cudnnrnn",
     }
 )  # fmt: skip
+# forward ops drawing random numbers: inductor's code draws them no faster (a transformer layer with
+# dropout ran 17% slower compiled here), so they keep their time (their backward, a multiply by the
+# mask, fuses)
+RANDOM = frozenset(
+    {
+        "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "bernoulli_",
+        "rand", "randn", "rand_like", "randn_like",
+    }
+)  # fmt: skip
 VIEWS = frozenset(
     {
         "view", "reshape", "_unsafe_view", "unsafeview", "transpose", "t", "permute", "split",
@@ -95,6 +105,8 @@ def base_name(name: str) -> str:
 def op_category(name: str) -> str:
     """`LIBRARY_KIND`, `VIEW_KIND` or `FUSIBLE_KIND` (see the module docstring)."""
     base = base_name(name)
+    if base in RANDOM and not name.startswith(BACKWARD_PREFIX):
+        return LIBRARY_KIND
     if base in LIBRARY or base.removeprefix("native") in LIBRARY or base.endswith("convolution"):
         return LIBRARY_KIND
     if base in VIEWS:
