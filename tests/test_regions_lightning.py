@@ -8,6 +8,7 @@ import gc
 import math
 import warnings
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -113,8 +114,15 @@ def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
     predictor = Predictor([trace])
     costs = predictor.fusion_costs
     assert costs.source.startswith("calibrated on 3")
-    block = price_region(predictor.graphs[predictor.typical_step], "blocks.0", costs)
-    assert block.ops >= 8 and block.library_us > 0
+    graph = predictor.graphs[predictor.typical_step]
+    # both blocks are priced at the measured ratio of the one compiled; the model alone sees their
+    # Linears as library time
+    ratio = regions["probes"]["blocks.0"]["compiled_us"] / regions["probes"]["blocks.0"]["eager_us"]
+    for name in ("blocks.0", "blocks.1"):
+        block = price_region(graph, name, costs)
+        assert block.measured and block.compiled_us == pytest.approx(ratio * block.eager_us)
+        modelled = price_region(graph, name, costs, {})
+        assert modelled.ops >= 8 and modelled.library_us > 0 and not modelled.measured
 
 
 def test_live_tensors_are_counted_beside_the_fake_tensors_a_compile_leaves_alive():
