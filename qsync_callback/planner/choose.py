@@ -53,10 +53,15 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
         chosen = PlanChoice(choice.plan, choice.feasible, table)
     elif has_tf_candidates(traces):
         return choose_tf_plan(traces, constraints)
-    if _plans_buckets(traces, constraints):
-        chosen = _with_buckets(traces, constraints, chosen)
-    if _plans_regions(traces, constraints):
-        chosen = _with_regions(traces, constraints, chosen)
+    on_top = [
+        planner
+        for wanted, planner in ((_plans_buckets, _plan_buckets), (_plans_regions, _plan_regions))
+        if wanted(traces, constraints)
+    ]
+    if on_top:
+        predictor = Predictor(traces)  # one for both: its graphs and fits do not depend on the plan
+        for planner in on_top:
+            chosen = _on_top(traces, constraints, chosen, predictor, planner)
     if chosen is not None:
         return chosen
     if "precision" in constraints.levers:
@@ -102,37 +107,30 @@ def _plans_regions(traces: Sequence[Trace], constraints: Constraints) -> bool:
     return "regions" in constraints.levers and bool(traces) and bool(traces[0].compiled_regions)
 
 
-def _with_buckets(traces: Sequence[Trace], constraints: Constraints, choice: PlanChoice | None) -> PlanChoice:
-    """``choice`` with DDP's buckets chosen on top (`_on_top`)."""
-
-    def plan_buckets(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
-        buckets = choose_buckets(predictor, base)
-        return buckets.plan, buckets.recorded.prediction, format_bucket_plan(buckets)
-
-    return _on_top(traces, constraints, choice, plan_buckets)
+def _plan_buckets(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
+    """DDP's buckets on top of ``base`` (`_on_top`'s planner)."""
+    buckets = choose_buckets(predictor, base)
+    return buckets.plan, buckets.recorded.prediction, format_bucket_plan(buckets)
 
 
-def _with_regions(traces: Sequence[Trace], constraints: Constraints, choice: PlanChoice | None) -> PlanChoice:
-    """``choice`` with compiled regions chosen on top (`_on_top`)."""
-
-    def plan_regions(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
-        regions = choose_regions(predictor, base)
-        return regions.plan, regions.base, format_region_plan(regions)
-
-    return _on_top(traces, constraints, choice, plan_regions)
+def _plan_regions(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
+    """Compiled regions on top of ``base`` (`_on_top`'s planner)."""
+    regions = choose_regions(predictor, base)
+    return regions.plan, regions.base, format_region_plan(regions)
 
 
 def _on_top(
     traces: Sequence[Trace],
     constraints: Constraints,
     choice: PlanChoice | None,
+    predictor: Predictor,
     planner: Callable[[Predictor, Plan], tuple[Plan | None, Prediction, str]],
 ) -> PlanChoice:
     """``choice`` (another lever's plan, or none) with ``planner``'s decisions on top: its plan
     (None: nothing to add), the prediction of the plan it went on, and its table, which follows
     the other's."""
     base = choice.plan if choice is not None else Plan.empty(traces[0].fingerprint)
-    added, base_prediction, table = planner(Predictor(traces), base)
+    added, base_prediction, table = planner(predictor, base)
     plan = added or base
     plan.constraints = constraints.to_dict()
     if added is None and choice is None:
