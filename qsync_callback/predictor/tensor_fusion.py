@@ -38,7 +38,9 @@ its recorded bucket was launched. Every bucket is waited for by the recorded wai
 which copy goes with which new bucket is not recorded; a recorded waiter inside backward is where
 the training thread stalled beside the all-reduce on a shared core, not a use of its result). The
 buckets' all-reduce cost has no delay. Its ``alpha + beta * b`` is fitted on the all-reduces the
-recorder timed alone at several sizes (``allreduce_us``, averaged over the ranks): the recorded
+recorder timed alone at several sizes (``allreduce_us``, averaged over the ranks; in relative error:
+the sizes span 4 KiB to 16 MiB, and a fit in absolute error follows the largest alone, whose noise
+then sets ``alpha``, at times to below 0): the recorded
 buckets are one or two sizes and cannot tell a per-collective cost from a per-byte one (with a single
 size the fit has no ``alpha``, and every split looks free). The recorded buckets (each node's span,
 from the last rank's launch to the first rank's wait) then set ``beta`` where they cost more per
@@ -202,7 +204,8 @@ def fit_allreduce_cost(
         raise QSyncInputError(f"no recorded {what} to fit the all-reduce cost on")
     x, y = np.array(sizes, float), np.array(durations, float)
     if alone:
-        alpha, beta = _line(np.array(alone[0]["bytes"], float), np.mean([a["us"] for a in alone], axis=0))
+        timed = np.mean([a["us"] for a in alone], axis=0)
+        alpha, beta = _line(np.array(alone[0]["bytes"], float), timed, weights=1.0 / np.maximum(timed, 1e-9))
         beside = float(((y - alpha) @ x) / (x @ x)) if x @ x > 0 else 0.0
         return AllreduceCost(alpha, max(beta, beside), 0.0, world_size, len(sizes))
     if len(set(sizes)) >= 2:
@@ -213,9 +216,9 @@ def fit_allreduce_cost(
     return AllreduceCost(float(alpha), float(beta), delay, world_size, len(sizes))
 
 
-def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """``alpha + beta * x`` by least squares, neither below 0."""
-    beta, alpha = np.polyfit(x, y, 1)
+def _line(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float]:
+    """``alpha + beta * x`` by least squares, each residual times its weight, neither below 0."""
+    beta, alpha = np.polyfit(x, y, 1, w=weights)
     if beta < 0:
         return float(y.mean()), 0.0
     if alpha < 0:
