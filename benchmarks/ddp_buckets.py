@@ -62,7 +62,8 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> list[dic
     if run_report(script, ["--worker", model], record_dir, timeout) is None:
         return [{"model": model, "failed": "the recording"}]
     traces = load_trace_dir(record_dir / "trace")
-    choice = choose_buckets(Predictor(traces))
+    predictor = Predictor(traces)
+    choice = choose_buckets(predictor)
     chosen = choice.chosen.name if choice.chosen is not None else RECORDED
     files: dict[str, Path | None] = {RECORDED: None}
     for candidate in choice.candidates:
@@ -82,7 +83,9 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> list[dic
     for candidate in [choice.recorded, *choice.candidates]:
         steps = measured[candidate.name]
         median = statistics.median(steps) if steps else None
-        predicted = candidate.prediction.step_ms
+        # priced on every recorded step (the planner ranks on the typical one)
+        plan = Plan(fingerprint=traces[0].fingerprint, buckets=candidate.buckets)
+        predicted = predictor.predict(plan).step_ms
         rows.append(
             {
                 "model": model,
@@ -90,7 +93,7 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> list[dic
                 "chosen": candidate.name == chosen,
                 "bucket_mib": [round(b / 2**20, 2) for b in candidate.bucket_bytes],
                 "predicted_ms": predicted,
-                "exposed_ms": candidate.exposed_ms,
+                "exposed_ms": candidate.prediction.exposed_comm_ms,
                 "measured_ms": steps,
                 "median_ms": median,
                 "error_pct": change_pct(predicted, median),

@@ -11,12 +11,15 @@ peak and the least any plan reaches; then, for the same budget, the activation p
 recompute and offload per module, every layer and block a candidate) by its MILP and by its greedy,
 with the gap between their predicted step times, and all levers together (`plan_memory`); and
 the compiled-regions planner (issue 14) for a run of `REGIONS_RUN_STEPS` steps, every module a
-candidate, at the cost model's uncalibrated constants (nothing is compiled during this short run). Issue 3's
-and issue 13's target: planning, after the probes, under 2 s for 200 layers.
+candidate, at the cost model's uncalibrated constants (nothing is compiled during this short run).
+Then the same model is recorded again under DDP on 2 CPU processes (gloo; in a subprocess of this
+script, ``--record-ddp``) and DDP's bucket planner (issue 14) is timed on its traces. Issues 3, 13
+and 14's target: planning, after the probes, under 2 s for 200 layers.
 
 ``--quick``: a smoke pass on 20 layers. Writes ``<out>/planning_time.md`` and ``.json``.
 
     python benchmarks/planning_time.py [--layers 200] [--width 64] [--quick] [--out benchmarks/results]
+    python benchmarks/planning_time.py --record-ddp DIR [--layers 200] [--width 64]   (one rank's part)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from runs import bench_environment, write_results
+from runs import bench_environment, launch, stderr_tail, write_results
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -37,6 +40,7 @@ from qsync_callback.integrations.lightning import QSyncCallback
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import exact_activation, greedy_activation
 from qsync_callback.planner.compiled_regions import choose_regions
+from qsync_callback.planner.ddp_buckets import choose_buckets
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import allocate_precision, least_memory_plan
 from qsync_callback.predictor.indicator import sensitivity
@@ -51,6 +55,8 @@ ACTIVATION_BUDGET = 0.85  # the activation planner's budget, a share of the reco
 TARGET_LAYERS = 200
 REGIONS_RUN_STEPS = 20_000
 QUICK_LAYERS = 20
+DDP_STEPS = 30
+DDP_TIMEOUT_S = 900
 
 
 class ResidualPair(nn.Module):
@@ -83,23 +89,54 @@ class DeepMLP(pl.LightningModule):
 
 def record(layers: int, width: int, out: Path) -> Path:
     """Train with the callback in mode "apply" (unbounded time target); the trace directory."""
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(BATCH * STEPS, width), torch.randint(0, 10, (BATCH * STEPS,)))
     callback = QSyncCallback(
         mode="apply", output_dir=out, max_step_time=1e6, precisions=PRECISIONS, plan_cache=False
     )
+    fit(DeepMLP(layers, width), width, callback, devices=1, steps=STEPS)
+    return out / "trace"
+
+
+def record_ddp(layers: int, width: int, out: Path) -> Path:
+    """The same model recorded under DDP on 2 CPU processes (a subprocess of this script); the
+    trace directory."""
+    args = ["--record-ddp", str(out / "run"), "--layers", str(layers), "--width", str(width)]
+    rc, _ = launch(Path(__file__).resolve(), args, out, DDP_TIMEOUT_S)
+    if rc != 0:
+        raise SystemExit(f"the DDP recording failed (exit {rc}):\n{stderr_tail(out)}")
+    return out / "run" / "trace"
+
+
+def fit(model: pl.LightningModule, width: int, callback: QSyncCallback, devices: int, steps: int) -> None:
+    """Train ``model`` on random data with ``callback`` on ``devices`` CPU processes (DDP when 2)."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(BATCH * steps, width), torch.randint(0, 10, (BATCH * steps,)))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
         callbacks=[callback],
     )
-    trainer.fit(DeepMLP(layers, width), DataLoader(data, batch_size=BATCH))
-    return out / "trace"
+    trainer.fit(model, DataLoader(data, batch_size=BATCH))
+
+
+def time_bucket_planning(trace_dir: Path) -> dict[str, Any]:
+    """Seconds to build the predictor on the DDP traces and to choose the buckets."""
+    traces = load_trace_dir(trace_dir)
+    start = time.perf_counter()
+    predictor = Predictor(traces)
+    built = time.perf_counter()
+    choice = choose_buckets(predictor)
+    return {
+        "ddp_predictor_s": built - start,
+        "ddp_buckets_s": time.perf_counter() - built,
+        "ddp_candidates": len(choice.candidates),
+        "ddp_gradients": sum(len(b) for b in traces[0].communication["buckets"]),
+    }
 
 
 def time_planning(trace_dir: Path) -> dict[str, Any]:
@@ -190,6 +227,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"(fits: {result['memory_plan_all_levers_feasible']}) |",
         f"| compiled regions for a {REGIONS_RUN_STEPS}-step run ({result['regions_candidates']} candidates, "
         f"{result['regions_method']}, {result['regions_chosen']} chosen) | {result['regions_s']:.2f} s |",
+        f"| DDP on 2 processes: predictor built | {result['ddp_predictor_s']:.2f} s |",
+        f"| DDP buckets ({result['ddp_gradients']} gradients, {result['ddp_candidates']} candidates "
+        f"priced) | {result['ddp_buckets_s']:.2f} s |",
         "",
         f"Planning for speed (predictor built, indicator, greedy): "
         f"{result['predictor_s'] + planning:.2f} s; target {TARGET_S:.0f} s for {TARGET_LAYERS} layers"
@@ -214,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help=f"smoke pass: {QUICK_LAYERS} layers")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--record-ddp", type=Path, help="one DDP rank's recording into this directory")
     args = parser.parse_args(argv)
+    if args.record_ddp:
+        callback = QSyncCallback(mode="record", output_dir=args.record_ddp, plan_cache=False)
+        fit(DeepMLP(args.layers, args.width), args.width, callback, devices=2, steps=DDP_STEPS)
+        return 0
     if args.quick:
         args.layers = QUICK_LAYERS
     env = bench_environment(precisions=PRECISIONS, steps=STEPS, batch=BATCH, quick=args.quick)
@@ -223,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "width": args.width,
         **time_planning(record(args.layers, args.width, run_dir)),
+        **time_bucket_planning(record_ddp(args.layers, args.width, run_dir / "ddp")),
     }
     write_results(args.out, "planning_time", markdown(result), {"environment": env, **result})
     return 0

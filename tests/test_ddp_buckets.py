@@ -29,6 +29,7 @@ from qsync_callback.predictor.tensor_fusion import (
     AllreduceCost,
     all_reduces,
     fit_allreduce_cost,
+    fusion_correction_us,
     regroup,
     shared_core_us,
 )
@@ -160,8 +161,19 @@ def test_on_a_cpu_an_all_reduce_beside_backward_is_charged_to_the_step(recorded)
     with_charge = predictor.predict(
         Plan(fingerprint=fingerprint, buckets=[names[i : i + 2] for i in range(0, len(names), 2)])
     )
-    replayed = replay(per_layer).step_us + predictor._fused()[1][0] + shared_core_us(per_layer)
+    correction = fusion_correction_us(graph, cost, settings, shared_cores=True)
+    replayed = replay(per_layer).step_us + correction + shared_core_us(per_layer)
     assert with_charge.replayed_step_ms[0] == pytest.approx(replayed / 1e3)
+    # priced on one recorded step: that step's figure, and the step's exposed communication
+    one_bucket = Plan(fingerprint=fingerprint, buckets=[names])
+    typical = predictor.typical_step
+    one_step = predictor.predict(one_bucket, steps=[typical])
+    assert one_step.replayed_step_ms == [predictor.predict(one_bucket).replayed_step_ms[typical]]
+    timing = replay(after_backward)
+    backward_end = max(timing.end[n] for n, kind in after_backward.nodes(data="kind") if kind == "backward")
+    exposed_us = max(timing.end[n] for n in all_reduces(after_backward)) - backward_end
+    assert exposed_us > 0  # one bucket, all-reduced after backward: all of it exposed
+    assert predictor.predict(one_bucket, steps=[0]).exposed_comm_ms == pytest.approx(exposed_us / 1e3)
 
 
 def test_a_bucket_plan_must_name_every_gradient_once(recorded):

@@ -17,10 +17,15 @@ Candidates, each priced by the predictor (the recorded all-reduces regrouped and
 - DDP's own assignment at the caps `CAPS_MIB`, its default among them (25 MiB, with a first bucket
   of 1 MiB: `ddp_assignment`), and everything in one bucket.
 
-The recorded buckets are the reference. The chosen plan is the fastest predicted candidate if it
-is predicted more than `NO_DECISION_GAIN` faster than the recorded buckets; otherwise none (a
-smaller predicted difference is no decision). Each candidate's exposed communication (the replay's
-last all-reduce end less its last backward op's end) is shown with it.
+The recorded buckets are the reference. Every candidate and the reference are priced on the
+typical recorded step (`Predictor.typical_step`, the one whose replay is the recorded steps'
+median: one regrouped graph each, not one per recorded step; a bucket plan changes no compute op,
+so the steps differ only in what they recorded). The fastest is chosen if it is predicted more than
+`NO_DECISION_GAIN` faster than the recorded buckets; otherwise none (a smaller predicted
+difference is no decision). The chosen plan's figure (``Plan.prediction``, what verify compares
+with) is priced on every recorded step. Each candidate's exposed communication
+(`Prediction.exposed_comm_ms`: the replay's last all-reduce end less its last backward op's end)
+is shown with it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import networkx as nx
-
 from qsync_callback.plan import Plan
 from qsync_callback.predictor.predict import Prediction, Predictor
-from qsync_callback.predictor.replay import replay
-from qsync_callback.predictor.tensor_fusion import AllreduceCost, all_reduces, collective_tensors, regroup
+from qsync_callback.predictor.tensor_fusion import AllreduceCost, collective_tensors
 from qsync_callback.recorder.ddp_buckets import fill_buckets
 
 CAPS_MIB = (1, 4, 16, 25, 64)
@@ -59,8 +61,7 @@ class BucketCandidate:
     name: str
     buckets: list[list[str]]
     bucket_bytes: list[int]
-    prediction: Prediction
-    exposed_ms: float
+    prediction: Prediction  # on the typical recorded step (`Predictor.typical_step`)
 
 
 @dataclass
@@ -75,9 +76,11 @@ class BucketChoice:
 
 def gradient_layers(predictor: Predictor) -> list[Layer]:
     """The recorded gradients in DDP's bucket order, grouped into runs of one layer, each with its
-    ready time in the replay of the recorded step graph (the latest of its gradients)."""
-    graph = predictor.graphs[0]
-    ends = replay(graph).end
+    ready time in the replay of the typical recorded step (`Predictor.typical_step`: the latest
+    of its gradients)."""
+    at = predictor.typical_step
+    graph = predictor.graphs[at]
+    ends = predictor.recorded_ends(at)
     ready = {t.name: max((ends[n] for n in t.launch), default=0.0) for t in collective_tensors(graph, ends)}
     layers: list[Layer] = []
     owner_of_last = None
@@ -126,16 +129,6 @@ def _buckets(layers: Sequence[Layer], ends: Sequence[int]) -> list[list[str]]:
     return [[n for layer in layers[a:b] for n in layer.names] for a, b in zip(starts, ends, strict=True)]
 
 
-def exposed_ms(graph: nx.DiGraph) -> float:
-    """How long the replayed step's last all-reduce runs past its last backward op (ms)."""
-    timing = replay(graph)
-    comm = [timing.end[n] for n in all_reduces(graph)]
-    backward = [timing.end[n] for n, kind in graph.nodes(data="kind") if kind == "backward"]
-    if not comm or not backward:
-        return 0.0
-    return max(0.0, max(comm) - max(backward)) / 1e3
-
-
 def choose_buckets(predictor: Predictor, base: Plan | None = None) -> BucketChoice:
     """Price the candidates on top of ``base`` (another lever's plan, or none) and choose (see the
     module docstring)."""
@@ -144,14 +137,17 @@ def choose_buckets(predictor: Predictor, base: Plan | None = None) -> BucketChoi
     cost = predictor.fusion_cost()
     settings = predictor.traces[0].communication
     sizes = {t["name"]: t["bytes"] for bucket in settings["buckets"] for t in bucket}
+    typical = [predictor.typical_step]
 
-    def priced(name: str, buckets: list[list[str]]) -> BucketCandidate:
-        plan = Plan.from_dict({**base.to_dict(), "buckets": buckets})
-        graph = regroup(predictor.graphs[0], cost, settings, buckets)
+    def plan_of(buckets: list[list[str]]) -> Plan:
+        return Plan.from_dict({**base.to_dict(), "buckets": buckets})
+
+    def ranked(name: str, buckets: list[list[str]]) -> BucketCandidate:
         bucket_bytes = [sum(sizes[n] for n in bucket) for bucket in buckets]
-        return BucketCandidate(name, buckets, bucket_bytes, predictor.predict(plan), exposed_ms(graph))
+        prediction = predictor.predict(plan_of(buckets), steps=typical)
+        return BucketCandidate(name, buckets, bucket_bytes, prediction)
 
-    recorded = priced(RECORDED, [[t["name"] for t in bucket] for bucket in settings["buckets"]])
+    recorded = ranked(RECORDED, [[t["name"] for t in bucket] for bucket in settings["buckets"]])
     proposals = [("fastest finish (dynamic programming)", best_partition(layers, cost))]
     for cap in CAPS_MIB:
         first = FIRST_BUCKET_MIB if cap == DEFAULT_CAP_MIB else cap
@@ -163,12 +159,12 @@ def choose_buckets(predictor: Predictor, base: Plan | None = None) -> BucketChoi
         buckets = _buckets(layers, ends)
         if buckets not in seen:
             seen.append(buckets)
-            candidates.append(priced(name, buckets))
+            candidates.append(ranked(name, buckets))
     best = min(candidates, key=lambda c: c.prediction.step_ms, default=None)
     if best is None or best.prediction.step_ms > (1 - NO_DECISION_GAIN) * recorded.prediction.step_ms:
         return BucketChoice(None, recorded, candidates)
-    plan = Plan.from_dict({**base.to_dict(), "buckets": best.buckets})
-    plan.prediction = best.prediction.figures()
+    plan = plan_of(best.buckets)
+    plan.prediction = predictor.predict(plan).figures()
     return BucketChoice(plan, recorded, candidates, best)
 
 
@@ -183,7 +179,7 @@ def format_bucket_plan(choice: BucketChoice) -> str:
         mark = "   <- chosen" if c is choice.chosen else ""
         lines.append(
             f"  {c.name[:38]:<38} {len(c.buckets):3d} buckets [{sizes}] MiB  {c.prediction.step_ms:8.2f} ms "
-            f"{change:+6.1f}%  exposed {c.exposed_ms:6.2f} ms{mark}"
+            f"{change:+6.1f}%  exposed {c.prediction.exposed_comm_ms:6.2f} ms{mark}"
         )
     if choice.chosen is None:
         lines.append(

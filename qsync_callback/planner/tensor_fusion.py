@@ -22,7 +22,6 @@ from typing import Any
 
 from qsync_callback.plan import Plan
 from qsync_callback.predictor.predict import Prediction, Predictor
-from qsync_callback.predictor.replay import replay
 from qsync_callback.predictor.tensor_fusion import collective_tensors
 
 THRESHOLD_ENV = "HOROVOD_FUSION_THRESHOLD"  # Horovod's names for the settings
@@ -75,8 +74,7 @@ def group_candidates(predictor: Predictor) -> list[list[list[str]]]:
     """Gradient groupings to try (variable names where every gradient has one), each different
     from the others: one group, per layer, and `BALANCED_GROUPS` groups of about equal bytes in
     order of readiness."""
-    graph = predictor.graphs[0]
-    tensors = collective_tensors(graph, replay(graph).end)
+    tensors = collective_tensors(predictor.graphs[0], predictor.recorded_ends(0))
     by_variable = all(t.variable for t in tensors)
     names = [t.variable if by_variable else t.name for t in tensors]
     out: list[list[list[str]]] = [[names]]

@@ -26,12 +26,21 @@ executor runs the ops) that ended within the step.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
 from qsync_callback.recorder.horovod_timeline import tensor_key
 from qsync_callback.recorder.trace import Op, Trace, clock_offsets_us
+
+ALL_REDUCE = "all_reduce"  # a collective's ``op`` (`recorder/trace.py`)
+
+
+def is_all_reduce(attrs: Mapping[str, Any]) -> bool:
+    """Whether a node (its attributes) is an all-reduce that carries tensors."""
+    collective = attrs.get("collective") or {}
+    return attrs["kind"] == "comm" and bool(attrs.get("parts")) and collective.get("op") == ALL_REDUCE
 
 
 def start_node(rank: int) -> str:

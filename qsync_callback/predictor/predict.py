@@ -71,6 +71,7 @@ class Prediction:
     critical_path_share: dict[str, float] = field(default_factory=dict)
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     layer_ms: dict[str, float] = field(default_factory=dict)
+    exposed_comm_ms: float = 0.0  # the median step's collectives past its last backward op
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,35 +134,41 @@ class Predictor:
         ]
         self._lives = lives
         self._activation_pricing: ActivationPricing | None = None  # built when first needed
-        self._fusion: tuple[AllreduceCost, list[float]] | None = None  # fitted when first needed
+        self._fusion: AllreduceCost | None = None  # fitted when first needed
+        self._corrections: dict[int, float] = {}  # per recorded step, when first needed
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
         self._fusion_costs: FusionCosts | None = None  # fitted when first needed
         self._estimates: dict[tuple[frozenset, frozenset], Prediction] = {}  # `estimate`'s, by plan
 
-    def predict(self, plan: Plan | None = None, plan_source: str = "<plan>") -> Prediction:
-        """Price ``plan`` (default: the recorded configuration)."""
+    def predict(
+        self, plan: Plan | None = None, plan_source: str = "<plan>", steps: Sequence[int] | None = None
+    ) -> Prediction:
+        """Price ``plan`` (default: the recorded configuration) on every recorded step, or on the
+        recorded steps at positions ``steps`` (a quick figure for ranking plans: `typical_step`)."""
         if plan is None:
             plan = Plan()
         else:
             check_plan(self.traces, plan, plan_source)
+        at = list(range(len(self._graphs)) if steps is None else steps)
         if not (plan.op_precision or plan.buckets or plan.communication or plan.fused_regions):
-            activation = _acting(plan.activation)
-            runs = self._durations(plan.precision)
-            if activation:
-                runs = self.activation.durations(activation, runs, range(len(runs)))
-            return self._price(plan.precision, self._compiled, runs, [0.0] * len(runs), activation)
-        graphs = [
-            apply_precision(g, self.traces, plan.precision) if plan.precision else g for g in self._graphs
-        ]
+            return self._price_recorded(plan.precision, _acting(plan.activation), at)
+        graphs = [self._graphs[i] for i in at]
+        if plan.precision:
+            graphs = [apply_precision(g, self.traces, plan.precision) for g in graphs]
         if plan.op_precision:
             graphs = [apply_op_precision(g, self.traces, plan.op_precision) for g in graphs]
         if plan.fused_regions:
             modules = [region[0] for region in plan.fused_regions]
             graphs = [apply_regions(g, modules, self.fusion_costs) for g in graphs]
+        fused = bool(plan.buckets or plan.communication)
         corrections = [0.0] * len(graphs)
-        if plan.buckets or plan.communication:
-            graphs, corrections = self._apply_fusion(graphs, plan, plan_source)
+        if fused:
+            graphs, corrections = self._apply_fusion(graphs, at, plan, plan_source)
         compiled = [CompiledGraph(g) for g in graphs]
+        if fused and self._shared_cores:
+            corrections = [
+                c + shared_core_us(g, cg) for c, g, cg in zip(corrections, graphs, compiled, strict=True)
+            ]
         return self._price(plan.precision, compiled, [(c.dur, frozenset()) for c in compiled], corrections)
 
     def estimate(
@@ -175,7 +182,7 @@ class Predictor:
         activation = _acting(activation or {})
         key = (frozenset(precision.items()), frozenset(activation.items()))
         if key not in self._estimates:
-            self._estimates[key] = self._estimate(precision, activation)
+            self._estimates[key] = self._price_recorded(precision, activation, [self.typical_step])
         return self._estimates[key]
 
     @property
@@ -196,12 +203,16 @@ class Predictor:
             self._fusion_costs = fit_fusion_costs(self._graphs, probes)
         return self._fusion_costs
 
-    def _estimate(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> Prediction:
-        at = self.typical_step
-        runs = self._durations(precision, [at])
+    def _price_recorded(
+        self, precision: Mapping[str, str], activation: Mapping[str, str], steps: Sequence[int]
+    ) -> Prediction:
+        """A precision and activation plan priced on the recorded steps at ``steps``, as changed op
+        durations on their compiled graphs (no copy)."""
+        runs = self._durations(precision, steps)
         if activation:
-            runs = self.activation.durations(activation, runs, [at])
-        return self._price(precision, [self._compiled[at]], runs, [0.0], activation)
+            runs = self.activation.durations(activation, runs, steps)
+        compiled = [self._compiled[i] for i in steps]
+        return self._price(precision, compiled, runs, [0.0] * len(runs), activation)
 
     @property
     def activation(self) -> ActivationPricing:
@@ -256,6 +267,7 @@ class Predictor:
             critical_path_share=graph.critical_share(graph.critical_path(timings[typical]), dur),
             memory_breakdown=largest.breakdown,
             layer_ms=graph.layer_totals(dur / 1e3, ("forward", "backward", "cast")),
+            exposed_comm_ms=graph.exposed_comm_us(timings[typical]) / 1e3,
         )
 
     @property
@@ -265,37 +277,48 @@ class Predictor:
 
     def fusion_cost(self) -> AllreduceCost:
         """The all-reduce cost fitted on the recorded responses (once per predictor)."""
-        return self._fused()[0]
-
-    def _fused(self) -> tuple[AllreduceCost, list[float]]:
         if self._fusion is None:
             settings = self.traces[0].communication
             library = settings.get("library", HOROVOD)
             alone = [
                 t.communication["allreduce_us"] for t in self.traces if "allreduce_us" in t.communication
             ]
-            cost = fit_allreduce_cost(self._graphs, self.traces[0].world_size, library, alone)
-            shared = self._shared_cores
-            self._fusion = (cost, [fusion_correction_us(g, cost, settings, shared) for g in self._graphs])
+            self._fusion = fit_allreduce_cost(self._graphs, self.traces[0].world_size, library, alone)
         return self._fusion
+
+    def _fusion_correction(self, step: int) -> float:
+        """`tensor_fusion.fusion_correction_us` of the recorded step at position ``step``."""
+        if step not in self._corrections:
+            settings = self.traces[0].communication
+            self._corrections[step] = fusion_correction_us(
+                self._graphs[step], self.fusion_cost(), settings, self._shared_cores, self._compiled[step]
+            )
+        return self._corrections[step]
 
     @property
     def _shared_cores(self) -> bool:
         """Whether the all-reduces take the cores backward runs on (DDP on a CPU: `shared_core_us`)."""
         return self.traces[0].communication.get("library") == DDP and self.traces[0].device == "cpu"
 
+    def recorded_ends(self, step: int) -> dict[str, float]:
+        """Each op's end in the replay of the recorded step at position ``step``, by node."""
+        compiled = self._compiled[step]
+        return compiled.end_times(compiled.run())
+
     def _apply_fusion(
-        self, graphs: Sequence[nx.DiGraph], plan: Plan, source: str
+        self, graphs: Sequence[nx.DiGraph], steps: Sequence[int], plan: Plan, source: str
     ) -> tuple[list[nx.DiGraph], list[float]]:
-        """The graphs regrouped by the plan's fusion settings (the recorded ones where it sets none)
-        and buckets, and each recorded step's correction (`tensor_fusion.fusion_correction_us`)."""
+        """The graphs of the recorded steps at ``steps`` regrouped by the plan's fusion settings
+        (the recorded ones where it sets none) and buckets, and each one's correction
+        (`tensor_fusion.fusion_correction_us`)."""
         settings = {**self.traces[0].communication, **plan.communication}
         check_buckets(self._graphs[0], plan.buckets, source, complete=settings.get("library") == DDP)
-        cost, corrections = self._fused()
-        regrouped = [regroup(g, cost, settings, plan.buckets) for g in graphs]
-        if self._shared_cores:
-            corrections = [c + shared_core_us(g) for c, g in zip(corrections, regrouped, strict=True)]
-        return regrouped, corrections
+        cost = self.fusion_cost()
+        regrouped = [
+            regroup(g, cost, settings, plan.buckets, self.recorded_ends(i) if g is self._graphs[i] else None)
+            for g, i in zip(graphs, steps, strict=True)
+        ]
+        return regrouped, [self._fusion_correction(i) for i in steps]
 
 
 def _closest(step_us: Sequence[float], median_us: float) -> int:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
+from qsync_callback.predictor.graph import is_all_reduce
+
 _COMPUTE_KINDS = ("forward", "backward", "update", "cast", "copy", "other")
 
 
@@ -91,6 +93,8 @@ class CompiledGraph:
             if a["kind"] == "sentinel" and graph.out_degree(n) == 0
         ]
         self._comm = np.array([k == "comm" for k in self.kinds])
+        self._all_reduces = [i for i, a in enumerate(attrs) if is_all_reduce(a)]
+        self._backward = [i for i, k in enumerate(self.kinds) if k == "backward"]
         self._compute = np.array([k in _COMPUTE_KINDS for k in self.kinds])
         self._graph_order = [self.index[node] for node in graph.nodes]
         self._layer_groups: dict[tuple[str, ...], tuple[list[str], np.ndarray, np.ndarray]] = {}
@@ -157,6 +161,17 @@ class CompiledGraph:
             end[nodes] = acc[2::2]
         last = max(self._ends, key=end.__getitem__)
         return Timing(start, end, float(end[last]), last, head_blocker)
+
+    def end_times(self, timing: Timing) -> dict[str, float]:
+        """Each op's end in ``timing``, by node."""
+        return dict(zip(self.nodes, timing.end.tolist(), strict=True))
+
+    def exposed_comm_us(self, timing: Timing) -> float:
+        """How long the all-reduces run past the last backward op in ``timing``: the gradient
+        communication backward did not hide."""
+        if not self._all_reduces or not self._backward:
+            return 0.0
+        return max(0.0, float(timing.end[self._all_reduces].max() - timing.end[self._backward].max()))
 
     def layer_totals(self, values: np.ndarray, kinds: tuple[str, ...]) -> dict[str, float]:
         """``values`` (one per op) summed per layer over its ops of ``kinds``, in graph order."""

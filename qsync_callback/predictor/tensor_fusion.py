@@ -65,10 +65,10 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.predictor.replay import replay
+from qsync_callback.predictor.graph import ALL_REDUCE, is_all_reduce
+from qsync_callback.predictor.replay import CompiledGraph, replay
 from qsync_callback.recorder.trace import Trace
 
-ALL_REDUCE = "all_reduce"
 HOROVOD, DDP = "horovod", "ddp"  # the collective libraries whose fusion is priced
 PASSES = 2  # readiness from the recorded graph, then from the first transformed graph
 
@@ -135,11 +135,7 @@ def collective_names(graph: nx.DiGraph) -> set[str]:
 
 def all_reduces(graph: nx.DiGraph) -> list[str]:
     """The step's all-reduce nodes (those that carry tensors)."""
-    return [
-        n
-        for n, a in graph.nodes(data=True)
-        if a["kind"] == "comm" and a.get("parts") and (a["collective"] or {}).get("op") == ALL_REDUCE
-    ]
+    return [n for n, a in graph.nodes(data=True) if is_all_reduce(a)]
 
 
 def _tensors(graph: nx.DiGraph) -> list[CollectiveTensor]:
@@ -256,15 +252,18 @@ def apply_fusion(
     cycle_ms: float,
     buckets: Sequence[Sequence[str]] = (),
     in_order: bool = False,
+    ends: Mapping[str, float] | None = None,
 ) -> nx.DiGraph:
     """A copy of ``graph`` with its all-reduces regrouped into the responses Horovod would form
     with these settings and buckets, or, ``in_order``, into DDP's buckets, one response each in
-    their order (see the module docstring)."""
+    their order (see the module docstring). ``ends``: ``graph``'s replayed end times, where the
+    caller has them (the first pass replays ``graph`` otherwise)."""
     out = graph
     # DDP's buckets are waited for after backward, so regrouping them moves no backward op: the
     # recorded graph's readiness is the transformed graph's, and one pass is enough
-    for _ in range(1 if in_order else PASSES):
-        out = _regroup(graph, replay(out).end, cost, threshold_bytes, cycle_ms * 1e3, buckets, in_order)
+    for k in range(1 if in_order else PASSES):
+        replayed = ends if k == 0 and ends is not None else replay(out).end
+        out = _regroup(graph, replayed, cost, threshold_bytes, cycle_ms * 1e3, buckets, in_order)
     return out
 
 
@@ -415,34 +414,48 @@ def _pack(tensors: list[CollectiveTensor], threshold: int) -> list[list[Collecti
 
 
 def regroup(
-    graph: nx.DiGraph, cost: AllreduceCost, settings: Mapping[str, Any], buckets: Sequence[Sequence[str]] = ()
+    graph: nx.DiGraph,
+    cost: AllreduceCost,
+    settings: Mapping[str, Any],
+    buckets: Sequence[Sequence[str]] = (),
+    ends: Mapping[str, float] | None = None,
 ) -> nx.DiGraph:
     """`apply_fusion` as the recorded library does it: Horovod with ``settings``' fusion threshold
     and cycle time (a run's recorded ones, with a plan's on top), DDP in bucket order."""
     if settings.get("library") == DDP:
-        return apply_fusion(graph, cost, 0, 0.0, buckets, in_order=True)
+        return apply_fusion(graph, cost, 0, 0.0, buckets, in_order=True, ends=ends)
     threshold, cycle = int(settings["fusion_threshold_bytes"]), float(settings["cycle_time_ms"])
-    return apply_fusion(graph, cost, threshold, cycle, buckets)
+    return apply_fusion(graph, cost, threshold, cycle, buckets, ends=ends)
 
 
-def shared_core_us(graph: nx.DiGraph) -> float:
+def shared_core_us(graph: nx.DiGraph, compiled: CompiledGraph | None = None) -> float:
     """How long the replayed step's all-reduces run beside its backward ops (between each one's
-    start and the end of the last backward op): on a CPU, compute time they take from backward."""
-    timing = replay(graph)
-    backward = [timing.end[n] for n, kind in graph.nodes(data="kind") if kind == "backward"]
+    start and the end of the last backward op): on a CPU, compute time they take from backward.
+    ``compiled``: ``graph`` compiled already, where the caller has it."""
+    compiled = compiled or CompiledGraph(graph)
+    timing = compiled.run()
+    backward = [i for i, kind in enumerate(compiled.kinds) if kind == "backward"]
     if not backward:
         return 0.0
-    last = max(backward)
-    return sum(max(0.0, min(timing.end[n], last) - timing.start[n]) for n in all_reduces(graph))
+    last = float(timing.end[backward].max())
+    spans = (compiled.index[n] for n in all_reduces(graph))
+    return sum(max(0.0, min(float(timing.end[i]), last) - float(timing.start[i])) for i in spans)
 
 
 def fusion_correction_us(
-    graph: nx.DiGraph, cost: AllreduceCost, settings: Mapping[str, Any], shared_cores: bool = False
+    graph: nx.DiGraph,
+    cost: AllreduceCost,
+    settings: Mapping[str, Any],
+    shared_cores: bool = False,
+    compiled: CompiledGraph | None = None,
 ) -> float:
     """The recorded graph's replayed step time less the model's for the recorded settings: what
     the model misses on this step (added to a plan's step time, so that plans are priced by the
-    difference the model sees); ``shared_cores``: the model's step includes `shared_core_us`."""
-    modelled = regroup(graph, cost, settings)
-    return (
-        replay(graph).step_us - replay(modelled).step_us - (shared_core_us(modelled) if shared_cores else 0.0)
-    )
+    difference the model sees); ``shared_cores``: the model's step includes `shared_core_us`.
+    ``compiled``: ``graph`` compiled already, where the caller has it."""
+    compiled = compiled or CompiledGraph(graph)
+    recorded = compiled.run()
+    modelled = regroup(graph, cost, settings, ends=compiled.end_times(recorded))
+    priced = CompiledGraph(modelled)
+    charged = shared_core_us(modelled, priced) if shared_cores else 0.0
+    return recorded.step_us - priced.run().step_us - charged
