@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -271,6 +271,20 @@ class Plan:
             or self.activation
             or self.communication
         )
+
+    def without(self, dropped: Mapping[str, Sequence[Any]]) -> Plan:
+        """A copy with decisions taken out: per field, the entries of a list field (a region, a
+        bucket) or the keys of a dict field (a layer). Its prediction, made with them, is dropped."""
+        data = self.to_dict()
+        for name, entries in dropped.items():
+            kept = data[name]
+            data[name] = (
+                {k: v for k, v in kept.items() if k not in entries}
+                if isinstance(kept, dict)
+                else [e for e in kept if e not in entries]
+            )
+        data["prediction"] = None
+        return Plan.from_dict(data)
 
     # --- dict / JSON -------------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ hooks to it and supplies, through `Integration`, only what is framework-specific
   whose decisions can fail after they were applied (an offload store whose disk filled up) also has
   ``failure() -> str | None``: while a plan with offload decisions is in force, every rank polls it
   at each step boundary, and a failure on any rank rolls the plan back everywhere (`_plan_failed`).
+  An applier that takes one decision back alone and keeps the rest in force (a region that failed
+  to compile goes back to eager) has ``went_back() -> {plan field: [entries]}``: the plan kept
+  leaves out what went back on any rank (`_as_ran`), so the next launch does not try it again.
 
 Step by step, counted at `TuningLoop.step_boundary` (one per optimizer step):
 
@@ -651,7 +654,7 @@ class TuningLoop:
 
     def _decide(self, decision: str) -> None:
         """Every rank: keep the candidate (``decision`` KEEP) or roll back; rank 0 writes what is kept."""
-        kept = self.candidate if decision == KEEP else None
+        kept = self._as_ran(self.candidate) if decision == KEEP and self.candidate is not None else None
         if kept is not None:
             self.plan, self._undo_plan = kept, self._undo_candidate
             self.candidate, self._undo_candidate = None, None
@@ -693,6 +696,31 @@ class TuningLoop:
             if found:
                 return found
         return False
+
+    def _as_ran(self, plan: Plan) -> Plan:
+        """Every rank: ``plan`` less the decisions an applier took back alone on any rank
+        (`Applier` ``went_back``), said; ``plan`` itself when none went back."""
+        mine = self._safe.run(self._applier_went_back)
+        texts = self._exchange(json.dumps(mine if isinstance(mine, dict) else {}))
+        dropped: dict[str, list[Any]] = {}
+        for text in texts or []:
+            for name, entries in json.loads(text).items():
+                listed = dropped.setdefault(name, [])
+                listed += [e for e in entries if e not in listed]
+        if not dropped:
+            return plan
+        said = "; ".join(f"{name} {entries}" for name, entries in dropped.items())
+        self._log(f"qsync: left out of the plan kept, having gone back alone on some rank: {said}")
+        return plan.without(dropped)
+
+    def _applier_went_back(self) -> dict[str, list[Any]]:
+        """What this rank's appliers took back alone, by plan field."""
+        out: dict[str, list[Any]] = {}
+        for applier in {id(a): a for a in self._integration.appliers().values()}.values():
+            went_back = getattr(applier, "went_back", None)
+            for name, entries in (went_back() if callable(went_back) else {}).items():
+                out.setdefault(name, []).extend(entries)
+        return out
 
     def _roll_back(self) -> None:
         """Back to the last kept configuration on this rank (the candidate undone)."""

@@ -133,6 +133,19 @@ def test_to_dict_is_a_copy() -> None:
     assert plan.fingerprint["versions"]["torch"] == "2.13.0"
 
 
+def test_without_takes_out_entries_of_list_fields_and_keys_of_dict_fields() -> None:
+    plan = make_plan()
+    less = plan.without(
+        {"fused_regions": [["fc1", "fc2"]], "precision": ["fc2"], "buckets": [["fc2.weight"]]}
+    )
+    assert less.fused_regions == [] and less.buckets == [["fc1.weight", "fc1.bias"]]
+    assert less.precision == {"fc1": "bf16", "head": "fp32"}
+    assert less.activation == plan.activation and less.constraints == plan.constraints
+    assert less.prediction is None  # the prediction was made with what was taken out
+    assert plan.precision["fc2"] == "fp16" and plan.fused_regions == [["fc1", "fc2"]]  # a copy
+    assert plan.without({}).to_dict() == {**plan.to_dict(), "prediction": None}
+
+
 def test_json_round_trip() -> None:
     plan = make_plan()
     text = plan.to_json()

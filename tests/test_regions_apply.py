@@ -242,7 +242,7 @@ def test_regions_run_as_eager_share_identical_graphs_and_undo_back_to_eager():
     # which Module.compile() would leave eager, is compiled
     assert [stats[name]["graphs"] for name in ("blocks.0", "blocks.1", "head")] == [1, 0, 1]
     assert all(s["compiled"] and s["first_call_s"] > 0 and s["recompiles"] == 0 for s in stats.values())
-    assert applier.notes() == [] and applier.failure() is None
+    assert applier.notes() == [] and applier.failure() is None and applier.went_back() == {}
     undo()
     undo()  # twice: nothing more
     assert _compiled(model) == set() and applier.region_stats() == {}
@@ -295,6 +295,9 @@ def test_a_graph_break_rolls_its_region_back_alone():
     note = stats["blocks.1"]["eager_fallback"]
     assert "its first call failed to compile (Unsupported: Call to `torch._dynamo.graph_break()`" in note
     assert applier.notes() == [note]
+    assert applier.went_back() == {
+        "fused_regions": [["blocks.1"]]
+    }  # what the loop leaves out of the kept plan
     assert applier.failure() is None  # the rest of the plan stays in force
     assert _compiled(model) == {"blocks.0"}
     with warnings.catch_warnings():

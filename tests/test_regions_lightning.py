@@ -5,6 +5,8 @@ verifies and keeps or rolls back whatever it chose, never breaking the run."""
 
 import copy
 import gc
+import json
+import logging
 import math
 import warnings
 
@@ -149,3 +151,91 @@ def test_the_probes_take_the_first_layer_of_each_kind_that_is_called():
     assert set(inputs.inputs) == {"0", "0.linear1", "0.norm1"}
     (x,), kwargs = inputs.inputs["0.linear1"]
     assert x.shape == (2, 5, 16) and kwargs == {}
+
+
+class PointwiseChain(nn.Module):
+    """A Linear, then many pointwise ops on its output: eager runs a kernel for each, a compile
+    fuses them."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.fc(x)
+        for _ in range(16):
+            x = torch.sin(x) * 1.01 + 0.1
+        return x
+
+
+class BreakingChain(PointwiseChain):
+    """The same ops, then a graph break: torch.compile with ``fullgraph`` refuses it."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        torch._dynamo.graph_break()
+        return x
+
+
+class ChainNet(pl.LightningModule):
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.first, self.second, self.breaking = (
+            PointwiseChain(width),
+            PointwiseChain(width),
+            BreakingChain(width),
+        )
+        self.head = nn.Linear(width, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.breaking(self.second(self.first(x)))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_region_that_breaks_its_graph_goes_back_alone_and_is_left_out_of_the_plan_kept(tmp_path, caplog):
+    """Every copy of the chain priced as the probe measured it, the breaking one too (its graph break
+    is not in its recorded ops); applied, it goes back to eager alone with a warning, the other two
+    stay compiled and verify keeps them, and the plan kept (plan.json, the callback's) leaves it out."""
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64 * 60, 256, generator=g), torch.randint(0, 4, (64 * 60,), generator=g))
+    callback = QSyncCallback(
+        mode="apply",
+        warmup_steps=3,
+        profile_steps=2,
+        measure_steps=3,
+        verify_steps=2,
+        alternate_rounds=1,
+        levers=("regions",),
+        output_dir=tmp_path,
+        plan_cache=False,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=10**6,
+        callbacks=[callback, StopAt(60)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(ChainNet(), DataLoader(data, batch_size=64))
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "steps aside" in m], messages
+    assert [m for m in messages if "region 'breaking' rolled back alone to eager" in m]
+    verification = json.loads((tmp_path / "verification.json").read_text())
+    assert ["breaking"] in verification["plan"]["fused_regions"]  # the candidate held it
+    assert verification["decision"] == "keep", verification
+    kept = json.loads((tmp_path / "plan.json").read_text())
+    assert ["breaking"] not in kept["fused_regions"] and kept["fused_regions"]
+    assert kept["prediction"] is None  # made for the plan with it
+    assert callback.plan is not None and callback.plan.fused_regions == kept["fused_regions"]
+    assert (
+        "left out of the plan kept, having gone back alone on some rank: fused_regions [['breaking']]"
+        in caplog.text
+    )

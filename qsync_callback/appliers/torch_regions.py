@@ -342,6 +342,12 @@ class RegionApplier:
         """One line per region of the plan in force that went back to eager alone, saying why."""
         return [region.fallback for region in self._regions.values() if region.fallback is not None]
 
+    def went_back(self) -> dict[str, list[list[str]]]:
+        """The regions of the plan in force that went back to eager alone on this rank, under
+        their plan field (the loop leaves them out of the plan it keeps; `notes` says why)."""
+        regions = [[name] for name, region in self._regions.items() if region.fallback is not None]
+        return {"fused_regions": regions} if regions else {}
+
     def failure(self) -> str | None:
         """None: a region that fails to compile goes back to eager alone and the rest of the plan
         stays in force (`notes` says so); the run never breaks over it, and verify judges the plan
