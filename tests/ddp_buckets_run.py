@@ -1,7 +1,9 @@
 """Run by the tests as its own program: a deep MLP (widths of 1 MiB and more per layer, so that
 DDP's default buckets leave most of the gradients for after backward) trained under DDP on 2 CPU
 processes with ``QSyncCallback(mode=<mode>, levers=("buckets",))``; arguments: the output directory,
-the mode, the number of steps, and optionally a plan file to apply from step 0.
+the mode, the number of steps, and optionally a plan file to apply from step 0 and a rank on which
+the user registers a comm hook of their own before the first step (`UserHook`: the bucket applier
+refuses to re-wrap a module with a hook it does not know, on that rank only).
 
 Each rank writes ``rank<k>.json`` with DDP's bucket sizes after the last step (its logging data)
 and the losses. The tests start it with `run_two_ranks`."""
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback import QSyncCallback
@@ -49,10 +52,28 @@ class LastBuckets(pl.Callback):
         self.sizes = [int(s) for s in str(sizes).replace(",", " ").split()]
 
 
-def run_two_ranks(out: Path, mode: str, steps: int, plan: Path | None = None) -> subprocess.CompletedProcess:
+class UserHook(pl.Callback):
+    """On rank ``rank``: a comm hook of the user's own on the DDP wrapper, all-reducing as DDP does."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == self.rank:
+            trainer.strategy.model.register_comm_hook(None, users_allreduce)
+
+
+def users_allreduce(state, bucket):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def run_two_ranks(
+    out: Path, mode: str, steps: int, plan: Path | None = None, user_hook_on: int | None = None
+) -> subprocess.CompletedProcess:
     """This program, run in ``out`` (its output directory too)."""
+    hook = "" if user_hook_on is None else str(user_hook_on)
     return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out), mode, str(steps), str(plan or "")],
+        [sys.executable, str(Path(__file__).resolve()), str(out), mode, str(steps), str(plan or ""), hook],
         capture_output=True,
         text=True,
         timeout=400,
@@ -64,6 +85,7 @@ def run_two_ranks(out: Path, mode: str, steps: int, plan: Path | None = None) ->
 def main() -> None:
     out, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     plan = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    hooks = [UserHook(int(sys.argv[5]))] if len(sys.argv) > 5 and sys.argv[5] else []
     pl.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(4096, WIDTH), torch.randint(0, 10, (4096,)))
     model = DeepMLP()
@@ -75,6 +97,7 @@ def main() -> None:
         callbacks=[
             QSyncCallback(mode=mode, output_dir=out, levers=("buckets",), plan_cache=False, plan=plan),
             last := LastBuckets(),
+            *hooks,
         ],
         logger=False,
         enable_checkpointing=False,

@@ -4,6 +4,7 @@ all-reduces, chosen by dynamic programming against enumeration and DDP's own ass
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -204,8 +205,9 @@ def test_the_planner_prices_ddps_caps_and_the_best_partition_against_the_recorde
     for candidate in choice.candidates:
         assert sorted(n for b in candidate.buckets for n in b) == everything
         assert candidate.buckets != choice.recorded.buckets
-    if choice.plan is not None:
-        assert choice.plan.prediction["step_ms"] < 0.98 * choice.recorded.prediction.step_ms
+    if choice.plan is not None:  # decided on the typical step, its figure priced on every step
+        assert choice.chosen.prediction.step_ms < 0.98 * choice.recorded.prediction.step_ms
+        assert choice.plan.prediction == Predictor(recorded).predict(choice.plan).figures()
         assert choice.plan.buckets == choice.chosen.buckets
 
 
@@ -229,3 +231,23 @@ def test_a_plan_file_with_per_layer_buckets_is_applied_from_step_zero(tmp_path, 
     for rank in (0, 1):
         sizes = json.loads((tmp_path / f"rank{rank}.json").read_text())["bucket_sizes"]
         assert sizes == [(10 * WIDTH + 10) * 4] + [LAYER_BYTES] * DEPTH
+
+
+def test_a_plan_one_rank_cannot_apply_leaves_every_rank_on_ddps_own_buckets(tmp_path, recorded):
+    """Rank 1 holds a comm hook of the user's, which the re-wrap refuses there: rank 0, which
+    re-wrapped, goes back to its old wrapper, both train on with DDP's default buckets, and the
+    callback steps aside naming rank 1's reason."""
+    names = [t["name"] for b in recorded[0].communication["buckets"] for t in b]
+    plan = Plan(
+        fingerprint=recorded[0].fingerprint, buckets=[names[i : i + 2] for i in range(0, len(names), 2)]
+    )
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_dict()))
+    result = run_two_ranks(tmp_path, "apply", 12, plan_file, user_hook_on=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    default = [(10 * WIDTH + 10) * 4 + LAYER_BYTES, (DEPTH - 1) * LAYER_BYTES]
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["bucket_sizes"] == default
+        assert len(outcome["losses"]) == 12
+    assert re.search(r"steps aside: the plan from \S+ cannot be applied: .*users_allreduce", result.stderr)
