@@ -18,7 +18,15 @@ For each model (the transformer-like ones by default):
    is the median of the steps after the first ``SKIP_STEPS``; the compile time, the first two steps'
    time beyond two median steps. Then the region plan once more on the cache of its last run: the
    next launch of a kept plan (inductor's FX graph cache).
-3. **cost model**: the chosen regions and the best other candidates that were not compiled during
+3. **in turns**, in one fresh process (`TurnsCallback`): eager, the chosen plan and the blocks plan
+   applied and undone in turns at step boundaries, `TURN_ROUNDS` rounds of `TURN_STEPS` timed
+   steps each after `TURN_SETTLE` steps (each plan compiled once before the rounds). A plan's
+   measured change is the median over rounds of its block's median less the same round's eager
+   block's; its error in turns compares the eager median in turns plus the predicted change with the
+   eager median plus the measured one. Separate processes differ by as much as 10-13% on this
+   machine (eager's own runs); in turns the drift between processes and over minutes cancels, as in
+   the loop's verify.
+4. **cost model**: the chosen regions and the best other candidates that were not compiled during
    the warm-up, each compiled alone (as the warm-up compiles, on the arguments of its first call):
    measured compiled/eager ratio against the model's.
 
@@ -63,6 +71,7 @@ RUN_STEPS = 20_000  # the nominal length of the run the plan is made for
 TIME_STEPS, SKIP_STEPS = 40, 8
 MAX_CHECKED = 4  # regions compiled alone to check the cost model on, per model
 CONFIGS = ("eager", "regions", "blocks", "whole model")
+TURN_WARMUP, TURN_COMPILE, TURN_ROUNDS, TURN_SETTLE, TURN_STEPS = 5, 3, 4, 2, 6
 
 
 class StopAt(pl.Callback):
@@ -121,6 +130,74 @@ def time_worker(model: str, config: str, plan: Path | None, run_dir: Path) -> No
     (run_dir / "steps.json").write_text(json.dumps({"step_ms": timer.step_ms, "regions": stats}))
 
 
+class TurnsCallback(pl.Callback):
+    """Eager and each plan in turns (see the module docstring): at the start of each step, the
+    configuration of that step is put in force; ``schedule`` holds it per step (-1: eager)."""
+
+    def __init__(self, plans: list[Plan]):
+        self.plans = plans
+        compile_steps = [k for k in range(len(plans)) for _ in range(TURN_COMPILE)]
+        block = TURN_SETTLE + TURN_STEPS
+        rounds = [k for _ in range(TURN_ROUNDS) for k in range(-1, len(plans)) for _ in range(block)]
+        self.schedule = [-1] * TURN_WARMUP + compile_steps + [-1] + rounds
+        self.rounds_start = TURN_WARMUP + len(compile_steps) + 1
+        self._in_force, self._undo, self._applier = -1, None, None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int
+    ) -> None:
+        from qsync_callback.appliers.torch_regions import RegionApplier
+
+        wanted = self.schedule[min(trainer.global_step, len(self.schedule) - 1)]
+        if wanted == self._in_force:
+            return
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+        if wanted >= 0:
+            self._applier = self._applier or RegionApplier(module)
+            self._undo = self._applier(self.plans[wanted])
+        self._in_force = wanted
+
+    def block_medians(self, step_ms: list[float]) -> list[list[float]]:
+        """Per round, the median timed step of each configuration (eager first)."""
+        block, configs = TURN_SETTLE + TURN_STEPS, len(self.plans) + 1
+        out = []
+        for r in range(TURN_ROUNDS):
+            row = []
+            for k in range(configs):
+                first = self.rounds_start + (r * configs + k) * block + TURN_SETTLE
+                row.append(statistics.median(step_ms[first : first + TURN_STEPS]))
+            out.append(row)
+        return out
+
+
+def turns_worker(model: str, plans: list[Path], run_dir: Path) -> None:
+    """One fit running eager and ``plans`` in turns; writes each round's block medians (ms)."""
+    turns = TurnsCallback([Plan.load(p) for p in plans])
+    _, timer, _, _ = timed_fit(get_model(model), len(turns.schedule) + 1, callbacks=[turns])
+    (run_dir / "turns.json").write_text(json.dumps({"block_ms": turns.block_medians(timer.step_ms)}))
+
+
+def in_turns(block_ms: list[list[float]], predicted: dict[str, float | None], names: list[str]) -> dict:
+    """Per plan: the measured change in turns (ms, the median over rounds of plan less eager), its
+    spread over rounds, the predicted change, and the error in turns (see the module docstring)."""
+    eager = statistics.median(row[0] for row in block_ms)
+    out = {}
+    for k, name in enumerate(names, start=1):
+        deltas = [row[k] - row[0] for row in block_ms]
+        measured = statistics.median(deltas)
+        expected = predicted[name] - predicted["eager"]
+        out[name] = {
+            "eager_ms": eager,
+            "measured_change_pct": 100 * measured / eager,
+            "spread_pct": 100 * (max(deltas) - min(deltas)) / eager,
+            "predicted_change_pct": 100 * expected / predicted["eager"],
+            "error_pct": 100 * ((eager + expected) / (eager + measured) - 1),
+        }
+    return out
+
+
 def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
     """Each module compiled alone on the arguments of its first call, as the warm-up compiles."""
     from qsync_callback.recorder.region_probes import RegionInputs, probe_regions
@@ -135,7 +212,7 @@ def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
 
 
 RESUME = False  # `--resume`: a run whose directory holds its output already is not run again
-OUTPUTS = ("trace", "steps.json", "probes.json")  # what a record, time or probe worker leaves
+OUTPUTS = ("trace", "steps.json", "probes.json", "turns.json")  # what a worker leaves
 
 
 def run_worker(script: Path, args: list[str], run_dir: Path, timeout: float, cache: Path) -> Path | None:
@@ -211,6 +288,14 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
                 compile_s[config].append(compiled)
                 if config == "regions":
                     last_cache = cache
+    turned = [name for name in plans if plans[name].fused_regions]
+    turns: dict[str, Any] = {}
+    if turned:
+        args = ["--worker", "turns", model, "--plan", *(str(paths[name]) for name in turned)]
+        done = run_worker(script, args, runs / f"{model}-turns", timeout, caches / "turns")
+        if done is not None:
+            block_ms = json.loads((done / "turns.json").read_text())["block_ms"]
+            turns = {"block_ms": block_ms, **in_turns(block_ms, predicted, turned)}
     warm_compile_s = None
     if last_cache is not None:
         args = ["--worker", "time", model, "--config", "regions", "--plan", str(paths["regions"])]
@@ -251,6 +336,7 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
         "measured_ms": measured,
         "median_ms": medians,
         "noise_pct": {c: range_noise_pct(v) for c, v in measured.items()},
+        "turns": turns,
         "compile_s": {c: statistics.median(v) if v else None for c, v in compile_s.items()},
         "next_launch_compile_s": warm_compile_s,
         "planning_s": planning_s,
@@ -311,7 +397,27 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"cost model error on the modules compiled during the warm-up: {calibrated}; on others: "
             f"{uncalibrated}."
         )
-    return "\n".join([*lines, "", *notes])
+    turns = [
+        "| model | plan | eager ms in turns | measured change (spread over rounds) | predicted change | "
+        "error in turns |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    errors = []
+    for row in rows:
+        for name in ("regions", "blocks"):
+            figures = row.get("turns", {}).get(name)
+            if figures is None:
+                continue
+            errors.append(abs(figures["error_pct"]))
+            turns.append(
+                f"| {row['model']} | {name} | {figures['eager_ms']:.1f} | "
+                f"{figures['measured_change_pct']:+.1f}% ({figures['spread_pct']:.1f}%) | "
+                f"{figures['predicted_change_pct']:+.1f}% | "
+                f"{figures['error_pct']:+.1f}% |"
+            )
+    if errors:
+        turns.append(f"\nMedian |error in turns| over the plans: {statistics.median(errors):.1f}%.")
+    return "\n".join([*lines, "", *notes, "", *turns])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--plan", type=Path, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--modules", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -333,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "record":
             record_worker(model, args.worker_dir)
         elif kind == "time":
-            time_worker(model, args.config, args.plan, args.worker_dir)
+            time_worker(model, args.config, args.plan[0] if args.plan else None, args.worker_dir)
+        elif kind == "turns":
+            turns_worker(model, args.plan, args.worker_dir)
         else:
             probe_worker(model, args.modules.split(","), args.worker_dir)
         return 0
