@@ -11,6 +11,10 @@
                                                     op's kernels, the memory curve by kind: JSON,
                                                     CSV, a Perfetto counter track and PNG plots
                                                     (`liveness_report.py`)
+    qsync estimate FILE:CLASS [--batch-shape 64,784 64:int64] [--device cpu] [--json] [--top N]
+                                                    one training step predicted before any runs:
+                                                    peak memory by kind, step time, FLOPs, top ops
+                                                    (`estimate.py`: a symbolic trace, priced)
 
 ``qsync plan`` needs a trace recorded with ``QSyncCallback(mode="apply")`` (it carries the
 per-precision probes and the indicator's statistics).
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.estimate import batch_from_shapes, estimate, first_batch, format_estimate, load_module
 from qsync_callback.liveness_report import format_liveness, liveness_of, write_liveness_files
 from qsync_callback.plan import LEVERS, PRECISIONS, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
@@ -85,7 +90,30 @@ def _parser() -> argparse.ArgumentParser:
     liveness.add_argument(
         "--memory-budget", help="draw this budget: 6GB, 512MiB, 60%% (of the recorded peak)"
     )
+    estimate = sub.add_parser("estimate", help="predict a LightningModule's training step before running one")
+    estimate.add_argument("target", help="FILE:CLASS, a LightningModule built with no arguments")
+    estimate.add_argument(
+        "--batch-shape",
+        nargs="+",
+        help="the batch's tensors as SHAPE[:DTYPE] (64,784 64:int64); default: the first batch of the "
+        "module's train_dataloader()",
+    )
+    estimate.add_argument("--device", default="cpu", help="the device to price for (default: cpu)")
+    estimate.add_argument("--json", action="store_true", help="the report.json schema, predicted only")
+    estimate.add_argument("--top", type=int, default=10, help="ops to list (default 10)")
     return parser
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    """``qsync estimate``: the module's step predicted on fake tensors."""
+    module = load_module(args.target)
+    batch = batch_from_shapes(args.batch_shape) if args.batch_shape else first_batch(module)
+    if batch is None:
+        raise QSyncInputError(
+            f"{args.target}: no train_dataloader() to take a batch from; give --batch-shape"
+        )
+    report = estimate(module, batch, args.device, top=args.top)
+    _out(json.dumps(report, indent=2) if args.json else format_estimate(report, top=args.top))
 
 
 def _check_arguments(args: argparse.Namespace) -> Constraints | None:
@@ -160,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         constraints = _check_arguments(args)
+        if args.command == "estimate":
+            _estimate(args)
+            return 0
         traces = load_trace_dir(args.trace_dir)
         if args.command == "liveness":
             _liveness(args, constraints, traces)

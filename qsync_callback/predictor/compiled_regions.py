@@ -50,7 +50,7 @@ import networkx as nx
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.predictor.graph import build_global_graph
-from qsync_callback.recorder.kineto import ACCUMULATE_GRAD, BACKWARD_PREFIX
+from qsync_callback.recorder.kineto import ACCUMULATE_GRAD, BACKWARD_PREFIX, DTYPE_BYTES
 from qsync_callback.recorder.trace import Trace
 
 LIBRARY = frozenset(
@@ -89,7 +89,6 @@ DEFAULT_COMPILE_S_PER_OP = 0.5
 REUSE_COMPILE_S = 1.0
 SMALL_PROBE_KERNELS = 2  # probes of at most this many fused kernels fit the constants (`calibrate`)
 _LARGE_OP_BYTES = 64 * 1024  # ops moving at least this much fit the bandwidth; smaller ones op_us
-_DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
 def base_name(name: str) -> str:
@@ -126,7 +125,7 @@ def input_bytes(shapes: Sequence, dtypes: Sequence) -> list[int]:
             numel = 1
             for d in shape:
                 numel *= d
-            out.append(numel * _DTYPE_BYTES.get(dtype, 4))
+            out.append(numel * DTYPE_BYTES.get(dtype, 4))
         else:
             out.append(0)
     return out

@@ -50,7 +50,7 @@ OPTIMIZER_ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
 DDP_COPY_BACK = "copy_bucket_to_grad"
 C10D_PREFIX = "c10d::"
 _COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(?!barrier)(\w+)", re.IGNORECASE)
-_DTYPE_BYTES = {
+DTYPE_BYTES = {  # bytes per element, by Kineto's dtype names
     "float": 4,
     "double": 8,
     "c10::Half": 2,
@@ -228,7 +228,7 @@ def _make_op(e: _Event, step: int, tid: Any, main_tid: Any) -> Op:
             "op": comm.group(2).lower(),
             "numel": numel,
             "dtype": dtype,
-            "bytes": numel * _DTYPE_BYTES.get(dtype, 4),
+            "bytes": numel * DTYPE_BYTES.get(dtype, 4),
         }
     if tid == main_tid:
         thread = "main"

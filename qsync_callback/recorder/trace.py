@@ -54,7 +54,11 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                         # DDP: its buckets and bucket caps, see
                                         # `recorder/ddp_buckets.py`)
       "fingerprint": {...},
-      "raw_trace": "kineto.json"        # the profiler's own trace, beside this file
+      "raw_trace": "kineto.json",       # the profiler's own trace, beside this file
+      "symbolic": {"durations": "...", "batch": "..."}   # a trace of fake tensors
+                                        # (`recorder/symbolic_trace.py`): no real compute ran; its
+                                        # ops carry "flops" and their durations are predicted (how:
+                                        # "durations"); absent on a recorded trace
     }
 
 Times are microseconds on this rank's clock. An op's ``dur_us`` and ``gap_us`` are as recorded;
@@ -159,6 +163,7 @@ class Op:
     gap_overhead_us: float = 0.0
     deps: list[int] = field(default_factory=list)
     collective: dict | None = None
+    flops: float = 0.0  # a symbolic trace's (`symbolic_trace.py`): the op's floating-point operations
 
     @property
     def end_us(self) -> float:
@@ -205,6 +210,7 @@ class Trace:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     raw_trace: str | None = None
     communication: dict[str, Any] = field(default_factory=dict)
+    symbolic: dict[str, Any] = field(default_factory=dict)  # set on a trace traced symbolically
 
     def own_us(self, op: Op) -> float:
         """``op``'s duration without the profiler: less its events' cost at the loops' per-event
@@ -334,6 +340,7 @@ _OP = Fields(
         "gap_overhead_us": FINITE,
         "deps": ListOf(INTEGER),
         "collective": Nullable(_COLLECTIVE),
+        "flops": AMOUNT,
     },
 )
 _MEMORY_EVENT = Row((FINITE, INTEGER, INTEGER, INTEGER), "a list of 4: [time_us, address, bytes, op id]")
@@ -449,6 +456,7 @@ _TRACE = Fields(
             }
         ),
         "profiler_overhead_us": MapOf(FINITE),
+        "symbolic": Fields(optional={"durations": STRING, "batch": STRING}),
         "fingerprint": Fields(),
         "raw_trace": Nullable(STRING),
         "communication": Fields(
@@ -507,6 +515,7 @@ def _ops_from_json(items: list, steps: set[int], source: str) -> list[Op]:
                 and type(deps) is list
                 and (not deps or all(type(d) is int for d in deps))
                 and o["collective"] is None
+                and type(o.get("flops", 0.0)) in (int, float)
             )
         except (KeyError, TypeError):  # a field missing, or ``o`` not an object
             usual = False

@@ -1,0 +1,165 @@
+"""The symbolic estimate (`qsync_callback/estimate.py`) against real runs, before any step.
+
+For each model family: in a fresh process, `estimate` on the model's first batch (timed: what a
+user waits for ``qsync estimate``; the roofline measured first, cached for the others); then, in
+another fresh process, a real ``Trainer.fit`` of the same model with ``QSyncCallback(mode="report")``
+for its measured step time (median of the unprofiled steps) and measured peak (live tensors and
+the allocator's counter: `torch_recorder`, nothing from the predictor), ``--repeats`` times.
+
+The benchmark's data set is held in memory for the whole run (one batch per step, `timed_fit`):
+the measured peak counts it, the estimate (one batch) does not, so the data set less one batch is
+taken off the measured peak before the comparison (said in the table). The step time comes from
+the roofline alone (no learned per-op model yet): its error is the roofline's.
+
+    python benchmarks/symbolic_estimate.py [--models mlp,cnn,...] [--repeats 2] [--quick]
+        [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from models import MODELS, get_model, timed_fit
+from runs import bench_environment, launch, range_noise_pct, say_allocator, stderr_tail, write_results
+
+from qsync_callback.recorder.torch_recorder import window_close_step
+from qsync_callback.units import format_bytes
+
+WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
+MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
+PEAK_TARGET_PCT = 5.0
+
+
+def estimate_worker(model: str, run_dir: Path) -> None:
+    """The estimate of ``model``'s step, timed, with the bytes of its benchmark data set."""
+    from qsync_callback.estimate import estimate
+
+    spec = get_model(model)
+    loader = spec.dataloader(MAX_STEPS)
+    batch = next(iter(loader))
+    start = time.perf_counter()
+    report = estimate(spec.build(), batch)
+    seconds = time.perf_counter() - start
+    held = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)
+    one_batch = sum(t.untyped_storage().nbytes() for t in batch)
+    result = {"estimate": report, "seconds": seconds, "data_set_bytes": held - one_batch}
+    (run_dir / "estimate.json").write_text(json.dumps(result))
+
+
+def record_worker(model: str, run_dir: Path) -> None:
+    """A real run with the callback reporting its measured figures."""
+    from qsync_callback.integrations.lightning import QSyncCallback
+
+    callback = QSyncCallback(
+        mode="report",
+        warmup_steps=WARMUP_STEPS,
+        profile_steps=PROFILE_STEPS,
+        measure_steps=MEASURE_STEPS,
+        output_dir=run_dir,
+        plan_cache=False,
+    )
+    timed_fit(get_model(model), MAX_STEPS, [callback])
+
+
+def _run(script: Path, args: list[str], run_dir: Path, out_file: str) -> dict[str, Any] | None:
+    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, 900)
+    path = run_dir / out_file
+    if rc != 0 or not path.exists():
+        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        return None
+    return json.loads(path.read_text())
+
+
+def bench_model(model: str, repeats: int, out: Path) -> dict[str, Any]:
+    script = Path(__file__).resolve()
+    runs = out / "runs"
+    estimated = _run(script, ["--worker", "estimate", model], runs / f"{model}-estimate", "estimate.json")
+    if estimated is None:
+        return {"model": model, "failed": "the estimate"}
+    steps, peaks = [], []
+    for r in range(repeats):
+        report = _run(script, ["--worker", "record", model], runs / f"{model}-record-{r}", "report.json")
+        if report is not None:
+            steps.append(report["measured"]["step_ms"])
+            peaks.append(report["measured"]["peak_bytes"])
+    if not peaks:
+        return {"model": model, "failed": "the recorded runs"}
+    predicted = estimated["estimate"]["predicted"]
+    held = estimated["data_set_bytes"]
+    measured_peak = statistics.median(peaks) - held
+    measured_step = statistics.median(steps)
+    return {
+        "model": model,
+        "estimate_s": estimated["seconds"],
+        "flops": estimated["estimate"]["symbolic"]["flops"],
+        "predicted_peak_bytes": predicted["peak_bytes"],
+        "predicted_breakdown": predicted["memory_breakdown"],
+        "measured_peak_bytes": peaks,
+        "data_set_bytes": held,
+        "peak_error_pct": 100 * (predicted["peak_bytes"] / measured_peak - 1),
+        "predicted_step_ms": predicted["step_ms"],
+        "measured_step_ms": steps,
+        "step_error_pct": 100 * (predicted["step_ms"] / measured_step - 1),
+        "step_noise_pct": range_noise_pct(steps),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | estimate s | GFLOP/step | predicted peak | measured peak (data set taken off) "
+        "| peak error | predicted step ms | measured step ms (runs) | step error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    errors = []
+    for row in rows:
+        if "failed" in row:
+            lines.append(f"| {row['model']} | failed: {row['failed']} | | | | | | | |")
+            continue
+        errors.append(abs(row["peak_error_pct"]))
+        measured = statistics.median(row["measured_peak_bytes"]) - row["data_set_bytes"]
+        runs = ", ".join(f"{s:.1f}" for s in row["measured_step_ms"])
+        lines.append(
+            f"| {row['model']} | {row['estimate_s']:.1f} | {row['flops'] / 1e9:.2f} | "
+            f"{format_bytes(row['predicted_peak_bytes'])} | {format_bytes(measured)} "
+            f"(- {format_bytes(row['data_set_bytes'])}) | {row['peak_error_pct']:+.1f}% | "
+            f"{row['predicted_step_ms']:.1f} | {statistics.median(row['measured_step_ms']):.1f} ({runs}) | "
+            f"{row['step_error_pct']:+.1f}% |"
+        )
+    if errors:
+        within = sum(e <= PEAK_TARGET_PCT for e in errors)
+        lines.append(
+            f"\nPeak within {PEAK_TARGET_PCT:g}% of measured on {within} of {len(errors)} families "
+            f"(median |error| {statistics.median(errors):.1f}%). Step times come from the roofline alone."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="smoke run: mlp, 1 run")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        kind, model = args.worker
+        (estimate_worker if kind == "estimate" else record_worker)(model, args.worker_dir)
+        return 0
+    say_allocator()
+    models, repeats = (["mlp"], 1) if args.quick else (args.models.split(","), args.repeats)
+    rows = [bench_model(model, repeats, args.out) for model in models]
+    environment = bench_environment(repeats=repeats, max_steps=MAX_STEPS)
+    write_results(args.out, "symbolic_estimate", table(rows), {"environment": environment, "rows": rows})
+    return 0 if all("failed" not in row for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

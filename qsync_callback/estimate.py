@@ -1,0 +1,144 @@
+"""Predict a training step before running one: ``qsync estimate`` and `estimate`.
+
+The LightningModule's step is traced on fake tensors (`recorder/symbolic_trace.py`: no real
+compute, no real memory), its ops priced on this machine's roofline (`recorder/roofline.py`,
+`predictor/op_costs.py`), and the trace goes through the same predictor as a recorded one: peak
+memory by kind (parameters, gradients, optimizer state, activations, temporaries), step time, the
+top ops. The result has the schema of ``report.json`` with ``predicted`` and no ``measured``, and a
+``symbolic`` entry saying how the figures were made and the step's FLOPs.
+
+The batch is the first batch of the module's own ``train_dataloader()`` (the only real data
+touched: one batch), or one made from ``--batch-shape``: tensors of those shapes, ``float32`` by
+default, ``SHAPE:DTYPE`` for another (``64,784 64:int64`` is an (x, y) pair).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.predictor.op_costs import FLOAT_DTYPES, priced
+from qsync_callback.recorder.roofline import roofline
+from qsync_callback.recorder.symbolic_trace import symbolic_trace
+from qsync_callback.recorder.trace import Trace
+from qsync_callback.report import build_report
+from qsync_callback.units import format_bytes
+
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+def estimate_trace(module: nn.Module, batch: Any, device: str = "cpu", cache_dir: str | None = None) -> Trace:
+    """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced."""
+    trace = symbolic_trace(module, batch, device)
+    dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
+    return priced(trace, roofline(device, dtypes, cache_dir))
+
+
+def estimate(module: nn.Module, batch: Any, device: str = "cpu", top: int = 10) -> dict[str, Any]:
+    """The estimate of one training step of LightningModule ``module`` on ``batch`` (see the module
+    docstring), as a ``report.json``-shaped dict."""
+    trace = estimate_trace(module, batch, device)
+    report = build_report([trace], top=top)
+    for measured_only in (
+        "measured",
+        "error_pct",
+        "profiler_overhead_us",
+        "profiler_share",
+        "recorded_steps",
+    ):
+        report.pop(measured_only, None)
+    report["symbolic"] = {**trace.symbolic, "flops": sum(op.flops for op in trace.ops), "ops": len(trace.ops)}
+    return report
+
+
+def format_estimate(report: dict[str, Any], top: int = 10) -> str:
+    """The estimate as lines for a terminal."""
+    predicted = report["predicted"]
+    lines = [
+        f"qsync estimate (symbolic: no step run; {report['symbolic']['batch']})",
+        f"  predicted step time {predicted['step_ms']:.2f} ms   "
+        f"peak memory {format_bytes(predicted['peak_bytes'])}",
+        f"  FLOPs per step {report['symbolic']['flops'] / 1e9:.2f} G over {report['symbolic']['ops']} ops",
+        "  peak by kind: "
+        + ", ".join(f"{kind} {format_bytes(b)}" for kind, b in predicted["memory_breakdown"].items() if b),
+        f"  durations: {report['symbolic']['durations']}",
+        f"  top ops by predicted time (of {len(report['ops'])} shown):",
+    ]
+    for op in report["ops"][:top]:
+        lines.append(
+            f"    {op['name'][:40]:<40} {op['kind']:<9} {op['ms_per_step']:8.2f} ms  "
+            f"{op['calls_per_step']:g} calls ({100 * op['share']:.0f}%)"
+        )
+    return "\n".join(lines)
+
+
+def load_module(target: str) -> nn.Module:
+    """``FILE:CLASS``: the class from that Python file, built with no arguments."""
+    path_text, _, name = target.rpartition(":")
+    path = Path(path_text)
+    if not path_text or not name or not path.is_file():
+        raise QSyncInputError(
+            f"{target}: expected FILE:CLASS, a Python file and a LightningModule class in it"
+        )
+    spec = importlib.util.spec_from_file_location(f"qsync_estimate_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise QSyncInputError(f"{path}: cannot be imported as Python")
+    source = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.resolve().parent))  # the file's own imports of its neighbours
+    try:
+        spec.loader.exec_module(source)
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    cls = getattr(source, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise QSyncInputError(f"{target}: {path} has no nn.Module class {name!r}")
+    try:
+        return cls()
+    except TypeError as error:
+        raise QSyncInputError(f"{target}: cannot be built with no arguments ({error})") from error
+
+
+def first_batch(module: nn.Module) -> Any:
+    """The first batch of the module's ``train_dataloader()``."""
+    loader_of = getattr(module, "train_dataloader", None)
+    try:
+        loader = loader_of() if callable(loader_of) else None
+    except MisconfigurationException:  # Lightning's hook, not overridden
+        return None
+    return next(iter(loader)) if loader is not None else None
+
+
+def batch_from_shapes(text: Sequence[str]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Tensors of ``SHAPE[:DTYPE]`` each (``64,784``, ``64:int64``), zeros: a fake run reads no value."""
+    tensors = []
+    for item in text:
+        shape_text, _, dtype_name = item.partition(":")
+        try:
+            shape = [int(d) for d in shape_text.split(",")]
+        except ValueError:
+            raise QSyncInputError(
+                f"--batch-shape: {item!r} is not SHAPE[:DTYPE] (64,784 or 64:int64)"
+            ) from None
+        dtype = DTYPE_NAMES.get(dtype_name or "float32")
+        if dtype is None or any(d <= 0 for d in shape):
+            raise QSyncInputError(
+                f"--batch-shape: {item!r}: positive sizes and a dtype of {', '.join(DTYPE_NAMES)}"
+            )
+        tensors.append(torch.zeros(shape, dtype=dtype))
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)

@@ -1,0 +1,333 @@
+"""One training step traced symbolically: the recorder's trace with no real compute (Siu's idea).
+
+A copy of the LightningModule and its batch are made of fake tensors (``FakeTensorMode``: shapes,
+dtypes and devices, no data and no memory), and two training steps run on them as Lightning runs
+an automatic-optimization step: ``training_step``, ``zero_grad(set_to_none=True)``, ``backward``,
+``optimizer.step()``. The first builds what a run holds across steps (the gradients, the optimizer
+state); the second is traced, as the recorder records a step after its warm-up:
+
+- every aten op, through a dispatch mode: its name (``aten::<op>``, after decomposition, so
+  ``nn.Linear`` shows as ``aten::t`` and ``aten::addmm``), its inputs' shapes and dtypes (named as
+  Kineto names them), its FLOPs (torch's own per-op formulas, `torch.utils.flop_counter`), the bytes
+  it allocates, its phase (forward, backward, update; ``other``: ``zero_grad``), and the module and
+  layer that ran it: in forward the innermost module whose forward is running, in backward the
+  module whose forward op made the autograd node being run (by the node's sequence number, which
+  autograd takes before it dispatches the op down to this mode);
+- memory: every tensor storage an op makes is an allocation, and a weak reference on it gives its
+  free (at the op after which it died). Storages alive when the step starts (parameters, buffers,
+  last step's gradients, optimizer state, the batch) are the resident bytes, and their frees in
+  the step are reported too (last step's gradients at ``zero_grad``), as the profiler reports them.
+
+Durations are not known here: each op gets 1 us, one after the other, and the estimate prices them
+(`predictor/op_costs.py`) and says so in the trace's ``symbolic`` field. The module and batch given
+are not changed, and no real tensor is made: a model too large for this machine can be traced.
+
+A module that needs real values (``.item()``, a data-dependent shape) cannot run on fake tensors:
+`SymbolicTraceError` names the op that needed them.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeCopyMode, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.model_layers import layer_table, layers_of
+from qsync_callback.recorder.trace import Op, Step, Trace
+
+KINETO_DTYPES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+    torch.int64: "long int",
+    torch.int32: "int",
+    torch.int16: "short int",
+    torch.int8: "signed char",
+    torch.uint8: "unsigned char",
+    torch.bool: "bool",
+}
+STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and optimizer state)
+METADATA_OPS = {  # queries of a tensor's metadata that fake tensors answer through the dispatcher
+    "device", "size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim",
+    "is_contiguous", "storage_offset", "sym_storage_offset", "is_same_size",
+}  # fmt: skip
+
+
+class SymbolicTraceError(QSyncInputError):
+    """The module cannot be traced on fake tensors (it needs real values)."""
+
+
+class _StepRecorder(TorchDispatchMode):
+    """Records every aten op run under it, with its phase, module, FLOPs and the storages it
+    makes (see the module docstring); ``phase`` is set by the caller."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.phase = "other"
+        self.ops: list[Op] = []
+        self.memory_events: list[list] = []
+        self._layers = set(layers_of(model))
+        self._modules: list[str] = []  # the forward calls running, outermost first
+        self._made_by: dict[int, tuple[str | None, str | None]] = {}  # autograd seq -> (module, layer)
+        self._addresses: dict[int, int] = {}  # id(storage) -> its address here
+        self._refs: dict[int, weakref.ref] = {}  # keeps the free callbacks alive
+        self._next_address = 1
+        self.closed = False  # frees after the traced step are not the step's
+        self._handles = [
+            handle
+            for name, module in model.named_modules()
+            if name
+            for handle in (
+                module.register_forward_pre_hook(self._enter(name)),
+                module.register_forward_hook(self._leave(name)),
+            )
+        ]
+
+    def _enter(self, name: str) -> Callable[..., None]:
+        def enter(*_: Any) -> None:
+            self._modules.append(name)
+
+        return enter
+
+    def _leave(self, name: str) -> Callable[..., None]:
+        def leave(*_: Any) -> None:
+            if self._modules and self._modules[-1] == name:
+                self._modules.pop()
+
+        return leave
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def address(self, storage: torch.UntypedStorage, op_id: int, nbytes: int | None = None) -> int:
+        """The storage's address here, given one at its first sight, with its free watched (a
+        storage already alive: ``op_id`` -1, no allocation event)."""
+        key = id(storage)
+        if key in self._addresses:
+            return self._addresses[key]
+        addr, self._next_address = self._next_address, self._next_address + 1
+        self._addresses[key] = addr
+        size = storage.nbytes() if nbytes is None else nbytes
+        if op_id >= 0:
+            self.memory_events.append([self._clock(), addr, size, op_id])
+        self._refs[key] = weakref.ref(storage, self._freed(key, addr, size))
+        return addr
+
+    def _freed(self, key: int, addr: int, nbytes: int) -> Callable[[weakref.ref], None]:
+        def freed(_: weakref.ref) -> None:
+            self._addresses.pop(key, None)
+            self._refs.pop(key, None)
+            if self.closed:
+                return
+            op_id = self.ops[-1].id if self.ops else -1
+            self.memory_events.append([self._clock() + 0.5, addr, -nbytes, op_id])
+
+        return freed
+
+    def _clock(self) -> float:
+        return float(len(self.ops) - 1) if self.ops else 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException as error:
+            raise _needs_values(error) from error
+        if func.overloadpacket.__name__ not in METADATA_OPS:
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        module, layer = self._owner()
+        op = Op(
+            id=len(self.ops),
+            name=f"aten::{func.overloadpacket.__name__}",
+            kind=self.phase,
+            thread="main",
+            start_us=float(len(self.ops)),
+            dur_us=1.0,
+            step=STEP_INDEX,
+            layer=layer,
+            module=module,
+            input_shapes=[list(t.shape) for t in inputs],
+            input_dtypes=[KINETO_DTYPES.get(t.dtype, str(t.dtype)) for t in inputs],
+            flops=float(_flops(func, args, kwargs, out)),
+        )
+        self.ops.append(op)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        before = len(self.memory_events)
+        for t in outputs:
+            self.address(t.untyped_storage(), op.id)
+        if self.phase == "forward":
+            # autograd made this op's node (if it has one) before dispatching down to this mode,
+            # taking the sequence number before the next one
+            self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, (module, layer))
+        op.bytes = sum(e[2] for e in self.memory_events[before:] if e[2] > 0)
+
+    def _owner(self) -> tuple[str | None, str | None]:
+        """The module and layer running the op: the forward calls in progress, or in backward
+        those whose forward made the autograd node being run."""
+        if self.phase == "forward":
+            layer = next((m for m in reversed(self._modules) if m in self._layers), None)
+            return (self._modules[-1] if self._modules else None), layer
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                return self._made_by.get(node._sequence_nr(), (None, None))
+        return None, None
+
+
+def _needs_values(error: DataDependentOutputException) -> SymbolicTraceError:
+    return SymbolicTraceError(
+        f"the model's {error.func} needs real values (a data-dependent result, such as .item() or a "
+        "shape that depends on the data), which a symbolic trace does not have"
+    )
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """The op's floating-point operations by torch's own formula (0 where it has none: pointwise
+    ops and the like are priced by their bytes)."""
+    count = flop_registry.get(func.overloadpacket)
+    if count is None:
+        return 0
+    return int(count(*args, **kwargs, out_val=out))
+
+
+def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu") -> Trace:
+    """The trace of one training step of LightningModule ``module`` on ``batch`` (any nest of
+    tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with FakeCopyMode(fake_mode):
+        model = copy.deepcopy(module)
+    fake_batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
+    optimizers = _optimizers(model)
+    recorder = _StepRecorder(model)
+    shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    try:
+        with fake_mode:
+            try:
+                _train_step(model, fake_batch, optimizers, None)
+            except (RuntimeError, ValueError, IndexError) as error:
+                if isinstance(error, DataDependentOutputException):
+                    raise
+                raise QSyncInputError(
+                    f"the batch (tensor shapes {shapes}) does not fit the model: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            resident = _resident(recorder, model, optimizers, fake_batch)
+            with recorder:
+                _train_step(model, fake_batch, optimizers, recorder)
+            recorder.closed = True
+    except DataDependentOutputException as error:
+        raise _needs_values(error) from error
+    finally:
+        recorder.closed = True
+        recorder.remove()
+    end = float(len(recorder.ops))
+    return Trace(
+        rank=0,
+        world_size=1,
+        device=device,
+        steps=[Step(STEP_INDEX, 0.0, max(end, 1.0))],
+        ops=recorder.ops,
+        framework="torch",
+        framework_version=torch.__version__.split("+")[0],
+        memory_events=sorted(recorder.memory_events, key=lambda e: e[0]),
+        resident_bytes=resident,
+        layers=layer_table(module),
+        symbolic={"durations": "not priced yet (1 us per op)", "batch": f"shapes {shapes}"},
+    )
+
+
+def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers ``configure_optimizers`` returns, in any of Lightning's forms."""
+    if getattr(model, "automatic_optimization", True) is False:
+        raise QSyncInputError(
+            "the module optimizes by hand (automatic_optimization = False): a symbolic trace runs "
+            "Lightning's automatic optimization step only"
+        )
+    configured = model.configure_optimizers()
+    found: list[torch.optim.Optimizer] = []
+
+    def take(value: Any) -> None:
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            take(value.get("optimizer"))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                take(item)
+
+    take(configured)
+    if not found:
+        raise QSyncInputError(f"configure_optimizers returned no optimizer ({type(configured).__name__})")
+    return found
+
+
+def _train_step(
+    model: nn.Module, batch: Any, optimizers: Sequence[torch.optim.Optimizer], recorder: _StepRecorder | None
+) -> None:
+    """Lightning's automatic-optimization step: training_step, zero_grad, backward, step."""
+
+    def phase(name: str) -> None:
+        if recorder is not None:
+            recorder.phase = name
+
+    phase("forward")
+    out = model.training_step(batch, 0)
+    loss = out["loss"] if isinstance(out, Mapping) else out
+    if not isinstance(loss, torch.Tensor):
+        raise QSyncInputError(f"training_step returned {type(out).__name__}, not a loss tensor")
+    phase("other")
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    phase("backward")
+    loss.backward()
+    del loss, out
+    phase("update")
+    for optimizer in optimizers:
+        optimizer.step()
+    phase("other")
+
+
+def _resident(
+    recorder: _StepRecorder, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], batch: Any
+) -> dict[str, int]:
+    """The bytes alive when the traced step starts, by category (as `torch_recorder.resident_bytes`
+    counts them), each storage counted once and given its address."""
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[Any]) -> int:
+        nbytes = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if id(storage) not in seen:
+                seen.add(id(storage))
+                recorder.address(storage, -1)
+                nbytes += storage.nbytes()
+        return nbytes
+
+    params = list(model.parameters())
+    state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
+    return {
+        "parameters": total(params),
+        "buffers": total(model.buffers()),
+        "gradients": total(p.grad for p in params),
+        "optimizer_state": total(state),
+        "gradient_buckets": 0,
+        "other": total(tree_leaves(batch)),
+    }

@@ -1,0 +1,248 @@
+"""The symbolic estimate (`recorder/symbolic_trace.py`, `recorder/roofline.py`,
+`predictor/op_costs.py`, `estimate.py`, ``qsync estimate``): one training step on fake tensors,
+against the same step run for real."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from qsync_callback import QSyncCallback
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.estimate import batch_from_shapes, estimate, estimate_trace
+from qsync_callback.predictor.op_costs import op_us, priced
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.roofline import roofline
+from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
+from qsync_callback.recorder.trace import Op, Step, Trace, load_trace_dir
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH, WIDTH, HIDDEN, CLASSES = 64, 96, 512, 10
+
+
+class Net(pl.LightningModule):
+    """Linear, ReLU, Linear; Adam (two state tensors per parameter, and a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _batch(n: int = BATCH):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, WIDTH, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    model = Net()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trace = symbolic_trace(model, _batch())
+    # the module given is untouched: real parameters, the same values, no gradients
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter and torch.equal(p, before[name]) and p.grad is None
+    return trace
+
+
+def test_the_symbolic_step_has_the_recorders_phases_layers_and_flops(traced):
+    kinds = {op.kind for op in traced.ops}
+    assert {"forward", "backward", "update"} <= kinds
+    addmm = [op for op in traced.ops if op.name == "aten::addmm" and op.kind == "forward"]
+    assert [op.layer for op in addmm] == ["net.0", "net.2"]
+    assert addmm[0].input_shapes == [[HIDDEN], [BATCH, WIDTH], [WIDTH, HIDDEN]]
+    assert addmm[0].input_dtypes == ["float", "float", "float"]
+    assert addmm[0].flops == 2 * BATCH * WIDTH * HIDDEN
+    assert addmm[0].bytes == BATCH * HIDDEN * 4  # what it allocated: its output
+    # backward ops belong to the layer whose forward made their autograd node
+    backward_mm = [op for op in traced.ops if op.name == "aten::mm" and op.kind == "backward"]
+    assert {op.layer for op in backward_mm} == {"net.0", "net.2"}
+    assert (
+        sum(op.flops for op in backward_mm) == 2 * 2 * BATCH * HIDDEN * CLASSES + 2 * BATCH * WIDTH * HIDDEN
+    )
+    relu = next(op for op in traced.ops if op.name == "aten::relu")
+    assert relu.layer == "net.1" and relu.flops == 0
+    assert not any(op.name == "aten::device" for op in traced.ops)  # metadata queries are no ops
+    assert traced.symbolic["durations"].startswith("not priced")
+
+
+def test_the_resident_bytes_are_the_real_runs_after_one_step(traced):
+    model = Net()
+    optimizer = model.configure_optimizers()
+    for _ in range(2):
+        loss = model.training_step(_batch(), 0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    x, y = _batch()
+    assert traced.resident_bytes == {
+        "parameters": params,
+        "buffers": 0,
+        "gradients": params,
+        "optimizer_state": state,  # exp_avg, exp_avg_sq and a 4-byte step per parameter
+        "gradient_buckets": 0,
+        "other": x.numel() * 4 + y.numel() * 8,  # the batch
+    }
+
+
+def test_memory_events_pair_into_the_steps_tensors(traced):
+    allocated = [e for e in traced.memory_events if e[2] > 0]
+    assert sum(e[2] for e in allocated) == sum(op.bytes for op in traced.ops)
+    addresses = [e[1] for e in allocated]
+    assert len(addresses) == len(set(addresses))  # no address given twice
+    # last step's gradients are freed in this step (zero_grad), as the profiler reports it
+    freed_resident = [e for e in traced.memory_events if e[2] < 0 and e[1] not in set(addresses)]
+    assert sum(-e[2] for e in freed_resident) == traced.resident_bytes["gradients"]
+
+
+def test_ops_are_priced_by_the_roofline_and_memory_moves_with_them():
+    ops = [
+        Op(
+            0,
+            "aten::addmm",
+            "forward",
+            "main",
+            0.0,
+            1.0,
+            1,
+            input_shapes=[[4, 8]],
+            input_dtypes=["float"],
+            flops=800,
+        ),
+        Op(
+            1,
+            "aten::relu",
+            "forward",
+            "main",
+            1.0,
+            1.0,
+            1,
+            input_shapes=[[4, 8]],
+            input_dtypes=["float"],
+            bytes=128,
+        ),
+    ]
+    trace = Trace(0, 1, "cpu", [Step(1, 0.0, 2.0)], ops, memory_events=[[1.0, 1, 128, 1], [1.5, 1, -128, 1]])
+    costs = {"op_us": 2.0, "bytes_per_us": 64.0, "flops_per_us": {"float": 100.0}}
+    assert op_us(ops[0], costs) == 2.0 + max(800 / 100, 128 / 64)  # compute-bound: 10 us
+    assert op_us(ops[1], costs) == 2.0 + (128 + 128) / 64  # bytes read and written: 6 us
+    out = priced(trace, costs)
+    assert [(op.start_us, op.dur_us) for op in out.ops] == [(0.0, 10.0), (10.0, 6.0)]
+    assert out.memory_events == [[10.0, 1, 128, 1], [13.0, 1, -128, 1]]  # halfway through op 1
+    assert out.steps[0].end_us == 16.0 and trace.ops[0].dur_us == 1.0  # the trace given is unchanged
+    assert out.symbolic["durations"].startswith("predicted by this machine's roofline")
+
+
+def test_the_roofline_is_measured_once_and_read_from_its_cache(tmp_path):
+    first = roofline("cpu", ["float"], tmp_path)
+    assert first["source"].startswith("measured") and first["op_us"] > 0 and first["bytes_per_us"] > 0
+    assert first["flops_per_us"]["float"] > 0
+    again = roofline("cpu", ["float"], tmp_path)
+    assert again["source"].startswith("cache ") and again["flops_per_us"] == first["flops_per_us"]
+
+
+def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path):
+    """A real Lightning run of the same module records its measured peak (live tensors and the
+    allocator's counter, nothing from the predictor); the symbolic step predicts it within 5%."""
+    x, y = _batch(BATCH * 30)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=30,
+        callbacks=[QSyncCallback(mode="record", output_dir=tmp_path, plan_cache=False)],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(Net(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    (recorded,) = load_trace_dir(tmp_path / "trace")
+    measured = recorded.measured["peak_bytes"]
+    symbolic = Predictor([estimate_trace(Net(), _batch(), cache_dir=tmp_path)]).predict()
+    # the real run also holds its data set (30 batches) resident; the symbolic step holds one batch
+    data_set = (x.numel() * 4 + y.numel() * 8) * 29 // 30
+    assert symbolic.peak_bytes == pytest.approx(measured - data_set, rel=0.05)
+
+
+class NeedsValues(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if x.sum().item() > 0:  # a branch on a value
+            x = x * 2
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_a_module_that_needs_real_values_is_named_and_a_batch_that_does_not_fit_too():
+    with pytest.raises(SymbolicTraceError, match=r"_local_scalar_dense.* needs real values"):
+        symbolic_trace(NeedsValues(), _batch())
+    with pytest.raises(
+        QSyncInputError, match=r"the batch \(tensor shapes \[\[64, 7\], \[64\]\]\) does not fit"
+    ):
+        symbolic_trace(Net(), (torch.zeros(64, 7), torch.zeros(64, dtype=torch.int64)))
+
+
+def test_batch_shapes_are_parsed_or_refused():
+    x, y = batch_from_shapes(["64,96", "64:int64"])
+    assert (x.shape, x.dtype, y.shape, y.dtype) == ((64, 96), torch.float32, (64,), torch.int64)
+    for bad in (["64,x"], ["64:complex"], ["0,3"]):
+        with pytest.raises(QSyncInputError, match="--batch-shape"):
+            batch_from_shapes(bad)
+
+
+def test_the_estimate_is_a_report_without_measured_figures():
+    report = estimate(Net(), _batch())
+    assert "measured" not in report and "error_pct" not in report
+    predicted = report["predicted"]
+    assert predicted["step_ms"] > 0 and math.isfinite(predicted["step_ms"])
+    assert predicted["memory_breakdown"]["optimizer_state"] > 0
+    # forward: both layers; backward: both weights' gradients and the hidden's (the batch needs none)
+    assert report["symbolic"]["flops"] == 4 * BATCH * WIDTH * HIDDEN + 6 * BATCH * HIDDEN * CLASSES
+    assert report["ops"][0]["name"] in {"aten::mm", "aten::addmm"}
+
+
+def test_qsync_estimate_on_the_example(tmp_path):
+    command = [sys.executable, "-m", "qsync_callback.cli", "estimate"]
+    target = f"{REPO / 'examples' / 'train_lightning.py'}:Classifier"
+    done = subprocess.run(
+        [*command, target, "--batch-shape", "256,128", "256:int64", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    quiet = {
+        "capture_output": True,
+        "text": True,
+        "timeout": 300,
+        "env": {**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    }
+    report = json.loads(done.stdout)
+    assert report["predicted"]["peak_bytes"] > 0 and "measured" not in report
+    assert report["symbolic"]["batch"] == "shapes [[256, 128], [256]]"
+    text = subprocess.run([*command, target, "--batch-shape", "256,128", "256:int64"], **quiet)
+    assert text.returncode == 0 and "predicted step time" in text.stdout and "peak by kind" in text.stdout
+    no_data = subprocess.run([*command, target], **quiet)  # the example has no train_dataloader()
+    assert (
+        no_data.returncode == 2
+        and "no train_dataloader() to take a batch from; give --batch-shape" in no_data.stderr
+    )
+    missing = subprocess.run([*command, "no_such.py:Model"], **quiet)
+    assert missing.returncode == 2 and missing.stderr.startswith(
+        "qsync: error: no_such.py:Model: expected FILE:CLASS"
+    )
