@@ -12,7 +12,7 @@ taken off the measured peak before the comparison (said in the table). The step 
 the roofline alone (no learned per-op model yet): its error is the roofline's.
 
     python benchmarks/symbolic_estimate.py [--models mlp,cnn,...] [--repeats 2] [--quick]
-        [--out benchmarks/results]
+        [--out benchmarks/results] [--resume]
 """
 
 from __future__ import annotations
@@ -67,9 +67,14 @@ def record_worker(model: str, run_dir: Path) -> None:
     timed_fit(get_model(model), MAX_STEPS, [callback])
 
 
+RESUME = False  # `--resume`: a run whose directory holds its output already is not run again
+
+
 def _run(script: Path, args: list[str], run_dir: Path, out_file: str) -> dict[str, Any] | None:
-    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, 900)
     path = run_dir / out_file
+    if RESUME and path.exists():
+        return json.loads(path.read_text())
+    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, 900)
     if rc != 0 or not path.exists():
         print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
         return None
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp, 1 run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         kind, model = args.worker
         (estimate_worker if kind == "estimate" else record_worker)(model, args.worker_dir)
         return 0
+    global RESUME
+    RESUME = args.resume
     say_allocator()
     models, repeats = (["mlp"], 1) if args.quick else (args.models.split(","), args.repeats)
     rows = [bench_model(model, repeats, args.out) for model in models]

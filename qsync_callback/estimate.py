@@ -7,6 +7,10 @@ memory by kind (parameters, gradients, optimizer state, activations, temporaries
 top ops. The result has the schema of ``report.json`` with ``predicted`` and no ``measured``, and a
 ``symbolic`` entry saying how the figures were made and the step's FLOPs.
 
+A model that needs real values (``.item()``, a shape that depends on the data) cannot run on fake
+tensors: the estimate says which op needed them and traces two real steps of a copy instead
+(``symbolic.tensors`` says so).
+
 The batch is the first batch of the module's own ``train_dataloader()`` (the only real data
 touched: one batch), or one made from ``--batch-shape``: tensors of those shapes, ``float32`` by
 default, ``SHAPE:DTYPE`` for another (``64,784 64:int64`` is an (x, y) pair).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,7 @@ from torch import nn
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.predictor.op_costs import FLOAT_DTYPES, priced
 from qsync_callback.recorder.roofline import roofline
-from qsync_callback.recorder.symbolic_trace import symbolic_trace
+from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report
 from qsync_callback.units import format_bytes
@@ -45,7 +50,12 @@ DTYPE_NAMES = {
 
 def estimate_trace(module: nn.Module, batch: Any, device: str = "cpu", cache_dir: str | None = None) -> Trace:
     """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced."""
-    trace = symbolic_trace(module, batch, device)
+    try:
+        trace = symbolic_trace(module, batch, device)
+    except SymbolicTraceError as error:  # the model needs values: two real steps instead
+        warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
+        trace = symbolic_trace(module, batch, device, fake=False)
+        trace.symbolic["tensors"] = f"real: {error}"
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
     return priced(trace, roofline(device, dtypes, cache_dir))
 

@@ -187,9 +187,23 @@ class NeedsValues(Net):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def test_a_module_that_needs_real_values_is_named_and_a_batch_that_does_not_fit_too():
+def test_a_module_that_needs_real_values_is_named_and_estimated_on_two_real_steps(traced):
     with pytest.raises(SymbolicTraceError, match=r"_local_scalar_dense.* needs real values"):
         symbolic_trace(NeedsValues(), _batch())
+    with pytest.warns(UserWarning, match="_local_scalar_dense.* tracing two real steps of a copy"):
+        real = estimate_trace(NeedsValues(), _batch())
+    assert real.symbolic["tensors"].startswith("real: the model's aten._local_scalar_dense")
+    # the same step as the fake one, but for the branch's sum and multiply
+    assert real.resident_bytes == traced.resident_bytes
+    assert {op.name for op in real.ops} - {op.name for op in traced.ops} <= {
+        "aten::sum",
+        "aten::mul",
+        "aten::_local_scalar_dense",
+        "aten::gt",
+    }
+
+
+def test_a_batch_that_does_not_fit_is_named():
     with pytest.raises(
         QSyncInputError, match=r"the batch \(tensor shapes \[\[64, 7\], \[64\]\]\) does not fit"
     ):

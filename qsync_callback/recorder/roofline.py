@@ -9,7 +9,10 @@ Three figures, measured once per device and cached (`lp.costs.cached_fit`, file 
 - ``flops_per_us``, per float dtype asked for: a square matmul, the least over repeats (not assumed:
   bf16 was 0.37x fp32's time on one of these CPUs and 40x on another).
 
-`predictor/op_costs.py` prices an op from them. They are the fallback a learned per-op model
+The least over repeats keeps a brief stall out, not a machine busy throughout: measured beside
+another job, the matmul rate came out at half the idle machine's (33 against 72 GFLOP/s here).
+Delete the cache file (its path is in ``source``) to measure again. `predictor/op_costs.py`
+prices an op from them. They are the fallback a learned per-op model
 replaces where it has data, and a prediction made from them says so.
 """
 

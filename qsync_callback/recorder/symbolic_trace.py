@@ -28,6 +28,7 @@ A module that needs real values (``.item()``, a data-dependent shape) cannot run
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -205,20 +206,24 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(count(*args, **kwargs, out_val=out))
 
 
-def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu") -> Trace:
+def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu", fake: bool = True) -> Trace:
     """The trace of one training step of LightningModule ``module`` on ``batch`` (any nest of
-    tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with FakeCopyMode(fake_mode):
+    tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced.
+    ``fake=False``: on real tensors, a copy of the module's (for a module that needs real values:
+    the same trace, at the cost of two real steps and the copy's memory)."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with FakeCopyMode(fake_mode) if fake else contextlib.nullcontext():
         model = copy.deepcopy(module)
-    fake_batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
-    optimizers = _optimizers(model)
+    if fake:
+        batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
+    with fake_mode:  # an optimizer that makes its state when built (Adagrad) makes it fake
+        optimizers = _optimizers(model)
     recorder = _StepRecorder(model)
     shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
         with fake_mode:
             try:
-                _train_step(model, fake_batch, optimizers, None)
+                _train_step(model, batch, optimizers, None)
             except (RuntimeError, ValueError, IndexError) as error:
                 if isinstance(error, DataDependentOutputException):
                     raise
@@ -226,9 +231,9 @@ def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu") -> Trace:
                     f"the batch (tensor shapes {shapes}) does not fit the model: "
                     f"{type(error).__name__}: {error}"
                 ) from error
-            resident = _resident(recorder, model, optimizers, fake_batch)
+            resident = _resident(recorder, model, optimizers, batch)
             with recorder:
-                _train_step(model, fake_batch, optimizers, recorder)
+                _train_step(model, batch, optimizers, recorder)
             recorder.closed = True
     except DataDependentOutputException as error:
         raise _needs_values(error) from error
@@ -247,7 +252,11 @@ def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu") -> Trace:
         memory_events=sorted(recorder.memory_events, key=lambda e: e[0]),
         resident_bytes=resident,
         layers=layer_table(module),
-        symbolic={"durations": "not priced yet (1 us per op)", "batch": f"shapes {shapes}"},
+        symbolic={
+            "durations": "not priced yet (1 us per op)",
+            "batch": f"shapes {shapes}",
+            "tensors": "fake" if fake else "real",
+        },
     )
 
 

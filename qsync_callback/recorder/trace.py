@@ -55,7 +55,8 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                         # `recorder/ddp_buckets.py`)
       "fingerprint": {...},
       "raw_trace": "kineto.json",       # the profiler's own trace, beside this file
-      "symbolic": {"durations": "...", "batch": "..."}   # a trace of fake tensors
+      "symbolic": {"durations": "...", "batch": "...", "tensors": "fake"}   # a step traced on fake
+                                        # tensors (or, for a model that needs values, "real ...")
                                         # (`recorder/symbolic_trace.py`): no real compute ran; its
                                         # ops carry "flops" and their durations are predicted (how:
                                         # "durations"); absent on a recorded trace
@@ -456,7 +457,7 @@ _TRACE = Fields(
             }
         ),
         "profiler_overhead_us": MapOf(FINITE),
-        "symbolic": Fields(optional={"durations": STRING, "batch": STRING}),
+        "symbolic": Fields(optional={"durations": STRING, "batch": STRING, "tensors": STRING}),
         "fingerprint": Fields(),
         "raw_trace": Nullable(STRING),
         "communication": Fields(
