@@ -18,11 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from qsync_callback import QSyncCallback
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.estimate import batch_from_shapes, estimate, estimate_trace
-from qsync_callback.predictor.op_costs import op_us, priced
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
-from qsync_callback.recorder.trace import Op, Step, Trace, load_trace_dir
+from qsync_callback.recorder.trace import load_trace_dir
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, WIDTH, HIDDEN, CLASSES = 64, 96, 512, 10
@@ -109,44 +108,6 @@ def test_memory_events_pair_into_the_steps_tensors(traced):
     # last step's gradients are freed in this step (zero_grad), as the profiler reports it
     freed_resident = [e for e in traced.memory_events if e[2] < 0 and e[1] not in set(addresses)]
     assert sum(-e[2] for e in freed_resident) == traced.resident_bytes["gradients"]
-
-
-def test_ops_are_priced_by_the_roofline_and_memory_moves_with_them():
-    ops = [
-        Op(
-            0,
-            "aten::addmm",
-            "forward",
-            "main",
-            0.0,
-            1.0,
-            1,
-            input_shapes=[[4, 8]],
-            input_dtypes=["float"],
-            flops=800,
-        ),
-        Op(
-            1,
-            "aten::relu",
-            "forward",
-            "main",
-            1.0,
-            1.0,
-            1,
-            input_shapes=[[4, 8]],
-            input_dtypes=["float"],
-            bytes=128,
-        ),
-    ]
-    trace = Trace(0, 1, "cpu", [Step(1, 0.0, 2.0)], ops, memory_events=[[1.0, 1, 128, 1], [1.5, 1, -128, 1]])
-    costs = {"op_us": 2.0, "bytes_per_us": 64.0, "flops_per_us": {"float": 100.0}}
-    assert op_us(ops[0], costs) == 2.0 + max(800 / 100, 128 / 64)  # compute-bound: 10 us
-    assert op_us(ops[1], costs) == 2.0 + (128 + 128) / 64  # bytes read and written: 6 us
-    out = priced(trace, costs)
-    assert [(op.start_us, op.dur_us) for op in out.ops] == [(0.0, 10.0), (10.0, 6.0)]
-    assert out.memory_events == [[10.0, 1, 128, 1], [13.0, 1, -128, 1]]  # halfway through op 1
-    assert out.steps[0].end_us == 16.0 and trace.ops[0].dur_us == 1.0  # the trace given is unchanged
-    assert out.symbolic["durations"].startswith("predicted by this machine's roofline")
 
 
 def test_the_roofline_is_measured_once_and_read_from_its_cache(tmp_path):

@@ -1,0 +1,57 @@
+"""A symbolic trace's ops priced on a roofline (`predictor/op_costs.py`), on hand-made traces."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsync_callback.predictor.op_costs import op_us, priced
+from qsync_callback.recorder.trace import Op, Step, Trace
+
+COSTS = {"op_us": 2.0, "bytes_per_us": 64.0, "flops_per_us": {"float": 100.0, "c10::BFloat16": 400.0}}
+
+
+def _op(i, name="aten::add", shapes=((4, 8),), dtypes=("float",), flops=0.0, nbytes=0):
+    return Op(
+        i, name, "forward", "main", float(i), 1.0, 1,
+        input_shapes=[list(s) for s in shapes], input_dtypes=list(dtypes), flops=flops, bytes=nbytes,
+    )  # fmt: skip
+
+
+def test_an_op_costs_the_per_op_time_and_the_larger_of_its_flops_and_its_bytes():
+    assert op_us(_op(0, flops=800), COSTS) == 2.0 + max(800 / 100, 128 / 64)  # compute: 10 us
+    assert op_us(_op(0, nbytes=128), COSTS) == 2.0 + (128 + 128) / 64  # read and written: 6 us
+    # the rate of its first floating-point input's dtype; a long index input does not count
+    bf16 = _op(0, shapes=((4,), (4, 8)), dtypes=("long int", "c10::BFloat16"), flops=800)
+    assert op_us(bf16, COSTS) == 2.0 + max(800 / 400, (32 + 64) / 64)
+    # a dtype with no measured rate takes fp32's
+    assert op_us(_op(0, dtypes=("c10::Half",), flops=8000), COSTS) == 2.0 + 8000 / 100
+    assert op_us(_op(0, shapes=((),), dtypes=("float",)), COSTS) == 2.0  # a scalar moves nothing counted
+
+
+def test_ops_run_one_after_another_and_memory_moves_with_them():
+    ops = [_op(0, flops=800), _op(1, nbytes=128)]
+    trace = Trace(0, 1, "cpu", [Step(1, 0.0, 2.0)], ops, memory_events=[[1.0, 1, 128, 1], [1.5, 1, -128, 1]])
+    out = priced(trace, COSTS)
+    assert [(op.start_us, op.dur_us) for op in out.ops] == [(0.0, 10.0), (10.0, 6.0)]
+    assert out.memory_events == [[10.0, 1, 128, 1], [13.0, 1, -128, 1]]  # halfway through op 1
+    assert out.steps[0].end_us == 16.0
+    assert trace.ops[0].dur_us == 1.0 and trace.memory_events[0][0] == 1.0  # the trace given is unchanged
+    assert out.symbolic["durations"].startswith("predicted by this machine's roofline")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 4096)), min_size=1, max_size=12),
+    st.lists(st.floats(0, 0.99), max_size=8),
+)
+def test_priced_ops_tile_the_step_and_each_event_stays_inside_its_op(figures, fractions):
+    ops = [_op(i, flops=float(f), nbytes=b) for i, (f, b) in enumerate(figures)]
+    events = [[k % len(ops) + x, k, 64, k % len(ops)] for k, x in enumerate(fractions)]
+    out = priced(Trace(0, 1, "cpu", [Step(1, 0.0, float(len(ops)))], ops, memory_events=events), COSTS)
+    for before, after in zip(out.ops, out.ops[1:], strict=False):
+        assert after.start_us == pytest.approx(before.end_us)
+    assert out.steps[0].end_us == pytest.approx(out.ops[-1].end_us)
+    assert all(op.dur_us == pytest.approx(op_us(op, COSTS)) for op in out.ops)
+    for (ts, *_), (new_ts, *_) in zip(events, out.memory_events, strict=True):
+        op = out.ops[int(ts)]
+        assert op.start_us <= new_ts < op.end_us + 1e-9
