@@ -9,7 +9,8 @@ the allocator's counter: `torch_recorder`, nothing from the predictor), ``--repe
 The benchmark's data set is held in memory for the whole run (one batch per step, `timed_fit`):
 the measured peak counts it, the estimate (one batch) does not, so the data set less one batch is
 taken off the measured peak before the comparison (said in the table). The step time comes from
-the roofline alone (no learned per-op model yet): its error is the roofline's.
+the roofline alone: its error is the roofline's (`op_cost_model.py` prices the same traces with the
+learned per-op model, trained on the other families' recorded runs).
 
     python benchmarks/symbolic_estimate.py [--models mlp,cnn,...] [--repeats 2] [--quick]
         [--out benchmarks/results] [--resume]
@@ -34,18 +35,21 @@ from qsync_callback.units import format_bytes
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 PEAK_TARGET_PCT = 5.0
+SYMBOLIC_TRACE = "symbolic_trace.json"  # the estimate's trace, unpriced
 
 
 def estimate_worker(model: str, run_dir: Path) -> None:
     """The estimate of ``model``'s step, timed, with the bytes of its benchmark data set."""
     from qsync_callback.estimate import estimate
+    from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
     spec = get_model(model)
     loader = spec.dataloader(MAX_STEPS)
     batch = next(iter(loader))
     start = time.perf_counter()
-    report = estimate(spec.build(), batch)
+    report = estimate(spec.build(), batch, learned=False)
     seconds = time.perf_counter() - start
+    symbolic_trace(spec.build(), batch).save(run_dir / SYMBOLIC_TRACE)  # for op_cost_model.py
     held = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)
     one_batch = sum(t.untyped_storage().nbytes() for t in batch)
     result = {"estimate": report, "seconds": seconds, "data_set_bytes": held - one_batch}

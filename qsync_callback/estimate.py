@@ -1,8 +1,10 @@
 """Predict a training step before running one: ``qsync estimate`` and `estimate`.
 
 The LightningModule's step is traced on fake tensors (`recorder/symbolic_trace.py`: no real
-compute, no real memory), its ops priced on this machine's roofline (`recorder/roofline.py`,
-`predictor/op_costs.py`), and the trace goes through the same predictor as a recorded one: peak
+compute, no real memory), its ops priced by the learned per-op model of this device
+(`predictor/op_cost_model.py`, trained on the ops of the runs recorded here) or, before any run
+was recorded here, on this machine's roofline (`recorder/roofline.py`, `predictor/op_costs.py`;
+``symbolic.durations`` says which), and the trace goes through the same predictor as a recorded one: peak
 memory by kind (parameters, gradients, optimizer state, activations, temporaries), step time, the
 top ops. The result has the schema of ``report.json`` with ``predicted`` and no ``measured``, and a
 ``symbolic`` entry saying how the figures were made and the step's FLOPs.
@@ -26,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.predictor.op_costs import FLOAT_DTYPES, priced
+from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
+from qsync_callback.predictor.op_costs import priced
+from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
 from qsync_callback.recorder.trace import Trace
@@ -48,22 +51,39 @@ DTYPE_NAMES = {
 }
 
 
-def estimate_trace(module: nn.Module, batch: Any, device: str = "cpu", cache_dir: str | None = None) -> Trace:
-    """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced."""
+def estimate_trace(
+    module: nn.Module,
+    batch: Any,
+    device: str = "cpu",
+    cache_dir: str | None = None,
+    cost_model: OpCostModel | None = None,
+    learned: bool = True,
+) -> Trace:
+    """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
+    ``cost_model``, else this device's learned model (``learned``), else the roofline."""
     try:
         trace = symbolic_trace(module, batch, device)
     except SymbolicTraceError as error:  # the model needs values: two real steps instead
         warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
         trace = symbolic_trace(module, batch, device, fake=False)
         trace.symbolic["tensors"] = f"real: {error}"
+    if cost_model is None and learned:
+        cost_model = device_model(device, cache_dir)
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
-    return priced(trace, roofline(device, dtypes, cache_dir))
+    return priced(trace, roofline(device, dtypes, cache_dir), cost_model)
 
 
-def estimate(module: nn.Module, batch: Any, device: str = "cpu", top: int = 10) -> dict[str, Any]:
+def estimate(
+    module: nn.Module,
+    batch: Any,
+    device: str = "cpu",
+    top: int = 10,
+    cost_model: OpCostModel | None = None,
+    learned: bool = True,
+) -> dict[str, Any]:
     """The estimate of one training step of LightningModule ``module`` on ``batch`` (see the module
-    docstring), as a ``report.json``-shaped dict."""
-    trace = estimate_trace(module, batch, device)
+    docstring), as a ``report.json``-shaped dict; ``cost_model`` and ``learned`` as `estimate_trace`."""
+    trace = estimate_trace(module, batch, device, cost_model=cost_model, learned=learned)
     report = build_report([trace], top=top)
     for measured_only in (
         "measured",
@@ -129,8 +149,10 @@ def first_batch(module: nn.Module) -> Any:
     loader_of = getattr(module, "train_dataloader", None)
     try:
         loader = loader_of() if callable(loader_of) else None
-    except MisconfigurationException:  # Lightning's hook, not overridden
-        return None
+    except Exception as error:  # noqa: BLE001 - Lightning's hook, not overridden, raises its own kind
+        if type(error).__name__ == "MisconfigurationException":
+            return None
+        raise
     return next(iter(loader)) if loader is not None else None
 
 

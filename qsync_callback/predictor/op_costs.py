@@ -1,10 +1,14 @@
-"""Durations for a symbolic trace's ops, from this machine's roofline (`recorder/roofline.py`).
+"""Durations for a symbolic trace's ops: from the learned per-op model of this device where it has
+one (`op_cost_model.py`, trained on the ops this device has recorded), else from this machine's
+roofline (`recorder/roofline.py`).
 
-An op costs the dispatcher's per-op time plus the larger of its FLOPs at the matmul rate of its
-first floating-point input's dtype and its bytes (its tensor inputs read, what it allocates
-written) at the measured bandwidth. The ops run one after another from the step's start, and the
-trace's memory events move with the op they fell in. The trace's ``symbolic.durations`` says the
-durations came from here.
+On the roofline, an op costs the dispatcher's per-op time plus the larger of its FLOPs at the
+matmul rate of its first floating-point input's dtype and its bytes (its tensor inputs read, what it allocates
+written) at the measured bandwidth. The learned model prices each op by its features and adds
+the host's time it fitted: a per-op share before each op, a per-step share at the step's end. The
+ops run one after another from the step's start, and the trace's memory events move with the op
+they fell in. The trace's ``symbolic.durations`` says where the durations came from, and which op
+types the learned model had never seen measured.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from qsync_callback.predictor.compiled_regions import input_bytes
+from qsync_callback.predictor.op_cost_model import OpCostModel
+from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.trace import Op, Trace
-
-FLOAT_DTYPES = ("float", "double", "c10::BFloat16", "c10::Half")
 
 
 def op_us(op: Op, roofline: Mapping[str, Any]) -> float:
@@ -31,16 +35,40 @@ def op_us(op: Op, roofline: Mapping[str, Any]) -> float:
     return roofline["op_us"] + max(compute, moved / roofline["bytes_per_us"])
 
 
-def priced(trace: Trace, roofline: Mapping[str, Any]) -> Trace:
-    """A copy of symbolic ``trace`` whose ops last `op_us`, one after another from the step's
-    start, its memory events and step end moved with them."""
+def priced(trace: Trace, roofline: Mapping[str, Any], model: OpCostModel | None = None) -> Trace:
+    """A copy of symbolic ``trace`` whose ops last `op_us` (or ``model``'s prediction, with its host
+    time), one after another from the step's start, its memory events and step end moved with them."""
     out = copy.copy(trace)
     out.ops = [copy.copy(op) for op in trace.ops]
+    if model is None:
+        durations, before_op, after_step = [op_us(op, roofline) for op in out.ops], 0.0, 0.0
+        source = f"predicted by this machine's roofline (recorder/roofline.py; {roofline.get('source', '')})"
+    else:
+        durations = model.predict_us(
+            [
+                {
+                    "name": op.name,
+                    "shapes": op.input_shapes,
+                    "dtypes": op.input_dtypes,
+                    "flops": op.flops,
+                    "out_bytes": op.bytes,
+                }
+                for op in out.ops
+            ]
+        )
+        before_op, after_step = model.host.per_op_us, model.host.per_step_us
+        unseen = sorted({op.name for op in out.ops} - model.known_types)
+        source = f"predicted by the {model.describe()}" + (
+            f"; op types never measured here, priced from their features alone: {', '.join(unseen)}"
+            if unseen
+            else ""
+        )
     starts: list[float] = []
     clock = trace.steps[0].start_us
-    for op in out.ops:
+    for op, duration in zip(out.ops, durations, strict=False):
+        clock += before_op
         starts.append(clock)
-        op.start_us, op.dur_us = clock, op_us(op, roofline)
+        op.start_us, op.dur_us = clock, duration
         clock += op.dur_us
 
     def moved(ts: float) -> float:
@@ -49,11 +77,7 @@ def priced(trace: Trace, roofline: Mapping[str, Any]) -> Trace:
 
     out.memory_events = [[moved(ts), addr, nbytes, op_id] for ts, addr, nbytes, op_id in trace.memory_events]
     step = copy.copy(trace.steps[0])
-    step.end_us = max(clock, step.start_us + 1.0)
+    step.end_us = max(clock + after_step, step.start_us + 1.0)
     out.steps = [step]
-    out.symbolic = {
-        **trace.symbolic,
-        "durations": "predicted by this machine's roofline (recorder/roofline.py; "
-        f"{roofline.get('source', '')})",
-    }
+    out.symbolic = {**trace.symbolic, "durations": source}
     return out

@@ -50,6 +50,7 @@ OPTIMIZER_ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
 DDP_COPY_BACK = "copy_bucket_to_grad"
 C10D_PREFIX = "c10d::"
 _COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(?!barrier)(\w+)", re.IGNORECASE)
+FLOAT_DTYPES = ("float", "double", "c10::BFloat16", "c10::Half")  # Kineto's names of float dtypes
 DTYPE_BYTES = {  # bytes per element, by Kineto's dtype names
     "float": 4,
     "double": 8,

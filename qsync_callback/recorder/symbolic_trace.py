@@ -61,6 +61,9 @@ STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and
 METADATA_OPS = {  # queries of a tensor's metadata that fake tensors answer through the dispatcher
     "device", "size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim",
     "is_contiguous", "storage_offset", "sym_storage_offset", "is_same_size",
+    # the profiler's ranges (an optimizer's step opens one), which a real run's profiler records as
+    # ranges, not ops
+    "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
 }  # fmt: skip
 
 

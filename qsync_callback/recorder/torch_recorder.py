@@ -53,6 +53,7 @@ import json
 import mmap
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,10 @@ except ImportError:  # not on Windows
 import orjson
 import torch
 
+from qsync_callback.errors import QSyncInputError
 from qsync_callback.lp.modules import LPModule
 from qsync_callback.model_layers import blocks_of, layer_table, layers_of
-from qsync_callback.plan import module_layers
+from qsync_callback.plan import fingerprint_key, module_layers
 from qsync_callback.recorder.copy_costs import copy_costs
 from qsync_callback.recorder.ddp_buckets import (
     attach_bucket_tensors,
@@ -86,6 +88,8 @@ from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
 from qsync_callback.recorder.module_calls import CallProbe, activation_refusals
+from qsync_callback.recorder.op_dataset import add_to_dataset
+from qsync_callback.recorder.op_samples import op_samples, samples_document
 from qsync_callback.recorder.overhead import (
     calibrate_on_steps,
     calibration_extra_times,
@@ -483,6 +487,8 @@ class TorchRecorder:
             counts = calibration_event_counts(raw)
             self._overhead = overhead_per_event(self._calibration_extra, counts)
             self.trace = self._convert(raw)
+            if self.rank == 0:
+                self._add_op_samples(raw)
             del raw
         finally:
             gc.enable()
@@ -503,6 +509,16 @@ class TorchRecorder:
         self._write()
         gc.collect(1)
         return self.trace
+
+    def _add_op_samples(self, raw: dict) -> None:
+        """Add the window's measured ops to this device's data set (`op_dataset.py`), under the
+        model's fingerprint and precision; a failure warns and leaves the data set as it was."""
+        precision = hashlib.sha256(json.dumps(self.trace.precision, sort_keys=True).encode()).hexdigest()[:8]
+        source = f"{fingerprint_key(self.fingerprint)}:{precision}"
+        try:
+            add_to_dataset(samples_document(*op_samples(raw, self._overhead), source), self.device)
+        except (OSError, QSyncInputError, ValueError, RuntimeError) as error:
+            warnings.warn(f"the op data set of {self.device} was not updated: {error}", stacklevel=2)
 
     def _convert(self, raw: dict) -> Trace:
         """The normalized trace of the raw Kineto trace ``raw`` and what the recorder counted."""

@@ -1,0 +1,156 @@
+"""The learned per-op cost model across model families, as CDMPP evaluates it: trained on some
+families' recorded ops, tested on a family held out.
+
+The runs are `symbolic_estimate.py`'s (run first, or reused with ``--resume``): per family, real
+runs with the callback recording (their Kineto traces) and the symbolic trace of one step. For each
+family held out, `OpCostModel` is trained on the op samples (`recorder/op_samples.py`) of every
+other family's recorded runs, then:
+
+- **per-op MAPE**: its predicted time of each distinct op the held-out family's runs measured,
+  against the measured median (mean over distinct ops of |predicted / measured - 1|), and the same
+  weighted by each op's measured time in the step;
+- **step error**: the held-out family's symbolic trace priced by it (`predictor/op_costs.py`) and
+  replayed by the predictor, against the measured step (median of the unprofiled steps of its
+  runs); beside it the roofline's error on the same trace.
+
+    python benchmarks/op_cost_model.py [--models mlp,cnn,...] [--repeats 2] [--quick]
+        [--out benchmarks/results] [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import symbolic_estimate
+from models import MODELS
+from runs import bench_environment, write_results
+
+from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
+from qsync_callback.predictor.op_costs import priced
+from qsync_callback.recorder.kineto import FLOAT_DTYPES
+from qsync_callback.recorder.op_samples import op_samples, samples_document
+from qsync_callback.recorder.roofline import roofline
+from qsync_callback.recorder.trace import Trace
+from qsync_callback.report import build_report
+
+STEP_TARGET_PCT = 10.0
+
+
+def recorded_documents(runs: Path, model: str) -> list[dict[str, Any]]:
+    """The op samples of each recorded run of ``model`` in ``runs``."""
+    documents = []
+    for run_dir in sorted(runs.glob(f"{model}-record-*")):
+        rank0 = run_dir / "trace" / "rank0"
+        if not (rank0 / "kineto.json").exists():
+            continue
+        raw = json.loads((rank0 / "kineto.json").read_text())
+        overhead = json.loads((rank0 / "trace.json").read_text())["profiler_overhead_us"]
+        documents.append(samples_document(*op_samples(raw, overhead), run_dir.name))
+    return documents
+
+
+def measured_step_ms(runs: Path, model: str) -> float:
+    steps = [
+        json.loads(p.read_text())["measured"]["step_ms"]
+        for p in sorted(runs.glob(f"{model}-record-*/report.json"))
+    ]
+    return statistics.median(steps)
+
+
+def predicted_step_ms(trace: Trace, model: OpCostModel | None) -> float:
+    dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
+    return build_report([priced(trace, roofline("cpu", dtypes), model)])["predicted"]["step_ms"]
+
+
+def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[float, float]:
+    """Per-op MAPE (%) over distinct ops, and the same weighted by measured time in the step."""
+    ops = [op for doc in documents for op in doc["ops"] if op["us"] >= MIN_US]
+    predicted = model.predict_us(ops)
+    errors = [abs(p / op["us"] - 1) for p, op in zip(predicted, ops, strict=False)]
+    weights = [op["us"] * op["count"] for op in ops]
+    weighted = sum(e * w for e, w in zip(errors, weights, strict=False)) / sum(weights)
+    return 100 * statistics.fmean(errors), 100 * weighted
+
+
+def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path) -> dict[str, Any]:
+    train = [doc for other, docs in documents.items() if other != model for doc in docs]
+    start = time.perf_counter()
+    cost_model = OpCostModel(train)
+    fit_s = time.perf_counter() - start
+    trace = Trace.load(runs / f"{model}-estimate" / symbolic_estimate.SYMBOLIC_TRACE)
+    measured = measured_step_ms(runs, model)
+    learned = predicted_step_ms(trace, cost_model)
+    rooflined = predicted_step_ms(trace, None)
+    mape, weighted = op_errors(cost_model, documents[model])
+    return {
+        "model": model,
+        "trained_on": sorted(other for other in documents if other != model),
+        "training_ops": cost_model.samples,
+        "fit_s": fit_s,
+        "unseen_types": sorted({op.name for op in trace.ops} - cost_model.known_types),
+        "op_mape_pct": mape,
+        "op_weighted_mape_pct": weighted,
+        "measured_step_ms": measured,
+        "learned_step_ms": learned,
+        "learned_error_pct": 100 * (learned / measured - 1),
+        "roofline_step_ms": rooflined,
+        "roofline_error_pct": 100 * (rooflined / measured - 1),
+        "host_per_op_us": cost_model.host.per_op_us,
+        "host_per_step_ms": cost_model.host.per_step_us / 1e3,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| held-out family | trained on (distinct ops) | op types never seen | per-op MAPE "
+        "| time-weighted MAPE | measured step ms | learned: predicted ms (error) "
+        "| roofline: predicted ms (error) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {len(row['trained_on'])} families ({row['training_ops']}) | "
+            f"{len(row['unseen_types'])} | {row['op_mape_pct']:.1f}% | {row['op_weighted_mape_pct']:.1f}% | "
+            f"{row['measured_step_ms']:.1f} | "
+            f"{row['learned_step_ms']:.1f} ({row['learned_error_pct']:+.1f}%) | "
+            f"{row['roofline_step_ms']:.1f} ({row['roofline_error_pct']:+.1f}%) |"
+        )
+    if rows:
+        learned = statistics.median(abs(r["learned_error_pct"]) for r in rows)
+        rooflined = statistics.median(abs(r["roofline_error_pct"]) for r in rows)
+        signed = statistics.fmean(r["learned_error_pct"] for r in rows)
+        lines.append(
+            f"\nHeld-out step error, median |error|: learned {learned:.1f}% (mean signed {signed:+.1f}%), "
+            f"roofline {rooflined:.1f}%; target {STEP_TARGET_PCT:g}%. Per-op MAPE median "
+            f"{statistics.median(r['op_mape_pct'] for r in rows):.1f}%."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="smoke run: mlp and cnn, 1 run each")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
+    args = parser.parse_args(argv)
+    models, repeats = (["mlp", "cnn"], 1) if args.quick else (args.models.split(","), args.repeats)
+    environment = bench_environment(repeats=repeats)
+    runs_args = ["--models", ",".join(models), "--repeats", str(repeats), "--out", str(args.out)]
+    rc = symbolic_estimate.main([*runs_args, *(["--resume"] if args.resume else [])])
+    runs = args.out / "runs"
+    documents = {model: recorded_documents(runs, model) for model in models}
+    rows = [held_out(model, documents, runs) for model in models if documents[model]]
+    write_results(args.out, "op_cost_model", table(rows), {"environment": environment, "rows": rows})
+    return rc if len(rows) == len(models) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

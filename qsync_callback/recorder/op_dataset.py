@@ -1,0 +1,75 @@
+"""This device's data set of measured ops, kept in the user's cache: every recorded trace adds its
+op samples (`op_samples.py`), with no extra runs, and the learned per-op cost model
+(`predictor/op_cost_model.py`) trains on them.
+
+One JSON file per device (`lp.costs.cache_path`, kind ``op-samples``: keyed by the CPU or GPU, the
+torch version and the thread count), holding one document per recorded trace, by its ``source``
+(the model's fingerprint: a relaunch of the same model replaces its own document), the newest
+`MAX_TRACES` kept. A file that cannot be read or is not this format is started afresh, with a
+warning: a cache is never a reason to stop a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.lp.costs import cache_key, cache_path
+
+CACHE_KIND = "op-samples"
+DATASET_FORMAT = "qsync-op-samples"
+DATASET_VERSION = 1
+MAX_TRACES = 64
+
+
+def dataset_path(device: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """The data set file of ``device`` (``"cpu"``, ``"cuda:0"``)."""
+    return cache_path(device, cache_dir, kind=CACHE_KIND)
+
+
+def load_dataset(device: str, cache_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The trace documents of ``device``'s data set, oldest first; [] where there is none yet."""
+    path = dataset_path(device, cache_dir)
+    if not os.path.exists(path):
+        return []
+    try:
+        document = read_json(path, "op samples")
+    except QSyncInputError as error:
+        warnings.warn(f"{error}; the op data set starts afresh", stacklevel=2)
+        return []
+    if (
+        not isinstance(document, Mapping)
+        or document.get("format") != DATASET_FORMAT
+        or document.get("version") != DATASET_VERSION
+        or not isinstance(document.get("traces"), list)
+    ):
+        warnings.warn(
+            f"{path}: not a {DATASET_FORMAT} v{DATASET_VERSION} file; the op data set starts afresh",
+            stacklevel=2,
+        )
+        return []
+    return [t for t in document["traces"] if isinstance(t, Mapping) and isinstance(t.get("ops"), list)]
+
+
+def add_to_dataset(
+    trace_document: Mapping[str, Any], device: str, cache_dir: str | os.PathLike[str] | None = None
+) -> str:
+    """Add one trace's samples (`op_samples.samples_document`) to ``device``'s data set, replacing
+    any document of the same source; returns the file's path."""
+    path = dataset_path(device, cache_dir)
+    traces = [t for t in load_dataset(device, cache_dir) if t.get("source") != trace_document["source"]]
+    traces = [*traces, dict(trace_document)][-MAX_TRACES:]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    document = {
+        "format": DATASET_FORMAT,
+        "version": DATASET_VERSION,
+        "key": cache_key(device),
+        "traces": traces,
+    }
+    write_text_atomic(path, json.dumps(document) + "\n", "op samples")
+    return path
