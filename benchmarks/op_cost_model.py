@@ -34,7 +34,7 @@ from runs import bench_environment, write_results
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.predictor.op_costs import priced
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
-from qsync_callback.recorder.op_samples import op_samples, samples_document
+from qsync_callback.recorder.op_samples import OpSample, op_samples, samples_document
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report
@@ -63,9 +63,9 @@ def measured_step_ms(runs: Path, model: str) -> float:
     return statistics.median(steps)
 
 
-def predicted_step_ms(trace: Trace, model: OpCostModel | None) -> float:
+def predicted_step_ms(trace: Trace, model: OpCostModel | None, probed: list[OpSample] = ()) -> float:
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
-    return build_report([priced(trace, roofline("cpu", dtypes), model)])["predicted"]["step_ms"]
+    return build_report([priced(trace, roofline("cpu", dtypes), model, probed)])["predicted"]["step_ms"]
 
 
 def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[float, float]:
@@ -83,9 +83,13 @@ def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path)
     start = time.perf_counter()
     cost_model = OpCostModel(train)
     fit_s = time.perf_counter() - start
-    trace = Trace.load(runs / f"{model}-estimate" / symbolic_estimate.SYMBOLIC_TRACE)
+    estimate_dir = runs / f"{model}-estimate"
+    trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
+    probes = json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())
+    probed = [OpSample(**p) for p in probes if p["name"] not in cost_model.known_types]
     measured = measured_step_ms(runs, model)
-    learned = predicted_step_ms(trace, cost_model)
+    learned = predicted_step_ms(trace, cost_model, probed)
+    features_only = predicted_step_ms(trace, cost_model)
     rooflined = predicted_step_ms(trace, None)
     mape, weighted = op_errors(cost_model, documents[model])
     return {
@@ -94,6 +98,9 @@ def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path)
         "training_ops": cost_model.samples,
         "fit_s": fit_s,
         "unseen_types": sorted({op.name for op in trace.ops} - cost_model.known_types),
+        "timed_alone": sorted({p.name for p in probed}),
+        "features_only_step_ms": features_only,
+        "features_only_error_pct": 100 * (features_only / measured - 1),
         "op_mape_pct": mape,
         "op_weighted_mape_pct": weighted,
         "measured_step_ms": measured,
@@ -108,26 +115,29 @@ def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path)
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| held-out family | trained on (distinct ops) | op types never seen | per-op MAPE "
-        "| time-weighted MAPE | measured step ms | learned: predicted ms (error) "
-        "| roofline: predicted ms (error) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| held-out family | trained on (distinct ops) | op types never measured (timed alone) | per-op MAPE "
+        "| time-weighted MAPE | measured step ms | learned + timed alone: ms (error) "
+        "| learned alone: ms (error) | roofline: ms (error) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['model']} | {len(row['trained_on'])} families ({row['training_ops']}) | "
-            f"{len(row['unseen_types'])} | {row['op_mape_pct']:.1f}% | {row['op_weighted_mape_pct']:.1f}% | "
-            f"{row['measured_step_ms']:.1f} | "
+            f"{len(row['unseen_types'])} ({len(row['timed_alone'])}) | {row['op_mape_pct']:.1f}% | "
+            f"{row['op_weighted_mape_pct']:.1f}% | {row['measured_step_ms']:.1f} | "
             f"{row['learned_step_ms']:.1f} ({row['learned_error_pct']:+.1f}%) | "
+            f"{row['features_only_step_ms']:.1f} ({row['features_only_error_pct']:+.1f}%) | "
             f"{row['roofline_step_ms']:.1f} ({row['roofline_error_pct']:+.1f}%) |"
         )
     if rows:
         learned = statistics.median(abs(r["learned_error_pct"]) for r in rows)
+        alone = statistics.median(abs(r["features_only_error_pct"]) for r in rows)
         rooflined = statistics.median(abs(r["roofline_error_pct"]) for r in rows)
         signed = statistics.fmean(r["learned_error_pct"] for r in rows)
         lines.append(
-            f"\nHeld-out step error, median |error|: learned {learned:.1f}% (mean signed {signed:+.1f}%), "
-            f"roofline {rooflined:.1f}%; target {STEP_TARGET_PCT:g}%. Per-op MAPE median "
+            f"\nHeld-out step error, median |error|: learned + timed alone {learned:.1f}% (mean signed "
+            f"{signed:+.1f}%), learned alone {alone:.1f}%, roofline {rooflined:.1f}%; target "
+            f"{STEP_TARGET_PCT:g}%. Per-op MAPE median "
             f"{statistics.median(r['op_mape_pct'] for r in rows):.1f}%."
         )
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ learned per-op model, trained on the other families' recorded runs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,11 +37,13 @@ WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 PEAK_TARGET_PCT = 5.0
 SYMBOLIC_TRACE = "symbolic_trace.json"  # the estimate's trace, unpriced
+PROBES = "probes.json"  # each distinct op of it timed alone (`recorder/op_probes.py`)
 
 
 def estimate_worker(model: str, run_dir: Path) -> None:
     """The estimate of ``model``'s step, timed, with the bytes of its benchmark data set."""
     from qsync_callback.estimate import estimate
+    from qsync_callback.recorder.op_probes import probe
     from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
     spec = get_model(model)
@@ -49,7 +52,10 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     start = time.perf_counter()
     report = estimate(spec.build(), batch, learned=False)
     seconds = time.perf_counter() - start
-    symbolic_trace(spec.build(), batch).save(run_dir / SYMBOLIC_TRACE)  # for op_cost_model.py
+    recipes: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone
+    symbolic_trace(spec.build(), batch, recipes=recipes).save(run_dir / SYMBOLIC_TRACE)
+    probed = probe(recipes.values(), seconds=120)
+    (run_dir / PROBES).write_text(json.dumps([dataclasses.asdict(s) for s in probed]))
     held = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)
     one_batch = sum(t.untyped_storage().nbytes() for t in batch)
     result = {"estimate": report, "seconds": seconds, "data_set_bytes": held - one_batch}

@@ -34,12 +34,15 @@ from qsync_callback.errors import QSyncInputError
 from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.predictor.op_costs import priced
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
+from qsync_callback.recorder.op_dataset import remember_probes
+from qsync_callback.recorder.op_probes import OpRecipe, probe
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report
 from qsync_callback.units import format_bytes
 
+PROBE_SECONDS = 5.0  # the most an estimate spends timing op types never measured here
 DTYPE_NAMES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -58,19 +61,30 @@ def estimate_trace(
     cache_dir: str | None = None,
     cost_model: OpCostModel | None = None,
     learned: bool = True,
+    probe_seconds: float = PROBE_SECONDS,
 ) -> Trace:
     """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
-    ``cost_model``, else this device's learned model (``learned``), else the roofline."""
+    ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
+    learned model, the op types it never saw measured are timed alone (`recorder/op_probes.py`,
+    within ``probe_seconds``) and join the device's data set."""
+    recipes: dict[tuple, OpRecipe] = {}
     try:
-        trace = symbolic_trace(module, batch, device)
+        trace = symbolic_trace(module, batch, device, recipes=recipes)
     except SymbolicTraceError as error:  # the model needs values: two real steps instead
         warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
-        trace = symbolic_trace(module, batch, device, fake=False)
+        recipes.clear()
+        trace = symbolic_trace(module, batch, device, fake=False, recipes=recipes)
         trace.symbolic["tensors"] = f"real: {error}"
     if cost_model is None and learned:
         cost_model = device_model(device, cache_dir)
+    probed = []
+    if cost_model is not None:
+        unseen = [r for r in recipes.values() if r.sample.name not in cost_model.known_types]
+        probed = probe(unseen, device, probe_seconds)
+        if probed:
+            remember_probes(probed, device, cache_dir)
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
-    return priced(trace, roofline(device, dtypes, cache_dir), cost_model)
+    return priced(trace, roofline(device, dtypes, cache_dir), cost_model, probed)
 
 
 def estimate(

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
+from qsync_callback.fit_check import DoesNotFit, FitCheck, check_fit
 from qsync_callback.integrations.lightning.lightning_run import LightningRun
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
 from qsync_callback.tuning_loop import LoopSettings, TuningLoop
@@ -51,6 +53,10 @@ class QSyncCallback(pl.Callback):
         plan: a plan file to apply at step 0, without recording or planning.
         plan_cache: where kept plans live between launches: True for the user's cache directory,
             a directory, or False for none.
+        check_fit: before step 1, trace the step on fake tensors (`qsync_callback.fit_check`) and
+            warn when its predicted peak is over ``memory_budget`` (in bytes or a size) or the
+            device's memory, naming a plan that would fit; the result is `fit_check`.
+        strict: with ``check_fit``, raise `DoesNotFit` instead of warning.
     """
 
     def __init__(
@@ -70,6 +76,8 @@ class QSyncCallback(pl.Callback):
         best_effort: bool = False,
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
+        check_fit: bool = False,
+        strict: bool = False,
     ):
         settings = LoopSettings.from_arguments(
             mode,
@@ -87,6 +95,9 @@ class QSyncCallback(pl.Callback):
         )
         self._loop = TuningLoop(settings, who="QSyncCallback")
         self._run: LightningRun | None = None
+        self._fit_unchecked = check_fit
+        self._strict = strict
+        self.fit_check: FitCheck | None = None
 
     @property
     def mode(self) -> str:
@@ -124,6 +135,9 @@ class QSyncCallback(pl.Callback):
     ) -> None:
         if batch_idx % max(trainer.accumulate_grad_batches, 1) != 0:
             return
+        if self._fit_unchecked:
+            self._fit_unchecked = False
+            self._check_fit(trainer, pl_module, batch)
         if self._loop.finished and not self._loop.watching:  # a kept offload plan is watched
             return
         if self._run is None:
@@ -138,6 +152,23 @@ class QSyncCallback(pl.Callback):
                 "regions" in constraints.levers,
             )
         self._loop.step_boundary(self._run)
+
+    def _check_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        device = str(pl_module.device)
+        try:
+            check = check_fit(pl_module, batch, self._loop.settings.constraints, device, trainer.num_devices)
+        except Exception as error:  # noqa: BLE001 - the check must never break training
+            rank_zero_warn(
+                f"QSyncCallback could not check the fit before step 1: {type(error).__name__}: {error}"
+            )
+            return
+        self.fit_check = check
+        if check.fits:
+            rank_zero_info(f"QSyncCallback: {check.message()}")
+        elif self._strict:
+            raise DoesNotFit(check.message())
+        else:
+            rank_zero_warn(f"QSyncCallback: {check.message()}")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -4,9 +4,9 @@ this device, for ops and models never profiled, trained on the ops this device h
 Features of an op (`op_features`): its type and its first float input's dtype (categories), its
 FLOPs, the bytes its tensor inputs read and the bytes it allocates, the largest input's element
 count and rank, the number of tensor inputs, its arithmetic intensity (FLOPs per byte moved), and
-whether it writes in place. A gradient-boosted tree ensemble (scikit-learn's
-``HistGradientBoostingRegressor``) predicts the log of its time, each distinct op of a trace
-weighted by how often it ran.
+whether it writes in place, and its time on a nominal machine (`nominal_us`). A gradient-boosted
+tree ensemble (scikit-learn's ``HistGradientBoostingRegressor``) predicts the log of its time over
+the nominal one, each distinct op of a trace weighted by how often it ran.
 
 The host's time between ops (Python, autograd's bookkeeping, the optimizer's loop) is fitted apart,
 from the recorded steps: a step's length less its ops' time is ``per_step_us + per_op_us * ops``,
@@ -19,6 +19,7 @@ not pickled.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -27,15 +28,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from qsync_callback.recorder.kineto import DTYPE_BYTES, FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import load_dataset
 
 FEATURES = (
-    "type", "dtype", "log2 FLOPs", "log2 bytes read", "log2 bytes allocated", "log2 largest input elements",
-    "largest input rank", "tensor inputs", "log2 FLOPs per byte", "in place",
+    "type", "class", "dtype", "log2 FLOPs", "log2 bytes read", "log2 bytes allocated",
+    "log2 largest input elements", "largest input rank", "tensor inputs", "log2 FLOPs per byte",
+    "in place", "log2 nominal us",
 )  # fmt: skip
-CATEGORICAL = (0, 1)
+# the nominal machine an op's time is learned against (its target is the log of the measured time
+# over the nominal one): 1 us a call, 100 GFLOP/s, 20 GB/s. Trees do not extrapolate: learned as a
+# ratio to this, an op larger than any measured one keeps the ratio of the largest.
+NOMINAL_CALL_US, NOMINAL_FLOPS_PER_US, NOMINAL_BYTES_PER_US = 1.0, 1e5, 2e4
+CATEGORICAL = (0, 1, 2)
+NOMINAL = len(FEATURES) - 1
+UNKNOWN_TYPE = "?"  # the type of an op whose type was never measured: its class speaks for it
+UNKNOWN_WEIGHT = 0.5
 MIN_OPS = 20  # distinct measured ops below which no model is fitted (the roofline prices instead)
 MIN_US = 0.1  # an op measured shorter (the profiler's cost taken off can leave 0) counts as this
 
@@ -50,6 +60,7 @@ def op_features(
     dtype = next((d for d in dtypes if d in FLOAT_DTYPES), dtypes[0] if dtypes else "none")
     return [
         name,
+        op_class(name, flops),
         dtype,
         math.log2(1 + flops),
         math.log2(1 + read),
@@ -59,7 +70,35 @@ def op_features(
         len(shapes),
         math.log2((1 + flops) / (1 + read + out_bytes)),
         float(name.endswith("_")),
+        math.log2(nominal_us(flops, read + out_bytes)),
     ]
+
+
+@functools.cache
+def op_class(name: str, flops: float = 0.0) -> str:
+    """The kind of op ``name`` is, by torch's own tags: ``"pointwise"``, ``"reduction"``, ``"view"``
+    (returns an alias of an input), ``"compute"`` (has FLOPs: matmuls, convolutions), ``"other"``."""
+    if flops > 0:
+        return "compute"
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    overloads = packet.overloads() if packet is not None else []
+    if not overloads:
+        return "other"
+    overload = getattr(packet, overloads[0])
+    tags = set(overload.tags)
+    if torch.Tag.pointwise in tags:
+        return "pointwise"
+    if torch.Tag.reduction in tags:
+        return "reduction"
+    if any(r.alias_info is not None for r in overload._schema.returns):
+        return "view"
+    return "other"
+
+
+def nominal_us(flops: float, moved_bytes: float) -> float:
+    """An op's time on the nominal machine (`NOMINAL_CALL_US`...): a call, then the larger of its
+    FLOPs and its bytes moved at the nominal rates."""
+    return NOMINAL_CALL_US + max(flops / NOMINAL_FLOPS_PER_US, moved_bytes / NOMINAL_BYTES_PER_US)
 
 
 @dataclass(frozen=True)
@@ -99,8 +138,14 @@ class OpCostModel:
         self.sources = [str(t.get("source", "")) for t in traces]
         self.samples = len(samples)
         self.known_types = {op["name"] for op in samples}
-        self._codes: list[dict[str, int]] = [{}, {}]
+        self._codes: list[dict[str, int]] = [{} for _ in CATEGORICAL]
+        # each op also as an op of its class with no type, what an op type never measured is priced as
         rows = [self._encode(self._features(op), grow=True) for op in samples]
+        rows += [self._encode([UNKNOWN_TYPE, *row[1:]], grow=True) for row in map(self._features, samples)]
+        weights = [op.get("count", 1) for op in samples]
+        weights += [UNKNOWN_WEIGHT * w for w in weights]
+        samples = samples + samples
+        nominal = np.exp2([row[NOMINAL] for row in rows])
         self._regressor = HistGradientBoostingRegressor(
             max_iter=300,
             learning_rate=0.08,
@@ -110,8 +155,8 @@ class OpCostModel:
         )
         self._regressor.fit(
             np.array(rows, dtype=float),
-            np.log([max(op["us"], MIN_US) for op in samples]),
-            sample_weight=np.array([op.get("count", 1) for op in samples], dtype=float),
+            np.log([max(op["us"], MIN_US) for op in samples] / nominal),
+            sample_weight=np.array(weights, dtype=float),
         )
         self.host = fit_host_cost(step for trace in traces for step in trace.get("steps", []))
 
@@ -133,8 +178,12 @@ class OpCostModel:
         (``name``, ``shapes``, ``dtypes``, ``flops``, ``out_bytes``)."""
         if not ops:
             return []
-        rows = np.array([self._encode(self._features(op)) for op in ops], dtype=float)
-        return [float(v) for v in np.exp(self._regressor.predict(rows))]
+        features = [self._features(op) for op in ops]
+        rows = np.array(
+            [self._encode([f[0] if f[0] in self.known_types else UNKNOWN_TYPE, *f[1:]]) for f in features],
+            dtype=float,
+        )
+        return [float(v) for v in np.exp(self._regressor.predict(rows)) * np.exp2(rows[:, NOMINAL])]
 
     def describe(self) -> str:
         """What the model was trained on, for a prediction to say."""

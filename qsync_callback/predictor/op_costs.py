@@ -7,20 +7,22 @@ matmul rate of its first floating-point input's dtype and its bytes (its tensor 
 written) at the measured bandwidth. The learned model prices each op by its features and adds
 the host's time it fitted: a per-op share before each op, a per-step share at the step's end. The
 ops run one after another from the step's start, and the trace's memory events move with the op
-they fell in. The trace's ``symbolic.durations`` says where the durations came from, and which op
-types the learned model had never seen measured.
+they fell in. An op type the learned model never saw measured is timed alone where it could be
+(`recorder/op_probes.py`), its time taken as measured. The trace's ``symbolic.durations`` says
+where the durations came from, and which op types were timed alone or priced from features only.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.op_cost_model import OpCostModel
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
+from qsync_callback.recorder.op_samples import OpSample
 from qsync_callback.recorder.trace import Op, Trace
 
 
@@ -35,9 +37,15 @@ def op_us(op: Op, roofline: Mapping[str, Any]) -> float:
     return roofline["op_us"] + max(compute, moved / roofline["bytes_per_us"])
 
 
-def priced(trace: Trace, roofline: Mapping[str, Any], model: OpCostModel | None = None) -> Trace:
+def priced(
+    trace: Trace,
+    roofline: Mapping[str, Any],
+    model: OpCostModel | None = None,
+    probed: Sequence[OpSample] = (),
+) -> Trace:
     """A copy of symbolic ``trace`` whose ops last `op_us` (or ``model``'s prediction, with its host
-    time), one after another from the step's start, its memory events and step end moved with them."""
+    time; or, for an op ``probed`` at its shapes, the time measured), one after another from the
+    step's start, its memory events and step end moved with them."""
     out = copy.copy(trace)
     out.ops = [copy.copy(op) for op in trace.ops]
     if model is None:
@@ -57,12 +65,17 @@ def priced(trace: Trace, roofline: Mapping[str, Any], model: OpCostModel | None 
             ]
         )
         before_op, after_step = model.host.per_op_us, model.host.per_step_us
-        unseen = sorted({op.name for op in out.ops} - model.known_types)
-        source = f"predicted by the {model.describe()}" + (
-            f"; op types never measured here, priced from their features alone: {', '.join(unseen)}"
-            if unseen
-            else ""
-        )
+        measured = {(s.name, repr(s.shapes), repr(s.dtypes)): s.us for s in probed}
+        for k, op in enumerate(out.ops):
+            durations[k] = measured.get((op.name, repr(op.input_shapes), repr(op.input_dtypes)), durations[k])
+        unseen = {op.name for op in out.ops} - model.known_types
+        probed_types = unseen & {s.name for s in probed}
+        source = f"predicted by the {model.describe()}"
+        if probed_types:
+            timed = ", ".join(sorted(probed_types))
+            source += f"; op types never measured here, timed alone on made-up tensors: {timed}"
+        if unseen - probed_types:
+            source += f"; priced from their features alone: {', '.join(sorted(unseen - probed_types))}"
     starts: list[float] = []
     clock = trace.steps[0].start_us
     for op, duration in zip(out.ops, durations, strict=False):

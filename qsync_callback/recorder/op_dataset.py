@@ -14,17 +14,20 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_json, write_text_atomic
 from qsync_callback.lp.costs import cache_key, cache_path
+from qsync_callback.recorder.op_samples import OpSample
 
 CACHE_KIND = "op-samples"
 DATASET_FORMAT = "qsync-op-samples"
 DATASET_VERSION = 1
 MAX_TRACES = 64
+PROBES_SOURCE = "probes"  # the document of the ops estimates timed alone (`op_probes.py`)
 
 
 def dataset_path(device: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
@@ -73,3 +76,18 @@ def add_to_dataset(
     }
     write_text_atomic(path, json.dumps(document) + "\n", "op samples")
     return path
+
+
+def remember_probes(
+    probed: Sequence[OpSample], device: str, cache_dir: str | os.PathLike[str] | None = None
+) -> None:
+    """Add ops timed alone to ``device``'s data set, in its one probes document (a later probe of
+    the same op replaces the earlier); a cache that cannot be written warns."""
+    kept = next((t for t in load_dataset(device, cache_dir) if t.get("source") == PROBES_SOURCE), None)
+    ops = {(o["name"], repr(o["shapes"]), repr(o["dtypes"])): o for o in (kept or {}).get("ops", [])}
+    for sample in probed:
+        ops[sample.name, repr(sample.shapes), repr(sample.dtypes)] = asdict(sample)
+    try:
+        add_to_dataset({"source": PROBES_SOURCE, "ops": list(ops.values()), "steps": []}, device, cache_dir)
+    except (OSError, QSyncInputError) as error:
+        warnings.warn(f"the ops timed alone were not kept: {error}", stacklevel=2)

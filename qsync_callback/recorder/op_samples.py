@@ -12,7 +12,8 @@ them without counting. Each such event is one sample:
 - ``flops``: torch's own formula (`torch.utils.flop_counter`), run on meta tensors of the recorded
   shapes with the recorded scalar arguments (0 for ops torch has no formula for, and where the
   arguments cannot be rebuilt);
-- ``out_bytes``: what the op allocated (the profiler's memory events inside it);
+- ``out_bytes``: what the op allocated and still held when it returned (the profiler's memory
+  events inside it): its outputs, as the symbolic trace counts them;
 - ``us``: its duration less the profiler's calibrated cost of the events recorded inside it
   (`overhead.py`'s figures, as the converted trace uses them).
 
@@ -42,10 +43,20 @@ from qsync_callback.recorder.kineto import (
     STEP_PREFIX,
     event_kind,
 )
-from qsync_callback.recorder.symbolic_trace import KINETO_DTYPES
 
 ATEN = "aten::"
-TORCH_DTYPES = {name: dtype for dtype, name in KINETO_DTYPES.items()}
+TORCH_DTYPES = {  # Kineto's names of torch's dtypes
+    "float": torch.float32,
+    "double": torch.float64,
+    "c10::Half": torch.float16,
+    "c10::BFloat16": torch.bfloat16,
+    "long int": torch.int64,
+    "int": torch.int32,
+    "short int": torch.int16,
+    "signed char": torch.int8,
+    "unsigned char": torch.uint8,
+    "bool": torch.bool,
+}
 
 
 @dataclass
@@ -154,6 +165,22 @@ def _tensor_inputs(args: Mapping[str, Any]) -> tuple[list[list[int]], list[str]]
     return shapes, dtypes
 
 
+def _kept_bytes(inside: list[Mapping[str, Any]]) -> int:
+    """Bytes allocated by the memory events ``inside`` an op and not freed there: its outputs, as
+    a symbolic trace counts what an op allocates (scratch buffers freed inside are left out)."""
+    live: dict[Any, int] = {}
+    for e in inside:
+        if e.get("name") != MEMORY_EVENT:
+            continue
+        args = e.get("args", {})
+        nbytes, addr = int(args.get("Bytes", 0)), args.get("Addr")
+        if nbytes > 0:
+            live[addr] = nbytes
+        else:
+            live.pop(addr, None)
+    return sum(live.values())
+
+
 def _model_span(events: list[Mapping[str, Any]]) -> tuple[float, float] | None:
     """From the first layer or module range to the end of the last optimizer step of a step's
     events: the ops a symbolic trace also has (the batch's loading and Lightning's hooks outside)."""
@@ -217,12 +244,7 @@ def op_samples(
             ):
                 args = e.get("args", {})
                 shapes, dtypes = _tensor_inputs(args)
-                allocated = sum(
-                    int(thread[j].get("args", {}).get("Bytes", 0))
-                    for j in range(i + 1, bisect.bisect_left(starts, end, lo=i + 1))
-                    if thread[j].get("name") == MEMORY_EVENT
-                    and int(thread[j].get("args", {}).get("Bytes", 0)) > 0
-                )
+                allocated = _kept_bytes(thread[i + 1 : bisect.bisect_left(starts, end, lo=i + 1)])
                 us = max(end - ts - cost_within(ts + 1e-9, end), 0.0)
                 key = (name, repr(shapes), repr(dtypes))
                 merged.setdefault(key, [name, shapes, dtypes, args, allocated, []])[5].append(us)

@@ -43,20 +43,13 @@ from torch.utils.flop_counter import flop_registry
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.model_layers import layer_table, layers_of
+from qsync_callback.plan import module_layers
+from qsync_callback.recorder.module_calls import activation_refusals
+from qsync_callback.recorder.op_probes import OpRecipe
+from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample
 from qsync_callback.recorder.trace import Op, Step, Trace
 
-KINETO_DTYPES = {
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.float16: "c10::Half",
-    torch.bfloat16: "c10::BFloat16",
-    torch.int64: "long int",
-    torch.int32: "int",
-    torch.int16: "short int",
-    torch.int8: "signed char",
-    torch.uint8: "unsigned char",
-    torch.bool: "bool",
-}
+KINETO_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and optimizer state)
 METADATA_OPS = {  # queries of a tensor's metadata that fake tensors answer through the dispatcher
     "device", "size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim",
@@ -75,13 +68,15 @@ class _StepRecorder(TorchDispatchMode):
     """Records every aten op run under it, with its phase, module, FLOPs and the storages it
     makes (see the module docstring); ``phase`` is set by the caller."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, recipes: dict[tuple, OpRecipe] | None = None):
         super().__init__()
+        self.recipes = recipes
         self.phase = "other"
         self.ops: list[Op] = []
         self.memory_events: list[list] = []
         self._layers = set(layers_of(model))
         self._modules: list[str] = []  # the forward calls running, outermost first
+        self.calls: dict[str, int] = {}  # forward calls per module in the traced step
         self._made_by: dict[int, tuple[str | None, str | None]] = {}  # autograd seq -> (module, layer)
         self._addresses: dict[int, int] = {}  # id(storage) -> its address here
         self._refs: dict[int, weakref.ref] = {}  # keeps the free callbacks alive
@@ -100,6 +95,8 @@ class _StepRecorder(TorchDispatchMode):
     def _enter(self, name: str) -> Callable[..., None]:
         def enter(*_: Any) -> None:
             self._modules.append(name)
+            if not self.closed:
+                self.calls[name] = self.calls.get(name, 0) + 1
 
         return enter
 
@@ -179,6 +176,10 @@ class _StepRecorder(TorchDispatchMode):
             # taking the sequence number before the next one
             self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, (module, layer))
         op.bytes = sum(e[2] for e in self.memory_events[before:] if e[2] > 0)
+        key = (op.name, repr(op.input_shapes), repr(op.input_dtypes))
+        if self.recipes is not None and key not in self.recipes:
+            sample = OpSample(op.name, op.input_shapes, op.input_dtypes, op.flops, op.bytes, 0.0)
+            self.recipes[key] = OpRecipe.of(func, args, kwargs, sample)
 
     def _owner(self) -> tuple[str | None, str | None]:
         """The module and layer running the op: the forward calls in progress, or in backward
@@ -209,11 +210,18 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(count(*args, **kwargs, out_val=out))
 
 
-def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu", fake: bool = True) -> Trace:
+def symbolic_trace(
+    module: nn.Module,
+    batch: Any,
+    device: str = "cpu",
+    fake: bool = True,
+    recipes: dict[tuple, OpRecipe] | None = None,
+) -> Trace:
     """The trace of one training step of LightningModule ``module`` on ``batch`` (any nest of
     tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced.
     ``fake=False``: on real tensors, a copy of the module's (for a module that needs real values:
-    the same trace, at the cost of two real steps and the copy's memory)."""
+    the same trace, at the cost of two real steps and the copy's memory). ``recipes``, where given,
+    gets each distinct op (by name, input shapes and dtypes) as an `OpRecipe` to probe."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with FakeCopyMode(fake_mode) if fake else contextlib.nullcontext():
         model = copy.deepcopy(module)
@@ -221,7 +229,7 @@ def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu", fake: boo
         batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
     with fake_mode:  # an optimizer that makes its state when built (Adagrad) makes it fake
         optimizers = _optimizers(model)
-    recorder = _StepRecorder(model)
+    recorder = _StepRecorder(model, recipes)
     shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
         with fake_mode:
@@ -235,6 +243,7 @@ def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu", fake: boo
                     f"{type(error).__name__}: {error}"
                 ) from error
             resident = _resident(recorder, model, optimizers, batch)
+            recorder.calls.clear()  # the traced step's calls only
             with recorder:
                 _train_step(model, batch, optimizers, recorder)
             recorder.closed = True
@@ -255,12 +264,20 @@ def symbolic_trace(module: nn.Module, batch: Any, device: str = "cpu", fake: boo
         memory_events=sorted(recorder.memory_events, key=lambda e: e[0]),
         resident_bytes=resident,
         layers=layer_table(module),
+        activation_costs={"refused": _refusals(model, recorder.calls)},
         symbolic={
             "durations": "not priced yet (1 us per op)",
             "batch": f"shapes {shapes}",
             "tensors": "fake" if fake else "real",
         },
     )
+
+
+def _refusals(model: nn.Module, calls: Mapping[str, int]) -> dict[str, str]:
+    """The modules that cannot take a recompute policy (`activation_refusals`, on the traced
+    step's forward calls); offload's copy costs are measured in a real run, so it is not offered."""
+    counted = {name: calls.get(name, 0) for name, _ in model.named_modules() if name}
+    return activation_refusals(model, module_layers(layers_of(model)), counted)
 
 
 def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
