@@ -9,9 +9,14 @@ other family's recorded runs, then:
 - **per-op MAPE**: its predicted time of each distinct op the held-out family's runs measured,
   against the measured median (mean over distinct ops of |predicted / measured - 1|), and the same
   weighted by each op's measured time in the step;
-- **step error**: the held-out family's symbolic trace priced by it (`predictor/op_costs.py`) and
+- **step error**: the held-out family's symbolic trace priced by it (`predictor/op_costs.py`; the
+  op types it never saw measured timed alone, `recorder/op_probes.py`, as `estimate` does) and
   replayed by the predictor, against the measured step (median of the unprofiled steps of its
-  runs); beside it the roofline's error on the same trace.
+  runs); beside it the same without the ops timed alone, and the roofline's error.
+
+The model's loss and leaf size were chosen on the families of ``--models`` held out in turn; the
+``--fresh`` families (`models.HELD_OUT_MODELS`: an LSTM, a MobileNet-style CNN, a Conv1d sequence
+model) were not looked at then: a model trained on all of ``--models`` is tested on each.
 
     python benchmarks/op_cost_model.py [--models mlp,cnn,...] [--repeats 2] [--quick]
         [--out benchmarks/results] [--resume]
@@ -28,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import symbolic_estimate
-from models import MODELS
-from runs import bench_environment, write_results
+from models import HELD_OUT_MODELS, MODELS
+from runs import bench_environment, range_noise_pct, write_results
 
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.predictor.op_costs import priced
@@ -55,12 +60,12 @@ def recorded_documents(runs: Path, model: str) -> list[dict[str, Any]]:
     return documents
 
 
-def measured_step_ms(runs: Path, model: str) -> float:
-    steps = [
+def measured_steps_ms(runs: Path, model: str) -> list[float]:
+    """The measured step (median of the unprofiled steps) of each recorded run of ``model``."""
+    return [
         json.loads(p.read_text())["measured"]["step_ms"]
         for p in sorted(runs.glob(f"{model}-record-*/report.json"))
     ]
-    return statistics.median(steps)
 
 
 def predicted_step_ms(trace: Trace, model: OpCostModel | None, probed: list[OpSample] = ()) -> float:
@@ -78,7 +83,11 @@ def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[floa
     return 100 * statistics.fmean(errors), 100 * weighted
 
 
-def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path) -> dict[str, Any]:
+def held_out(
+    model: str, documents: dict[str, list[dict[str, Any]]], runs: Path, fresh: bool = False
+) -> dict[str, Any]:
+    """``model``'s row, its learned model trained on every other family of ``documents``;
+    ``fresh``: a family no setting of the model was chosen on."""
     train = [doc for other, docs in documents.items() if other != model for doc in docs]
     start = time.perf_counter()
     cost_model = OpCostModel(train)
@@ -87,13 +96,15 @@ def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path)
     trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
     probes = json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())
     probed = [OpSample(**p) for p in probes if p["name"] not in cost_model.known_types]
-    measured = measured_step_ms(runs, model)
+    runs_ms = measured_steps_ms(runs, model)
+    measured = statistics.median(runs_ms)
     learned = predicted_step_ms(trace, cost_model, probed)
     features_only = predicted_step_ms(trace, cost_model)
     rooflined = predicted_step_ms(trace, None)
     mape, weighted = op_errors(cost_model, documents[model])
     return {
         "model": model,
+        "fresh": fresh,
         "trained_on": sorted(other for other in documents if other != model),
         "training_ops": cost_model.samples,
         "fit_s": fit_s,
@@ -104,6 +115,8 @@ def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path)
         "op_mape_pct": mape,
         "op_weighted_mape_pct": weighted,
         "measured_step_ms": measured,
+        "measured_runs_ms": runs_ms,
+        "run_noise_pct": range_noise_pct(runs_ms),
         "learned_step_ms": learned,
         "learned_error_pct": 100 * (learned / measured - 1),
         "roofline_step_ms": rooflined,
@@ -116,29 +129,36 @@ def held_out(model: str, documents: dict[str, list[dict[str, Any]]], runs: Path)
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| held-out family | trained on (distinct ops) | op types never measured (timed alone) | per-op MAPE "
-        "| time-weighted MAPE | measured step ms | learned + timed alone: ms (error) "
+        "| time-weighted MAPE | measured step ms (runs) | learned + timed alone: ms (error) "
         "| learned alone: ms (error) | roofline: ms (error) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['model']} | {len(row['trained_on'])} families ({row['training_ops']}) | "
+            f"| {row['model']}{' (fresh)' if row['fresh'] else ''} | {len(row['trained_on'])} families ({row['training_ops']}) | "
             f"{len(row['unseen_types'])} ({len(row['timed_alone'])}) | {row['op_mape_pct']:.1f}% | "
-            f"{row['op_weighted_mape_pct']:.1f}% | {row['measured_step_ms']:.1f} | "
+            f"{row['op_weighted_mape_pct']:.1f}% | {row['measured_step_ms']:.1f} "
+            f"({', '.join(f'{v:.1f}' for v in row['measured_runs_ms'])}) | "
             f"{row['learned_step_ms']:.1f} ({row['learned_error_pct']:+.1f}%) | "
             f"{row['features_only_step_ms']:.1f} ({row['features_only_error_pct']:+.1f}%) | "
             f"{row['roofline_step_ms']:.1f} ({row['roofline_error_pct']:+.1f}%) |"
         )
-    if rows:
-        learned = statistics.median(abs(r["learned_error_pct"]) for r in rows)
-        alone = statistics.median(abs(r["features_only_error_pct"]) for r in rows)
-        rooflined = statistics.median(abs(r["roofline_error_pct"]) for r in rows)
-        signed = statistics.fmean(r["learned_error_pct"] for r in rows)
+    for fresh, what in ((False, "families held out in turn"), (True, "fresh families")):
+        group = [r for r in rows if r["fresh"] == fresh]
+        if not group:
+            continue
+        learned = statistics.median(abs(r["learned_error_pct"]) for r in group)
+        alone = statistics.median(abs(r["features_only_error_pct"]) for r in group)
+        rooflined = statistics.median(abs(r["roofline_error_pct"]) for r in group)
+        signed = statistics.fmean(r["learned_error_pct"] for r in group)
         lines.append(
-            f"\nHeld-out step error, median |error|: learned + timed alone {learned:.1f}% (mean signed "
-            f"{signed:+.1f}%), learned alone {alone:.1f}%, roofline {rooflined:.1f}%; target "
-            f"{STEP_TARGET_PCT:g}%. Per-op MAPE median "
-            f"{statistics.median(r['op_mape_pct'] for r in rows):.1f}%."
+            f"\n{what.capitalize()} ({len(group)}): step error, median |error|: learned + timed alone "
+            f"{learned:.1f}% (mean signed {signed:+.1f}%), learned alone {alone:.1f}%, roofline "
+            f"{rooflined:.1f}%; target {STEP_TARGET_PCT:g}%. Per-op MAPE median "
+            f"{statistics.median(r['op_mape_pct'] for r in group):.1f}%, time-weighted "
+            f"{statistics.median(r['op_weighted_mape_pct'] for r in group):.1f}%. Run-to-run noise of the "
+            f"measured steps (max - min over mean): median "
+            f"{statistics.median(r['run_noise_pct'] or 0.0 for r in group):.1f}%."
         )
     return "\n".join(lines) + "\n"
 
@@ -146,20 +166,32 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument(
+        "--fresh",
+        default=",".join(HELD_OUT_MODELS),
+        help="families tested on a model trained on all of --models",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp and cnn, 1 run each")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
     args = parser.parse_args(argv)
-    models, repeats = (["mlp", "cnn"], 1) if args.quick else (args.models.split(","), args.repeats)
+    if args.quick:
+        models, fresh, repeats = ["mlp", "cnn"], ["conv1d"], 1
+    else:
+        models, fresh, repeats = args.models.split(","), [m for m in args.fresh.split(",") if m], args.repeats
     environment = bench_environment(repeats=repeats)
-    runs_args = ["--models", ",".join(models), "--repeats", str(repeats), "--out", str(args.out)]
+    runs_args = ["--models", ",".join(models + fresh), "--repeats", str(repeats), "--out", str(args.out)]
     rc = symbolic_estimate.main([*runs_args, *(["--resume"] if args.resume else [])])
     runs = args.out / "runs"
     documents = {model: recorded_documents(runs, model) for model in models}
     rows = [held_out(model, documents, runs) for model in models if documents[model]]
+    for model in fresh:
+        with_it = {**documents, model: recorded_documents(runs, model)}
+        if with_it[model]:
+            rows.append(held_out(model, with_it, runs, fresh=True))
     write_results(args.out, "op_cost_model", table(rows), {"environment": environment, "rows": rows})
-    return rc if len(rows) == len(models) else 1
+    return rc if len(rows) == len(models) + len(fresh) else 1
 
 
 if __name__ == "__main__":
