@@ -135,7 +135,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['model']}{' (fresh)' if row['fresh'] else ''} | {len(row['trained_on'])} families ({row['training_ops']}) | "
+            f"| {row['model']}{' (fresh)' if row['fresh'] else ''} | "
+            f"{len(row['trained_on'])} families ({row['training_ops']}) | "
             f"{len(row['unseen_types'])} ({len(row['timed_alone'])}) | {row['op_mape_pct']:.1f}% | "
             f"{row['op_weighted_mape_pct']:.1f}% | {row['measured_step_ms']:.1f} "
             f"({', '.join(f'{v:.1f}' for v in row['measured_runs_ms'])}) | "

@@ -179,7 +179,9 @@ class _StepRecorder(TorchDispatchMode):
         key = (op.name, repr(op.input_shapes), repr(op.input_dtypes))
         if self.recipes is not None and key not in self.recipes:
             sample = OpSample(op.name, op.input_shapes, op.input_dtypes, op.flops, op.bytes, 0.0)
-            self.recipes[key] = OpRecipe.of(func, args, kwargs, sample)
+            recipe = OpRecipe.of(func, args, kwargs, sample)
+            if recipe is not None:  # arguments JSON cannot hold: left to the model
+                self.recipes[key] = recipe
 
     def _owner(self) -> tuple[str | None, str | None]:
         """The module and layer running the op: the forward calls in progress, or in backward
