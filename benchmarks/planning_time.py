@@ -53,6 +53,7 @@ STEPS = 40
 TARGET_S = 2.0
 ACTIVATION_BUDGET = 0.85  # the activation planner's budget, a share of the recorded peak
 TARGET_LAYERS = 200
+ESTIMATE_TARGET_S = 10.0  # `qsync estimate` on a 200-layer model (issue 15)
 REGIONS_RUN_STEPS = 20_000
 QUICK_LAYERS = 20
 DDP_STEPS = 30
@@ -122,6 +123,22 @@ def fit(model: pl.LightningModule, width: int, callback: QSyncCallback, devices:
         callbacks=[callback],
     )
     trainer.fit(model, DataLoader(data, batch_size=BATCH))
+
+
+def time_estimate(layers: int, width: int) -> dict[str, Any]:
+    """``estimate`` (what ``qsync estimate`` runs) of the same model on one batch, timed: the
+    symbolic trace, its ops priced (the learned model of this device, which the recording above fed,
+    and the op types it never saw timed alone), the predictor."""
+    from qsync_callback.estimate import estimate
+
+    batch = torch.randn(BATCH, width), torch.randint(0, 10, (BATCH,))
+    start = time.perf_counter()
+    report = estimate(DeepMLP(layers, width), batch)
+    return {
+        "estimate_s": time.perf_counter() - start,
+        "estimate_ops": report["symbolic"]["ops"],
+        "estimate_durations": report["symbolic"]["durations"],
+    }
 
 
 def time_bucket_planning(trace_dir: Path) -> dict[str, Any]:
@@ -230,6 +247,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"| DDP on 2 processes: predictor built | {result['ddp_predictor_s']:.2f} s |",
         f"| DDP buckets ({result['ddp_gradients']} gradients, {result['ddp_candidates']} candidates "
         f"priced) | {result['ddp_buckets_s']:.2f} s |",
+        f"| `qsync estimate` of the same model ({result['estimate_ops']} ops traced on fake tensors, "
+        f"priced, predicted) | {result['estimate_s']:.2f} s (target {ESTIMATE_TARGET_S:g} s) |",
         "",
         f"Planning for speed (predictor built, indicator, greedy): "
         f"{result['predictor_s'] + planning:.2f} s; target {TARGET_S:.0f} s for {TARGET_LAYERS} layers"
@@ -268,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "width": args.width,
         **time_planning(record(args.layers, args.width, run_dir)),
+        **time_estimate(args.layers, args.width),
         **time_bucket_planning(record_ddp(args.layers, args.width, run_dir / "ddp")),
     }
     write_results(args.out, "planning_time", markdown(result), {"environment": env, **result})

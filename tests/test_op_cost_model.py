@@ -5,6 +5,7 @@ estimate that uses it."""
 import collections
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 import pytorch_lightning as pl
@@ -17,8 +18,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from qsync_callback import QSyncCallback
 from qsync_callback.estimate import estimate
 from qsync_callback.predictor.op_cost_model import MIN_OPS, HostCost, OpCostModel, device_model, fit_host_cost
-from qsync_callback.recorder.op_dataset import MAX_TRACES, add_to_dataset, dataset_path, load_dataset
-from qsync_callback.recorder.op_samples import decomposes, op_samples, recorded_flops
+from qsync_callback.recorder.op_dataset import (
+    MAX_TRACES,
+    add_to_dataset,
+    dataset_path,
+    load_dataset,
+    remember_probes,
+)
+from qsync_callback.recorder.op_probes import probe
+from qsync_callback.recorder.op_samples import OpSample, decomposes, op_samples, recorded_flops
 from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
 BATCH, WIDTH, HIDDEN, CLASSES = 32, 64, 256, 10
@@ -221,3 +229,62 @@ def test_the_estimate_is_priced_by_the_learned_model_once_the_device_has_data(re
     recorded_ms = sorted(s["step_us"] for s in steps)[len(steps) // 2] / 1e3
     assert learned["predicted"]["step_ms"] == pytest.approx(recorded_ms, rel=0.35)
     assert math.isfinite(rooflined["predicted"]["step_ms"])
+
+
+class LSTMNet(pl.LightningModule):
+    """An LSTM: on this CPU its backward is oneDNN's, which reads a workspace made in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out, _ = self.lstm(x)
+        return nn.functional.cross_entropy(self.head(out[:, -1]), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+
+def test_ops_are_timed_alone_in_a_child_that_a_crashing_kernel_does_not_take_down():
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(8, 12, 16, generator=g), torch.randint(0, CLASSES, (8,), generator=g)
+    recipes = {}
+    symbolic_trace(LSTMNet(), batch, recipes=recipes)
+    assert len(recipes) > 20 and all(r.op.startswith("aten::") for r in recipes.values())
+    timed = probe(recipes.values(), seconds=120)
+    # every op is timed but, at most, the RNN backward that made-up values crash (it did on the
+    # CPU this was written on: the child ran again from the op after it)
+    missing = {r.sample.name for r in recipes.values()} - {s.name for s in timed}
+    assert missing <= {"aten::mkldnn_rnn_layer_backward"}
+    assert len(timed) >= len(recipes) - 1 and all(s.us > 0 for s in timed)
+    mm = next(s for s in timed if s.name == "aten::mm")
+    assert mm.shapes == next(r.sample.shapes for r in recipes.values() if r.sample.name == "aten::mm")
+
+
+def test_probes_join_the_data_set_and_a_later_probe_replaces_an_earlier(tmp_path):
+    first = OpSample("aten::max_pool2d_with_indices", [[8, 16, 32, 32]], ["float"], 0.0, 1 << 16, 120.0)
+    other = OpSample("aten::bernoulli_", [[8, 64]], ["float"], 0.0, 0, 9.0)
+    remember_probes([first, other], "cpu", tmp_path)
+    remember_probes([OpSample(**{**asdict(first), "us": 80.0})], "cpu", tmp_path)
+    (probes,) = [t for t in load_dataset("cpu", tmp_path) if t["source"] == "probes"]
+    assert sorted((o["name"], o["us"]) for o in probes["ops"]) == [
+        ("aten::bernoulli_", 9.0),
+        ("aten::max_pool2d_with_indices", 80.0),
+    ]
+
+
+def test_an_estimate_times_the_op_types_its_model_never_saw_and_keeps_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = OpCostModel([{"source": "matmuls and adds", "ops": _samples(40), "steps": []}])
+    x, y = _batches(1)
+    report = estimate(ConvNet(), (x, y), cost_model=model)
+    durations = report["symbolic"]["durations"]
+    assert "timed alone on made-up tensors:" in durations
+    timed = durations.split("timed alone on made-up tensors: ")[1].split(";")[0].split(", ")
+    assert {"aten::convolution", "aten::convolution_backward", "aten::native_batch_norm"} <= set(timed)
+    assert "aten::mm" not in timed  # the model has measured matmuls
+    (probes,) = load_dataset("cpu")
+    assert probes["source"] == "probes" and {o["name"] for o in probes["ops"]} == set(timed)
