@@ -1,23 +1,28 @@
-"""The learned per-op cost model: samples from real recorded runs (`recorder/op_samples.py`), the
-per-device data set (`recorder/op_dataset.py`), the model (`predictor/op_cost_model.py`) and the
-estimate that uses it."""
+"""The learned per-op cost model (`predictor/op_cost_model.py`) and the per-device data set it
+trains on (`recorder/op_dataset.py`), on hand-made op samples; the same from real recorded runs in
+`tests/test_op_samples.py`."""
 
-import collections
-import json
 import math
 from dataclasses import asdict
 
 import pytest
-import pytorch_lightning as pl
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from qsync_callback import QSyncCallback
-from qsync_callback.estimate import estimate
-from qsync_callback.predictor.op_cost_model import MIN_OPS, HostCost, OpCostModel, device_model, fit_host_cost
+from qsync_callback.predictor.op_cost_model import (
+    FEATURES,
+    MIN_OPS,
+    NOMINAL_BYTES_PER_US,
+    NOMINAL_CALL_US,
+    NOMINAL_FLOPS_PER_US,
+    HostCost,
+    OpCostModel,
+    device_model,
+    fit_host_cost,
+    nominal_us,
+    op_class,
+    op_features,
+)
 from qsync_callback.recorder.op_dataset import (
     MAX_TRACES,
     add_to_dataset,
@@ -25,137 +30,14 @@ from qsync_callback.recorder.op_dataset import (
     load_dataset,
     remember_probes,
 )
-from qsync_callback.recorder.op_probes import probe
-from qsync_callback.recorder.op_samples import OpSample, decomposes, op_samples, recorded_flops
-from qsync_callback.recorder.symbolic_trace import symbolic_trace
+from qsync_callback.recorder.op_samples import OpSample
 
-BATCH, WIDTH, HIDDEN, CLASSES = 32, 64, 256, 10
-
-
-class ConvNet(pl.LightningModule):
-    """A convolution (whose FLOPs need its stride and padding), batch norm, a linear head; SGD."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 16, 3, stride=2, padding=1)
-        self.norm = nn.BatchNorm2d(16)
-        self.head = nn.Linear(16 * 8 * 8, CLASSES)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        h = torch.relu(self.norm(self.conv(x)))
-        return nn.functional.cross_entropy(self.head(h.flatten(1)), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
-
-def _batches(n: int):
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(n * BATCH, 3, 16, 16, generator=g), torch.randint(
-        0, CLASSES, (n * BATCH,), generator=g
-    )
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """A real Lightning run of ConvNet recording its window, its data set in a cache of its own."""
-    root = tmp_path_factory.mktemp("op_cost_model")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(root / "cache"))
-        x, y = _batches(30)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=30,
-            callbacks=[QSyncCallback(mode="record", output_dir=root / "run", plan_cache=False)],
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            logger=False,
-        )
-        trainer.fit(ConvNet(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
-        traces = load_dataset("cpu")
-    raw = json.loads((root / "run" / "trace" / "rank0" / "kineto.json").read_text())
-    overhead = json.loads((root / "run" / "trace" / "rank0" / "trace.json").read_text())[
-        "profiler_overhead_us"
-    ]
-    return {"root": root, "traces": traces, "raw": raw, "overhead": overhead}
-
-
-def test_a_recorded_run_adds_its_measured_ops_to_the_devices_data_set(recorded):
-    (document,) = recorded["traces"]
-    assert document["steps"] and all(
-        s["ops"] > 0 and 0 < s["ops_us"] < s["step_us"] for s in document["steps"]
-    )
-    names = {op["name"] for op in document["ops"]}
-    assert {"aten::convolution", "aten::addmm", "aten::convolution_backward"} <= names
-    assert all(op["us"] >= 0 and op["count"] >= 1 for op in document["ops"])
-    assert sum(op["us"] > 0 for op in document["ops"]) > 0.8 * len(document["ops"])
-    # the model's ops only: the data loader's (TensorDataset's indexing, collation) are host time
-    assert "aten::stack" not in names
-
-
-def test_the_recorded_ops_are_the_ops_a_symbolic_trace_of_the_same_step_has(recorded):
-    samples, steps = op_samples(recorded["raw"], recorded["overhead"])
-    measured = collections.Counter()
-    for sample in samples:
-        measured[sample.name, repr(sample.shapes)] += sample.count
-    x, y = _batches(1)
-    symbolic = collections.Counter(
-        (op.name, repr(op.input_shapes)) for op in symbolic_trace(ConvNet(), (x, y)).ops
-    )
-    per_step = {key: n / len(steps) for key, n in measured.items()}
-    matched = sum(min(per_step.get(key, 0), n) for key, n in symbolic.items())
-    # unmatched: a few detaches, and Lightning's own ops on the loss in the real step (its
-    # closure's division, the copy it logs)
-    assert matched >= 0.9 * sum(symbolic.values())
-    assert matched >= 0.85 * sum(per_step.values())
-    assert not any(decomposes(name) for name, _ in per_step)  # aten::linear, aten::conv2d: never a sample
-
-
-def test_flops_of_a_recorded_op_are_torchs_own_formula(recorded):
-    events = {e["name"]: e for e in recorded["raw"]["traceEvents"] if e.get("cat") == "cpu_op"}
-    x, y = _batches(1)
-    symbolic = {op.name: op for op in symbolic_trace(ConvNet(), (x, y)).ops if op.kind == "forward"}
-    for name in ("aten::convolution", "aten::addmm"):
-        assert recorded_flops(name, events[name]["args"]) == symbolic[name].flops > 0
-    assert recorded_flops("aten::relu", events["aten::relu"]["args"]) == 0
-
-
-def _samples(n: int, seed: int = 0):
-    """Matmuls whose time is 2 us plus their FLOPs at 10 GFLOP/s, and adds at 5 GB/s."""
-    g = torch.Generator().manual_seed(seed)
-    ops = []
-    for _ in range(n):
-        m, k, p = (int(v) for v in torch.randint(8, 512, (3,), generator=g))
-        ops.append(
-            {
-                "name": "aten::mm",
-                "shapes": [[m, k], [k, p]],
-                "dtypes": ["float", "float"],
-                "flops": 2.0 * m * k * p,
-                "out_bytes": 4 * m * p,
-                "us": 2 + 2 * m * k * p / 1e4,
-                "count": 1,
-            }
-        )
-        ops.append(
-            {
-                "name": "aten::add",
-                "shapes": [[m, k], [m, k]],
-                "dtypes": ["float", "float"],
-                "flops": 0.0,
-                "out_bytes": 4 * m * k,
-                "us": 1 + 12 * m * k / 5e3,
-                "count": 1,
-            }
-        )
-    return ops
+from tracebuilder import op_samples
 
 
 def test_the_model_learns_op_times_it_was_not_shown():
-    model = OpCostModel([{"source": "a", "ops": _samples(150), "steps": []}])
-    held_out = _samples(40, seed=1)
+    model = OpCostModel([{"source": "a", "ops": op_samples(150), "steps": []}])
+    held_out = op_samples(40, seed=1)
     predicted = model.predict_us(held_out)
     errors = sorted(abs(p / op["us"] - 1) for p, op in zip(predicted, held_out, strict=False))
     assert errors[len(errors) // 2] < 0.15
@@ -166,7 +48,7 @@ def test_the_model_learns_op_times_it_was_not_shown():
 
 def test_too_few_ops_make_no_model_and_the_estimate_says_roofline(tmp_path):
     with pytest.raises(ValueError, match="too few"):
-        OpCostModel([{"source": "a", "ops": _samples(MIN_OPS // 2 - 1), "steps": []}])
+        OpCostModel([{"source": "a", "ops": op_samples(MIN_OPS // 2 - 1), "steps": []}])
     assert device_model("cpu", tmp_path) is None
 
 
@@ -213,57 +95,6 @@ def test_a_corrupt_data_set_warns_and_starts_afresh(tmp_path):
     assert [t["source"] for t in load_dataset("cpu", tmp_path)] == ["a"]
 
 
-def test_the_estimate_is_priced_by_the_learned_model_once_the_device_has_data(recorded):
-    x, y = _batches(1)
-    cache = recorded["root"] / "cache" / "qsync_callback"
-    model = device_model("cpu", cache)
-    assert model is not None and model.sources == [recorded["traces"][0]["source"]]
-    learned = estimate(ConvNet(), (x, y), cost_model=model)
-    assert learned["symbolic"]["durations"].startswith("predicted by the learned per-op model")
-    rooflined = estimate(ConvNet(), (x, y), learned=False)
-    assert "roofline" in rooflined["symbolic"]["durations"]
-    # the same trace, the same memory; only the durations differ
-    assert learned["predicted"]["peak_bytes"] == rooflined["predicted"]["peak_bytes"]
-    # trained on this very model's run, its step is the recorded one within the run's own noise
-    steps = recorded["traces"][0]["steps"]
-    recorded_ms = sorted(s["step_us"] for s in steps)[len(steps) // 2] / 1e3
-    assert learned["predicted"]["step_ms"] == pytest.approx(recorded_ms, rel=0.35)
-    assert math.isfinite(rooflined["predicted"]["step_ms"])
-
-
-class LSTMNet(pl.LightningModule):
-    """An LSTM: on this CPU its backward is oneDNN's, which reads a workspace made in forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(16, 32, batch_first=True)
-        self.head = nn.Linear(32, CLASSES)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        out, _ = self.lstm(x)
-        return nn.functional.cross_entropy(self.head(out[:, -1]), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters())
-
-
-def test_ops_are_timed_alone_in_a_child_that_a_crashing_kernel_does_not_take_down():
-    g = torch.Generator().manual_seed(0)
-    batch = torch.randn(8, 12, 16, generator=g), torch.randint(0, CLASSES, (8,), generator=g)
-    recipes = {}
-    symbolic_trace(LSTMNet(), batch, recipes=recipes)
-    assert len(recipes) > 20 and all(r.op.startswith("aten::") for r in recipes.values())
-    timed = probe(recipes.values(), seconds=120)
-    # every op is timed but, at most, the RNN backward that made-up values crash (it did on the
-    # CPU this was written on: the child ran again from the op after it)
-    missing = {r.sample.name for r in recipes.values()} - {s.name for s in timed}
-    assert missing <= {"aten::mkldnn_rnn_layer_backward"}
-    assert len(timed) >= len(recipes) - 1 and all(s.us > 0 for s in timed)
-    mm = next(s for s in timed if s.name == "aten::mm")
-    assert mm.shapes == next(r.sample.shapes for r in recipes.values() if r.sample.name == "aten::mm")
-
-
 def test_probes_join_the_data_set_and_a_later_probe_replaces_an_earlier(tmp_path):
     first = OpSample("aten::max_pool2d_with_indices", [[8, 16, 32, 32]], ["float"], 0.0, 1 << 16, 120.0)
     other = OpSample("aten::bernoulli_", [[8, 64]], ["float"], 0.0, 0, 9.0)
@@ -276,15 +107,57 @@ def test_probes_join_the_data_set_and_a_later_probe_replaces_an_earlier(tmp_path
     ]
 
 
-def test_an_estimate_times_the_op_types_its_model_never_saw_and_keeps_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    model = OpCostModel([{"source": "matmuls and adds", "ops": _samples(40), "steps": []}])
-    x, y = _batches(1)
-    report = estimate(ConvNet(), (x, y), cost_model=model)
-    durations = report["symbolic"]["durations"]
-    assert "timed alone on made-up tensors:" in durations
-    timed = durations.split("timed alone on made-up tensors: ")[1].split(";")[0].split(", ")
-    assert {"aten::convolution", "aten::convolution_backward", "aten::native_batch_norm"} <= set(timed)
-    assert "aten::mm" not in timed  # the model has measured matmuls
-    (probes,) = load_dataset("cpu")
-    assert probes["source"] == "probes" and {o["name"] for o in probes["ops"]} == set(timed)
+def test_an_op_class_comes_from_torchs_own_tags():
+    assert op_class("aten::neg") == op_class("aten::add_") == "pointwise"
+    assert op_class("aten::sum") == op_class("aten::mean") == "reduction"
+    assert op_class("aten::t") == op_class("aten::view") == "view"
+    assert op_class("aten::cat") == op_class("aten::native_layer_norm") == "other"
+    assert op_class("aten::mm", 2.0) == "compute" and op_class("aten::mm") == "other"
+    assert op_class("aten::no_such_op") == "other"
+
+
+def test_the_features_of_a_matmul():
+    features = dict(
+        zip(FEATURES, op_features("aten::mm", [[4, 8], [8, 2]], ["float", "float"], 128.0, 32), strict=True)
+    )
+    read = (32 + 16) * 4
+    assert features == {
+        "type": "aten::mm",
+        "class": "compute",
+        "dtype": "float",
+        "log2 FLOPs": math.log2(129),
+        "log2 bytes read": math.log2(1 + read),
+        "log2 bytes allocated": math.log2(33),
+        "log2 largest input elements": math.log2(33),
+        "largest input rank": 2,
+        "tensor inputs": 2,
+        "log2 FLOPs per byte": math.log2(129 / (1 + read + 32)),
+        "in place": 0.0,
+        "log2 nominal us": math.log2(nominal_us(128.0, read + 32)),
+    }
+    assert nominal_us(0.0, 0.0) == NOMINAL_CALL_US
+    assert nominal_us(2 * NOMINAL_FLOPS_PER_US, NOMINAL_BYTES_PER_US) == NOMINAL_CALL_US + 2
+    assert nominal_us(NOMINAL_FLOPS_PER_US, 3 * NOMINAL_BYTES_PER_US) == NOMINAL_CALL_US + 3
+    inplace = dict(
+        zip(
+            FEATURES,
+            op_features("aten::add_", [[16], []], ["c10::BFloat16", "long int"], 0.0, 0),
+            strict=True,
+        )
+    )
+    assert (
+        inplace["in place"] == 1.0
+        and inplace["dtype"] == "c10::BFloat16"
+        and inplace["largest input rank"] == 1
+    )
+
+
+def test_an_op_type_never_measured_is_priced_as_its_class():
+    """A pointwise op never measured (aten::sub) is priced like the measured pointwise adds of its
+    size, not like the matmuls of the same bytes."""
+    model = OpCostModel([{"source": "a", "ops": op_samples(150), "steps": []}])
+    adds = [op for op in op_samples(20, seed=2) if op["name"] == "aten::add"]
+    subs = [{**op, "name": "aten::sub"} for op in adds]
+    for add, sub, measured in zip(model.predict_us(adds), model.predict_us(subs), adds, strict=True):
+        assert sub == pytest.approx(add, rel=0.5) and sub == pytest.approx(measured["us"], rel=0.5)
+    assert "aten::sub" not in model.known_types and model.samples == 300
