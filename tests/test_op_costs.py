@@ -1,11 +1,16 @@
-"""A symbolic trace's ops priced on a roofline (`predictor/op_costs.py`), on hand-made traces."""
+"""A symbolic trace's ops priced on a roofline or by the learned model (`predictor/op_costs.py`), on
+hand-made traces."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qsync_callback.predictor.op_cost_model import OpCostModel
 from qsync_callback.predictor.op_costs import op_us, priced
+from qsync_callback.recorder.op_samples import OpSample
 from qsync_callback.recorder.trace import Op, Step, Trace
+
+from tracebuilder import op_samples
 
 COSTS = {"op_us": 2.0, "bytes_per_us": 64.0, "flops_per_us": {"float": 100.0, "c10::BFloat16": 400.0}}
 
@@ -55,3 +60,43 @@ def test_priced_ops_tile_the_step_and_each_event_stays_inside_its_op(figures, fr
     for (ts, *_), (new_ts, *_) in zip(events, out.memory_events, strict=True):
         op = out.ops[int(ts)]
         assert op.start_us <= new_ts < op.end_us + 1e-9
+
+
+def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
+    steps = [{"ops": n, "ops_us": 100.0 * n, "step_us": 100.0 * n + 500.0 + 3.0 * n} for n in (10, 40)]
+    model = OpCostModel([{"source": "hand-made", "ops": op_samples(60), "steps": steps}])
+    assert model.host.per_op_us == pytest.approx(3.0) and model.host.per_step_us == pytest.approx(500.0)
+    ops = [
+        _op(0, "aten::mm", ((8, 16), (16, 4)), ("float", "float"), flops=2.0 * 8 * 16 * 4, nbytes=128),
+        _op(1, "aten::add", ((8, 16), (8, 16)), ("float", "float"), nbytes=512),
+        _op(2, "aten::max_pool2d_with_indices", ((2, 4, 8, 8),), nbytes=256),
+        _op(3, "aten::bernoulli_", ((8, 16),)),
+    ]
+    probed = [OpSample("aten::bernoulli_", [[8, 16]], ["float"], 0.0, 0, 77.0)]
+    events = [[1.5, 1, 512, 1], [2.25, 1, -512, 2]]
+    out = priced(Trace(0, 1, "cpu", [Step(1, 0.0, 4.0)], ops, memory_events=events), COSTS, model, probed)
+    as_samples = [
+        {
+            "name": op.name,
+            "shapes": op.input_shapes,
+            "dtypes": op.input_dtypes,
+            "flops": op.flops,
+            "out_bytes": op.bytes,
+        }
+        for op in ops[:3]
+    ]
+    expected = [*model.predict_us(as_samples), 77.0]  # the probed op at its measured time
+    clock, starts = 0.0, []
+    for op, duration in zip(out.ops, expected, strict=True):
+        clock += 3.0  # the host's share before each op
+        starts.append(clock)
+        assert op.start_us == pytest.approx(clock) and op.dur_us == pytest.approx(duration)
+        clock += duration
+    assert out.steps[0].end_us == pytest.approx(clock + 500.0)  # and the step's share at its end
+    assert [e[0] for e in out.memory_events] == pytest.approx(
+        [starts[1] + 0.5 * expected[1], starts[2] + 0.25 * expected[2]]
+    )
+    said = out.symbolic["durations"]
+    assert said.startswith("predicted by the learned per-op model")
+    assert "timed alone on made-up tensors: aten::bernoulli_;" in said
+    assert said.endswith("priced from their features alone: aten::max_pool2d_with_indices")
