@@ -11,7 +11,7 @@
                                                     op's kernels, the memory curve by kind: JSON,
                                                     CSV, a Perfetto counter track and PNG plots
                                                     (`liveness_report.py`)
-    qsync estimate FILE:CLASS [--batch-shape 64,784 64:int64] [--device cpu] [--json] [--top N]
+    qsync estimate FILE:CLASS [--batch-shape 64,784 64:int64] [--device cpu] [--json] [--top N] [--roofline]
                                                     one training step predicted before any runs:
                                                     peak memory by kind, step time, FLOPs, top ops
                                                     (`estimate.py`: a symbolic trace, priced)
@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--device", default="cpu", help="the device to price for (default: cpu)")
     estimate.add_argument("--json", action="store_true", help="the report.json schema, predicted only")
     estimate.add_argument("--top", type=int, default=10, help="ops to list (default 10)")
+    estimate.add_argument(
+        "--roofline",
+        action="store_true",
+        help="price the ops on this machine's roofline, not the learned model of the ops recorded here",
+    )
     return parser
 
 
@@ -112,7 +117,7 @@ def _estimate(args: argparse.Namespace) -> None:
         raise QSyncInputError(
             f"{args.target}: no train_dataloader() to take a batch from; give --batch-shape"
         )
-    report = estimate(module, batch, args.device, top=args.top)
+    report = estimate(module, batch, args.device, top=args.top, learned=not args.roofline)
     _out(json.dumps(report, indent=2) if args.json else format_estimate(report, top=args.top))
 
 

@@ -20,9 +20,12 @@ from qsync_callback.errors import QSyncInputError
 from qsync_callback.estimate import batch_from_shapes, estimate, estimate_trace
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.live_memory import live_storages
+from qsync_callback.recorder.op_dataset import add_to_dataset
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
 from qsync_callback.recorder.trace import load_trace_dir
+
+from tracebuilder import op_samples
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, WIDTH, HIDDEN, CLASSES = 64, 96, 512, 10
@@ -224,3 +227,13 @@ def test_qsync_estimate_on_the_example(tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith(
         "qsync: error: no_such.py:Model: expected FILE:CLASS"
     )
+    # nothing recorded on this device yet: the roofline; once ops were recorded, the learned model
+    assert report["symbolic"]["durations"].startswith("predicted by this machine's roofline")
+    add_to_dataset(
+        {"source": "a run", "ops": op_samples(40), "steps": []}, "cpu", tmp_path / "qsync_callback"
+    )
+    shapes = [target, "--batch-shape", "256,128", "256:int64", "--json"]
+    learned = json.loads(subprocess.run([*command, *shapes], **quiet).stdout)["symbolic"]["durations"]
+    assert learned.startswith("predicted by the learned per-op model")
+    rooflined = json.loads(subprocess.run([*command, *shapes, "--roofline"], **quiet).stdout)
+    assert rooflined["symbolic"]["durations"].startswith("predicted by this machine's roofline")
