@@ -31,6 +31,8 @@ def test_an_op_costs_the_per_op_time_and_the_larger_of_its_flops_and_its_bytes()
     # a dtype with no measured rate takes fp32's
     assert op_us(_op(0, dtypes=("c10::Half",), flops=8000), COSTS) == 2.0 + 8000 / 100
     assert op_us(_op(0, shapes=((),), dtypes=("float",)), COSTS) == 2.0  # a scalar moves nothing counted
+    # FLOPs on integer inputs alone: at fp32's rate
+    assert op_us(_op(0, shapes=((1,),), dtypes=("long int",), flops=8000), COSTS) == 2.0 + 8000 / 100
 
 
 def test_ops_run_one_after_another_and_memory_moves_with_them():
