@@ -67,18 +67,18 @@ def estimate_trace(
     ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
     learned model, the op types it never saw measured are timed alone (`recorder/op_probes.py`,
     within ``probe_seconds``) and join the device's data set."""
-    recipes: dict[tuple, OpRecipe] = {}
+    if cost_model is None and learned:
+        cost_model = device_model(device, cache_dir)
+    recipes: dict[tuple, OpRecipe] | None = {} if cost_model is not None and probe_seconds > 0 else None
     try:
         trace = symbolic_trace(module, batch, device, recipes=recipes)
     except SymbolicTraceError as error:  # the model needs values: two real steps instead
         warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
-        recipes.clear()
+        recipes = None if recipes is None else {}
         trace = symbolic_trace(module, batch, device, fake=False, recipes=recipes)
         trace.symbolic["tensors"] = f"real: {error}"
-    if cost_model is None and learned:
-        cost_model = device_model(device, cache_dir)
     probed = []
-    if cost_model is not None:
+    if cost_model is not None and recipes:
         unseen = [r for r in recipes.values() if r.sample.name not in cost_model.known_types]
         probed = probe(unseen, device, probe_seconds)
         if probed:

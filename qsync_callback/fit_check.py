@@ -22,7 +22,7 @@ from torch import nn
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.estimate import estimate_trace
 from qsync_callback.plan import Constraints
-from qsync_callback.planner.memory_plan import plan_memory
+from qsync_callback.planner.memory_plan import describe_plan, plan_memory
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.units import format_bytes
 
@@ -96,9 +96,9 @@ def _fitting_plan(trace: Any, constraints: Constraints, limit: int) -> str:
     wanted = Constraints(memory_budget=limit, levers=("activation",), best_effort=True)
     choice = plan_memory([trace], wanted)
     chosen = choice.chosen
-    policies = ", ".join(f"{module} {policy}" for module, policy in sorted(chosen.plan.activation.items()))
-    if not policies:
+    if not chosen.plan.activation:
         return "no activation plan lowers the peak"
+    policies = describe_plan(chosen.plan)
     prediction = chosen.prediction
     figures = f"predicted peak {format_bytes(prediction.peak_bytes)}, step {prediction.step_ms:.1f} ms"
     if choice.feasible:

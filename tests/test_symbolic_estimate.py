@@ -2,6 +2,7 @@
 `predictor/op_costs.py`, `estimate.py`, ``qsync estimate``): one training step on fake tensors,
 against the same step run for real."""
 
+import gc
 import json
 import math
 import os
@@ -126,6 +127,7 @@ def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path):
     """A real Lightning run of the same module records its measured peak (live tensors and the
     allocator's counter, nothing from the predictor); the symbolic step predicts it within 5%."""
     # the recorder counts every CPU tensor of the process: those earlier tests left alive are not the run's
+    gc.collect()  # not the garbage of earlier tests, which the run may collect before its first count
     unrelated = sum(live_storages("cpu").values())
     x, y = _batch(BATCH * 30)
     trainer = pl.Trainer(

@@ -104,14 +104,14 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
     else:
         chosen = min(candidates, key=lambda c: (c.prediction.peak_bytes, c.prediction.step_ms))
         if not constraints.best_effort and chosen.prediction.peak_bytes > budget:
-            raise QSyncInputError(budget_refusal(budget, chosen.prediction, _describe(chosen.plan)))
+            raise QSyncInputError(budget_refusal(budget, chosen.prediction, describe_plan(chosen.plan)))
     chosen.plan.prediction = chosen.prediction.figures()
     chosen.plan.constraints = constraints.to_dict()
     chosen.plan.fingerprint = dict(traces[0].fingerprint)
     return MemoryChoice(chosen, bool(meeting), budget, constraints.max_step_ms, candidates)
 
 
-def _describe(plan: Plan) -> str:
+def describe_plan(plan: Plan) -> str:
     """A plan's lowered layers (`describe_choice`) and its activation policies, in a few words."""
     policies = ", ".join(f"{module} {policy}" for module, policy in sorted(plan.activation.items()))
     if not plan.precision:

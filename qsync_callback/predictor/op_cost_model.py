@@ -32,8 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from qsync_callback.recorder.kineto import DTYPE_BYTES, FLOAT_DTYPES
+from qsync_callback.predictor.compiled_regions import input_bytes
+from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import load_dataset
+from qsync_callback.recorder.op_samples import aten_packet
 
 FEATURES = (
     "type", "class", "dtype", "log2 FLOPs", "log2 bytes read", "log2 bytes allocated",
@@ -57,7 +59,7 @@ def op_features(
 ) -> list[Any]:
     """The features of one op (see the module docstring), the two categories as strings."""
     sizes = [math.prod(s) for s in shapes]
-    read = sum(n * DTYPE_BYTES.get(d, 4) for n, d in zip(sizes, dtypes, strict=False))
+    read = sum(input_bytes(shapes, dtypes))
     largest = max(range(len(sizes)), key=sizes.__getitem__) if sizes else None
     dtype = next((d for d in dtypes if d in FLOAT_DTYPES), dtypes[0] if dtypes else "none")
     return [
@@ -82,7 +84,7 @@ def op_class(name: str, flops: float = 0.0) -> str:
     (returns an alias of an input), ``"compute"`` (has FLOPs: matmuls, convolutions), ``"other"``."""
     if flops > 0:
         return "compute"
-    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    packet = aten_packet(name)
     overloads = packet.overloads() if packet is not None else []
     if not overloads:
         return "other"
@@ -142,11 +144,12 @@ class OpCostModel:
         self.known_types = {op["name"] for op in samples}
         self._codes: list[dict[str, int]] = [{} for _ in CATEGORICAL]
         # each op also as an op of its class with no type, what an op type never measured is priced as
-        rows = [self._encode(self._features(op), grow=True) for op in samples]
-        rows += [self._encode([UNKNOWN_TYPE, *row[1:]], grow=True) for row in map(self._features, samples)]
+        features = [self._features(op) for op in samples]
+        rows = [self._encode(f, grow=True) for f in features]
+        rows += [self._encode([UNKNOWN_TYPE, *f[1:]], grow=True) for f in features]
         weights = [op.get("count", 1) for op in samples]
         weights += [UNKNOWN_WEIGHT * w for w in weights]
-        samples = samples + samples
+        measured_us = [max(op["us"], MIN_US) for op in samples] * 2
         nominal = np.exp2([row[NOMINAL] for row in rows])
         self._regressor = HistGradientBoostingRegressor(
             loss="absolute_error",  # the median ratio: a few ops slowed by a stall do not pull it
@@ -158,7 +161,7 @@ class OpCostModel:
         )
         self._regressor.fit(
             np.array(rows, dtype=float),
-            np.log([max(op["us"], MIN_US) for op in samples] / nominal),
+            np.log(measured_us / nominal),
             sample_weight=np.array(weights, dtype=float),
         )
         self.host = fit_host_cost(step for trace in traces for step in trace.get("steps", []))

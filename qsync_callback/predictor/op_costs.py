@@ -22,7 +22,7 @@ from typing import Any
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.op_cost_model import OpCostModel
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
-from qsync_callback.recorder.op_samples import OpSample
+from qsync_callback.recorder.op_samples import OpSample, op_key
 from qsync_callback.recorder.trace import Op, Trace
 
 
@@ -65,9 +65,9 @@ def priced(
             ]
         )
         before_op, after_step = model.host.per_op_us, model.host.per_step_us
-        measured = {(s.name, repr(s.shapes), repr(s.dtypes)): s.us for s in probed}
+        measured = {op_key(s.name, s.shapes, s.dtypes): s.us for s in probed}
         for k, op in enumerate(out.ops):
-            durations[k] = measured.get((op.name, repr(op.input_shapes), repr(op.input_dtypes)), durations[k])
+            durations[k] = measured.get(op_key(op.name, op.input_shapes, op.input_dtypes), durations[k])
         unseen = {op.name for op in out.ops} - model.known_types
         probed_types = unseen & {s.name for s in probed}
         source = f"predicted by the {model.describe()}"

@@ -21,7 +21,7 @@ from typing import Any
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_json, write_text_atomic
 from qsync_callback.lp.costs import cache_key, cache_path
-from qsync_callback.recorder.op_samples import OpSample
+from qsync_callback.recorder.op_samples import OpSample, op_key
 
 CACHE_KIND = "op-samples"
 DATASET_FORMAT = "qsync-op-samples"
@@ -64,9 +64,14 @@ def add_to_dataset(
 ) -> str:
     """Add one trace's samples (`op_samples.samples_document`) to ``device``'s data set, replacing
     any document of the same source; returns the file's path."""
-    path = dataset_path(device, cache_dir)
     traces = [t for t in load_dataset(device, cache_dir) if t.get("source") != trace_document["source"]]
-    traces = [*traces, dict(trace_document)][-MAX_TRACES:]
+    return _save([*traces, dict(trace_document)], device, cache_dir)
+
+
+def _save(traces: Sequence[Mapping[str, Any]], device: str, cache_dir: str | os.PathLike[str] | None) -> str:
+    """Write ``traces``, the newest `MAX_TRACES` of them, as ``device``'s data set; its path."""
+    path = dataset_path(device, cache_dir)
+    traces = list(traces)[-MAX_TRACES:]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     document = {
         "format": DATASET_FORMAT,
@@ -83,11 +88,13 @@ def remember_probes(
 ) -> None:
     """Add ops timed alone to ``device``'s data set, in its one probes document (a later probe of
     the same op replaces the earlier); a cache that cannot be written warns."""
-    kept = next((t for t in load_dataset(device, cache_dir) if t.get("source") == PROBES_SOURCE), None)
-    ops = {(o["name"], repr(o["shapes"]), repr(o["dtypes"])): o for o in (kept or {}).get("ops", [])}
+    traces = load_dataset(device, cache_dir)
+    kept = next((t for t in traces if t.get("source") == PROBES_SOURCE), {})
+    ops = {op_key(o["name"], o["shapes"], o["dtypes"]): o for o in kept.get("ops", [])}
     for sample in probed:
-        ops[sample.name, repr(sample.shapes), repr(sample.dtypes)] = asdict(sample)
+        ops[op_key(sample.name, sample.shapes, sample.dtypes)] = asdict(sample)
+    others = [t for t in traces if t.get("source") != PROBES_SOURCE]
     try:
-        add_to_dataset({"source": PROBES_SOURCE, "ops": list(ops.values()), "steps": []}, device, cache_dir)
+        _save([*others, {"source": PROBES_SOURCE, "ops": list(ops.values()), "steps": []}], device, cache_dir)
     except (OSError, QSyncInputError) as error:
         warnings.warn(f"the ops timed alone were not kept: {error}", stacklevel=2)

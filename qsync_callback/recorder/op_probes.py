@@ -18,6 +18,7 @@ to the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,34 +31,30 @@ from typing import Any
 
 import torch
 
-from qsync_callback.recorder.op_samples import OpSample
+from qsync_callback.recorder.op_samples import KINETO_DTYPES, TORCH_DTYPES, OpSample
 
 REPEATS = 3
 MAX_PROBE_BYTES = 256 << 20  # a probe's tensor inputs together at most
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-)}  # fmt: skip
 
 
 def _spec_bytes(spec: Sequence) -> int:
     shape, stride, dtype = spec
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0) if shape else 1
-    return span * DTYPES[dtype].itemsize
+    return span * TORCH_DTYPES[dtype].itemsize
 
 
 def _to_json(value: Any) -> Any:
-    """``value`` as JSON, a tensor as ``{"tensor": [shape, stride, dtype]}``; ValueError for what
-    JSON cannot hold."""
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
+    """``value`` as JSON, a tensor as ``{"tensor": [shape, stride, dtype]}`` (Kineto's dtype names);
+    ValueError for what JSON cannot hold."""
+    if isinstance(value, (torch.Tensor, torch.dtype)):
+        dtype = value.dtype if isinstance(value, torch.Tensor) else value
+        if dtype not in KINETO_DTYPES:
             raise ValueError(f"dtype {dtype}")
-        return {"tensor": [list(value.shape), list(value.stride()), dtype]}
+        if isinstance(value, torch.dtype):
+            return {"dtype": KINETO_DTYPES[dtype]}
+        return {"tensor": [list(value.shape), list(value.stride()), KINETO_DTYPES[dtype]]}
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {"device": str(value)}
     if value is None or isinstance(value, (bool, int, str)):
@@ -73,7 +70,7 @@ def _from_json(value: Any, device: str) -> Any:
     if isinstance(value, dict):
         if "tensor" in value:
             shape, stride, dtype = value["tensor"]
-            torch_dtype = DTYPES[dtype]
+            torch_dtype = TORCH_DTYPES[dtype]
             span = max(_spec_bytes(value["tensor"]) // torch_dtype.itemsize, 1)
             if torch_dtype.is_floating_point:
                 base = torch.randn(span, dtype=torch_dtype, device=device)
@@ -81,7 +78,7 @@ def _from_json(value: Any, device: str) -> Any:
                 base = torch.zeros(span, dtype=torch_dtype, device=device)
             return base.as_strided(shape, stride)
         if "dtype" in value:
-            return DTYPES[value["dtype"]]
+            return TORCH_DTYPES[value["dtype"]]
         if "device" in value:
             return torch.device(device)
         return float(value["float"])
@@ -185,13 +182,7 @@ def probe(recipes: Iterable[OpRecipe], device: str = "cpu", seconds: float = 5.0
         if last is None:  # the child did not start: nothing more to try
             break
         first = last + 1  # after a crash, from the op after the one that crashed
-    return [
-        OpSample(
-            r.sample.name, r.sample.shapes, r.sample.dtypes, r.sample.flops, r.sample.out_bytes, timed[i]
-        )
-        for i, r in enumerate(todo)
-        if i in timed
-    ]
+    return [dataclasses.replace(r.sample, us=timed[i]) for i, r in enumerate(todo) if i in timed]
 
 
 if __name__ == "__main__":

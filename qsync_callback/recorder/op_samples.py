@@ -57,6 +57,7 @@ TORCH_DTYPES = {  # Kineto's names of torch's dtypes
     "unsigned char": torch.uint8,
     "bool": torch.bool,
 }
+KINETO_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 @dataclass
@@ -82,11 +83,21 @@ class StepSample:
     ops: int
 
 
+def op_key(name: str, shapes: Any, dtypes: Any) -> tuple[str, str, str]:
+    """What makes two ops the same op here: the name and the tensor inputs' shapes and dtypes."""
+    return name, repr(shapes), repr(dtypes)
+
+
+def aten_packet(name: str) -> Any:
+    """The ``torch.ops.aten`` overload packet of ``aten::<name>``, or None."""
+    return getattr(torch.ops.aten, name[len(ATEN) :], None) if name.startswith(ATEN) else None
+
+
 @functools.cache
 def decomposes(name: str) -> bool:
     """True where every overload of aten op ``name`` is ``CompositeImplicitAutograd``: it runs as
     the ops it is written in, which a dispatch-level trace sees instead."""
-    packet = getattr(torch.ops.aten, name[len(ATEN) :], None) if name.startswith(ATEN) else None
+    packet = aten_packet(name)
     if packet is None:
         return False
     try:
@@ -120,7 +131,7 @@ def _argument(dims: Any, kind: str, concrete: str) -> Any:
 @functools.lru_cache(maxsize=4096)
 def _recorded_flops(name: str, args_key: str) -> float:
     dims, kinds, concrete = ast.literal_eval(args_key)
-    packet = getattr(torch.ops.aten, name[len(ATEN) :])
+    packet = aten_packet(name)
     try:
         values = [_argument(d, k, c) for d, k, c in zip(dims, kinds, concrete, strict=False)]
     except (ValueError, SyntaxError, RuntimeError, TypeError):
@@ -143,7 +154,7 @@ def _recorded_flops(name: str, args_key: str) -> float:
 
 def recorded_flops(name: str, args: Mapping[str, Any]) -> float:
     """The FLOPs of a recorded op (its Kineto ``args``) by torch's formula; 0 without one."""
-    packet = getattr(torch.ops.aten, name[len(ATEN) :], None) if name.startswith(ATEN) else None
+    packet = aten_packet(name)
     if packet is None or packet not in flop_registry:
         return 0.0
     dims = args.get("Input Dims") or []
@@ -246,7 +257,7 @@ def op_samples(
                 shapes, dtypes = _tensor_inputs(args)
                 allocated = _kept_bytes(thread[i + 1 : bisect.bisect_left(starts, end, lo=i + 1)])
                 us = max(end - ts - cost_within(ts + 1e-9, end), 0.0)
-                key = (name, repr(shapes), repr(dtypes))
+                key = op_key(name, shapes, dtypes)
                 merged.setdefault(key, [name, shapes, dtypes, args, allocated, []])[5].append(us)
                 ops_us += us
                 count += 1

@@ -46,12 +46,12 @@ from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.module_calls import activation_refusals
 from qsync_callback.recorder.op_probes import OpRecipe
-from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample
+from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, op_key
 from qsync_callback.recorder.trace import Op, Step, Trace
 
-KINETO_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and optimizer state)
-METADATA_OPS = {  # queries of a tensor's metadata that fake tensors answer through the dispatcher
+UNRECORDED_OPS = {  # not ops of the step: queries of a tensor's metadata (fake tensors answer them
+    # through the dispatcher), and the profiler's ranges below
     "device", "size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim",
     "is_contiguous", "storage_offset", "sym_storage_offset", "is_same_size",
     # the profiler's ranges (an optimizer's step opens one), which a real run's profiler records as
@@ -145,7 +145,7 @@ class _StepRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise _needs_values(error) from error
-        if func.overloadpacket.__name__ not in METADATA_OPS:
+        if func.overloadpacket.__name__ not in UNRECORDED_OPS:
             self._record(func, args, kwargs, out)
         return out
 
@@ -176,7 +176,7 @@ class _StepRecorder(TorchDispatchMode):
             # taking the sequence number before the next one
             self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, (module, layer))
         op.bytes = sum(e[2] for e in self.memory_events[before:] if e[2] > 0)
-        key = (op.name, repr(op.input_shapes), repr(op.input_dtypes))
+        key = op_key(op.name, op.input_shapes, op.input_dtypes)
         if self.recipes is not None and key not in self.recipes:
             sample = OpSample(op.name, op.input_shapes, op.input_dtypes, op.flops, op.bytes, 0.0)
             recipe = OpRecipe.of(func, args, kwargs, sample)
