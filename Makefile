@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	# torch==2.13.0 is a CPU build on this machine's disk; a looser range pulls a multi-GB CUDA build.
 	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e ".[lightning,horovod-tf,dev,plots]"
+	$(VENV)/bin/pip install --quiet -e ".[lightning,horovod-tf,dev,plots,tvm]"
 	# Horovod 0.28.1 only builds from source, against the TensorFlow just installed: no build isolation
 	# (so its build deps must be in the venv first), TF and Gloo on, MPI/PyTorch/MXNet off (our torch
 	# side uses torch.distributed). CMake: the system's 3.25, named through HOROVOD_CMAKE so that no
@@ -43,7 +43,7 @@ test: $(STAMP)
 # PATH for the Horovod ones (`horovodrun`, as the tests run it).
 BENCHMARKS := models indicator_check callback_overhead planning_time training_quality \
 	prediction_accuracy precision_plans decision_repeatability horovod_tf_accuracy horovod_timeline_cost \
-	horovod_tf_plans memory_plans ddp_buckets compiled_regions symbolic_estimate op_cost_model
+	horovod_tf_plans memory_plans ddp_buckets compiled_regions symbolic_estimate op_cost_model tf_memory
 BENCH_OUT := benchmarks/results
 BENCH_QUICK_OUT := $(BENCH_OUT)/quick
 

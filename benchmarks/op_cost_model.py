@@ -19,7 +19,11 @@ The model's loss and leaf size were chosen on the families of ``--models`` held 
 model) were not looked at then: a model trained on all of ``--models`` is tested on each.
 
     python benchmarks/op_cost_model.py [--models mlp,cnn,...] [--repeats 2] [--quick]
-        [--out benchmarks/results] [--resume]
+        [--out benchmarks/results] [--resume] [--no-tvm]
+
+With TVM installed (the ``tvm`` extra) each split is also measured with TVM's features of each op
+(`predictor/tvm_features.py`; lowered once per distinct call, kept in ``--out``'s ``tvm_cache``):
+per-op MAPE and step error with and without them, on the same runs and splits.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from runs import bench_environment, range_noise_pct, write_results
 
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.predictor.op_costs import priced
+from qsync_callback.predictor.tvm_features import tvm_available
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_samples import OpSample, op_samples, samples_document
 from qsync_callback.recorder.roofline import roofline
@@ -68,9 +73,13 @@ def measured_steps_ms(runs: Path, model: str) -> list[float]:
     ]
 
 
-def predicted_step_ms(trace: Trace, model: OpCostModel | None, probed: list[OpSample] = ()) -> float:
+def predicted_step_ms(
+    trace: Trace, model: OpCostModel | None, probed: list[OpSample] = (), calls: dict | None = None
+) -> float:
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
-    return build_report([priced(trace, roofline("cpu", dtypes), model, probed)])["predicted"]["step_ms"]
+    return build_report([priced(trace, roofline("cpu", dtypes), model, probed, calls)])["predicted"][
+        "step_ms"
+    ]
 
 
 def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[float, float]:
@@ -84,14 +93,24 @@ def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[floa
 
 
 def held_out(
-    model: str, documents: dict[str, list[dict[str, Any]]], runs: Path, fresh: bool = False
+    model: str,
+    documents: dict[str, list[dict[str, Any]]],
+    runs: Path,
+    fresh: bool = False,
+    tvm_cache: Path | None = None,
 ) -> dict[str, Any]:
-    """``model``'s row, its learned model trained on every other family of ``documents``;
+    """``model``'s row, its learned model trained on every other family of ``documents``, and the
+    same model with TVM's features (``tvm_cache``: where they are kept; None: not measured);
     ``fresh``: a family no setting of the model was chosen on."""
     train = [doc for other, docs in documents.items() if other != model for doc in docs]
     start = time.perf_counter()
     cost_model = OpCostModel(train)
     fit_s = time.perf_counter() - start
+    with_tvm = {}
+    if tvm_cache is not None:
+        tvm_model = OpCostModel(train, tvm=True, cache_dir=tvm_cache)
+        calls = symbolic_estimate.symbolic_calls(model, runs / f"{model}-estimate")
+        with_tvm = {"tvm_lowered_ops": tvm_model.lowered}
     estimate_dir = runs / f"{model}-estimate"
     trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
     probes = json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())
@@ -102,7 +121,19 @@ def held_out(
     features_only = predicted_step_ms(trace, cost_model)
     rooflined = predicted_step_ms(trace, None)
     mape, weighted = op_errors(cost_model, documents[model])
+    if tvm_cache is not None:
+        tvm_probed = [p for p in probed if p.name not in tvm_model.known_types]
+        tvm_learned = predicted_step_ms(trace, tvm_model, tvm_probed, calls)
+        tvm_alone = predicted_step_ms(trace, tvm_model, calls=calls)
+        tvm_mape, tvm_weighted = op_errors(tvm_model, documents[model])
+        with_tvm |= {
+            "tvm_op_mape_pct": tvm_mape,
+            "tvm_op_weighted_mape_pct": tvm_weighted,
+            "tvm_learned_error_pct": 100 * (tvm_learned / measured - 1),
+            "tvm_features_only_error_pct": 100 * (tvm_alone / measured - 1),
+        }
     return {
+        **with_tvm,
         "model": model,
         "fresh": fresh,
         "trained_on": sorted(other for other in documents if other != model),
@@ -161,7 +192,41 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"measured steps (max - min over mean): median "
             f"{statistics.median(r['run_noise_pct'] or 0.0 for r in group):.1f}%."
         )
+    tvm_rows = [r for r in rows if "tvm_op_mape_pct" in r]
+    if tvm_rows:
+        lines += [
+            "\nWith TVM's features (`predictor/tvm_features.py`) beside the framework's, the same splits:\n",
+            "| held-out family | ops lowered among the training ops | per-op MAPE: without / with TVM "
+            "| time-weighted MAPE: without / with | learned + timed alone: error without / with "
+            "| learned alone: error without / with |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for row in tvm_rows:
+            lines.append(
+                f"| {row['model']}{' (fresh)' if row['fresh'] else ''} | {row['tvm_lowered_ops']} of "
+                f"{row['training_ops']} | {row['op_mape_pct']:.1f}% / {row['tvm_op_mape_pct']:.1f}% | "
+                f"{row['op_weighted_mape_pct']:.1f}% / {row['tvm_op_weighted_mape_pct']:.1f}% | "
+                f"{row['learned_error_pct']:+.1f}% / {row['tvm_learned_error_pct']:+.1f}% | "
+                f"{row['features_only_error_pct']:+.1f}% / {row['tvm_features_only_error_pct']:+.1f}% |"
+            )
+        for fresh, what in ((False, "families held out in turn"), (True, "fresh families")):
+            group = [r for r in tvm_rows if r["fresh"] == fresh]
+            if group:
+                lines.append(
+                    f"\n{what.capitalize()} ({len(group)}), medians without / with TVM: per-op MAPE "
+                    f"{_median(group, 'op_mape_pct'):.1f}% / {_median(group, 'tvm_op_mape_pct'):.1f}%, "
+                    f"time-weighted {_median(group, 'op_weighted_mape_pct'):.1f}% / "
+                    f"{_median(group, 'tvm_op_weighted_mape_pct'):.1f}%, |step error| learned + timed alone "
+                    f"{_median(group, 'learned_error_pct', abs):.1f}% / "
+                    f"{_median(group, 'tvm_learned_error_pct', abs):.1f}%, learned alone "
+                    f"{_median(group, 'features_only_error_pct', abs):.1f}% / "
+                    f"{_median(group, 'tvm_features_only_error_pct', abs):.1f}%."
+                )
     return "\n".join(lines) + "\n"
+
+
+def _median(rows: list[dict[str, Any]], key: str, of: Any = float) -> float:
+    return statistics.median(of(r[key]) for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp and cnn, 1 run each")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
+    parser.add_argument("--no-tvm", action="store_true", help="leave out the model with TVM's features")
     args = parser.parse_args(argv)
     if args.quick:
         models, fresh, repeats = ["mlp", "cnn"], ["conv1d"], 1
@@ -186,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     rc = symbolic_estimate.main([*runs_args, *(["--resume"] if args.resume else [])])
     runs = args.out / "runs"
     documents = {model: recorded_documents(runs, model) for model in models}
-    rows = [held_out(model, documents, runs) for model in models if documents[model]]
+    tvm_cache = None if args.no_tvm or not tvm_available() else args.out / "tvm_cache"
+    rows = [held_out(model, documents, runs, tvm_cache=tvm_cache) for model in models if documents[model]]
     for model in fresh:
         with_it = {**documents, model: recorded_documents(runs, model)}
         if with_it[model]:
-            rows.append(held_out(model, with_it, runs, fresh=True))
+            rows.append(held_out(model, with_it, runs, fresh=True, tvm_cache=tvm_cache))
     write_results(args.out, "op_cost_model", table(rows), {"environment": environment, "rows": rows})
     return rc if len(rows) == len(models) + len(fresh) else 1
 

@@ -38,6 +38,28 @@ MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 PEAK_TARGET_PCT = 5.0
 SYMBOLIC_TRACE = "symbolic_trace.json"  # the estimate's trace, unpriced
 PROBES = "probes.json"  # each distinct op of it timed alone (`recorder/op_probes.py`)
+CALLS = "calls.json"  # each distinct op's call (`op_samples.call_json`), keyed by `op_key`
+
+
+def save_calls(distinct_ops: dict, path: Path) -> None:
+    """Each distinct op's call as JSON rows ``{"key": op_key, "call": call}``."""
+    path.write_text(json.dumps([{"key": list(key), "call": s.call} for key, s in distinct_ops.items()]))
+
+
+def symbolic_calls(model: str, run_dir: Path) -> dict[tuple, dict]:
+    """The calls of ``model``'s symbolic trace by `op_key` (`CALLS` in ``run_dir``; traced again and
+    saved there where a run made before it was written has none)."""
+    from qsync_callback.recorder.symbolic_trace import symbolic_trace
+
+    if not (run_dir / CALLS).exists():
+        distinct_ops: dict = {}
+        symbolic_trace(
+            get_model(model).build(),
+            next(iter(get_model(model).dataloader(MAX_STEPS))),
+            distinct_ops=distinct_ops,
+        )
+        save_calls(distinct_ops, run_dir / CALLS)
+    return {tuple(row["key"]): row["call"] for row in json.loads((run_dir / CALLS).read_text())}
 
 
 def estimate_worker(model: str, run_dir: Path) -> None:
@@ -52,10 +74,11 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     start = time.perf_counter()
     report = estimate(spec.build(), batch, learned=False)
     seconds = time.perf_counter() - start
-    recipes: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone
-    symbolic_trace(spec.build(), batch, recipes=recipes).save(run_dir / SYMBOLIC_TRACE)
-    probed = probe(recipes.values(), seconds=120)
+    distinct_ops: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone
+    symbolic_trace(spec.build(), batch, distinct_ops=distinct_ops).save(run_dir / SYMBOLIC_TRACE)
+    probed = probe(distinct_ops.values(), seconds=120)
     (run_dir / PROBES).write_text(json.dumps([dataclasses.asdict(s) for s in probed]))
+    save_calls(distinct_ops, run_dir / CALLS)
     held = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)
     one_batch = sum(t.untyped_storage().nbytes() for t in batch)
     result = {"estimate": report, "seconds": seconds, "data_set_bytes": held - one_batch}

@@ -40,14 +40,32 @@ import tensorflow as tf  # noqa: E402
 from qsync_callback.integrations.horovod_tf import Recorder, profile, record_horovod_timeline  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
 
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "gru", "resnet")
+VOCABULARY, TOKENS = 2000, 64  # the gru model's sequences
 PIN_MODES = ("none", "compute", "all")
 CLASSES = 10
 
 
 def build_model(kind: str) -> tf.keras.Model:
-    """An MLP over 256 features, or a small CNN over 32x32 RGB images."""
+    """An MLP over 256 features; a small CNN, or a residual CNN with batch norm, over 32x32 RGB
+    images; or an embedding + bidirectional GRU text classifier over sequences of 64 tokens."""
     layers = tf.keras.layers
+    if kind == "gru":
+        tokens = tf.keras.Input((TOKENS,), dtype="int32")
+        x = layers.Embedding(VOCABULARY, 64, name="embed")(tokens)
+        x = layers.Bidirectional(layers.GRU(64), name="bigru")(x)
+        return tf.keras.Model(tokens, layers.Dense(CLASSES, name="head")(x), name="gru")
+    if kind == "resnet":
+        images = tf.keras.Input((32, 32, 3))
+        x = layers.Conv2D(32, 3, padding="same", name="stem")(images)
+        for block in range(3):
+            y = layers.Conv2D(32, 3, padding="same", use_bias=False, name=f"block{block}_conv1")(x)
+            y = layers.ReLU()(layers.BatchNormalization(name=f"block{block}_bn1")(y))
+            y = layers.Conv2D(32, 3, padding="same", use_bias=False, name=f"block{block}_conv2")(y)
+            y = layers.BatchNormalization(name=f"block{block}_bn2")(y)
+            x = layers.ReLU()(layers.Add()([x, y]))
+        x = layers.GlobalAveragePooling2D(name="pool")(x)
+        return tf.keras.Model(images, layers.Dense(CLASSES, name="head")(x), name="resnet")
     if kind == "mlp":
         model = tf.keras.Sequential(
             [
@@ -76,9 +94,19 @@ def build_model(kind: str) -> tf.keras.Model:
 
 
 def cluster_batches(kind: str, batch_size: int, count: int = 8, seed: int = 0) -> list[tuple]:
-    """``count`` batches of Gaussian clusters, one cluster per class, shaped for the model."""
+    """``count`` batches of Gaussian clusters, one cluster per class, shaped for the model (for the
+    gru model: token sequences, each class drawing its tokens from its own part of the vocabulary)."""
     rng = np.random.default_rng(seed)
-    shape = (256,) if kind == "mlp" else (32, 32, 3)
+    if kind == "gru":
+        batches = []
+        for _ in range(count):
+            labels = rng.integers(0, CLASSES, batch_size)
+            tokens = labels[:, None] * (VOCABULARY // CLASSES) + rng.integers(
+                0, VOCABULARY // CLASSES, (batch_size, TOKENS)
+            )
+            batches.append((tf.constant(tokens, tf.int32), tf.constant(labels, tf.int32)))
+        return batches
+    shape = (256,) if kind == "mlp" else (32, 32, 3)  # cnn, resnet
     centers = rng.normal(size=(CLASSES, *shape)).astype(np.float32)
     batches = []
     for _ in range(count):

@@ -11,7 +11,8 @@
                                                     op's kernels, the memory curve by kind: JSON,
                                                     CSV, a Perfetto counter track and PNG plots
                                                     (`liveness_report.py`)
-    qsync estimate FILE:CLASS [--batch-shape 64,784 64:int64] [--device cpu] [--json] [--top N] [--roofline]
+    qsync estimate FILE:CLASS [--batch-shape 64,784 64:int64] [--device cpu] [--json] [--top N]
+                   [--roofline | --tvm]
                                                     one training step predicted before any runs:
                                                     peak memory by kind, step time, FLOPs, top ops
                                                     (`estimate.py`: a symbolic trace, priced)
@@ -101,10 +102,17 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--device", default="cpu", help="the device to price for (default: cpu)")
     estimate.add_argument("--json", action="store_true", help="the report.json schema, predicted only")
     estimate.add_argument("--top", type=int, default=10, help="ops to list (default 10)")
-    estimate.add_argument(
+    pricing = estimate.add_mutually_exclusive_group()
+    pricing.add_argument(
         "--roofline",
         action="store_true",
         help="price the ops on this machine's roofline, not the learned model of the ops recorded here",
+    )
+    pricing.add_argument(
+        "--tvm",
+        action="store_true",
+        help="the learned model reads TVM's features of each op too (the 'tvm' extra; the first "
+        "time, lowering each distinct op takes about 0.3 s)",
     )
     return parser
 
@@ -117,7 +125,7 @@ def _estimate(args: argparse.Namespace) -> None:
         raise QSyncInputError(
             f"{args.target}: no train_dataloader() to take a batch from; give --batch-shape"
         )
-    report = estimate(module, batch, args.device, top=args.top, learned=not args.roofline)
+    report = estimate(module, batch, args.device, top=args.top, learned=not args.roofline, tvm=args.tvm)
     _out(json.dumps(report, indent=2) if args.json else format_estimate(report, top=args.top))
 
 

@@ -35,7 +35,8 @@ from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.predictor.op_costs import priced
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import remember_probes
-from qsync_callback.recorder.op_probes import OpRecipe, probe
+from qsync_callback.recorder.op_probes import probe
+from qsync_callback.recorder.op_samples import OpSample
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
 from qsync_callback.recorder.trace import Trace
@@ -62,29 +63,33 @@ def estimate_trace(
     cost_model: OpCostModel | None = None,
     learned: bool = True,
     probe_seconds: float = PROBE_SECONDS,
+    tvm: bool = False,
 ) -> Trace:
     """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
     ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
     learned model, the op types it never saw measured are timed alone (`recorder/op_probes.py`,
-    within ``probe_seconds``) and join the device's data set."""
+    within ``probe_seconds``) and join the device's data set. ``tvm``: the learned model reads TVM's
+    features of each op too (`predictor/tvm_features.py`)."""
     if cost_model is None and learned:
-        cost_model = device_model(device, cache_dir)
-    recipes: dict[tuple, OpRecipe] | None = {} if cost_model is not None and probe_seconds > 0 else None
+        cost_model = device_model(device, cache_dir, tvm=tvm)
+    wanted = cost_model is not None and (probe_seconds > 0 or cost_model.tvm)
+    distinct_ops: dict[tuple, OpSample] | None = {} if wanted else None
     try:
-        trace = symbolic_trace(module, batch, device, recipes=recipes)
+        trace = symbolic_trace(module, batch, device, distinct_ops=distinct_ops)
     except SymbolicTraceError as error:  # the model needs values: two real steps instead
         warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
-        recipes = None if recipes is None else {}
-        trace = symbolic_trace(module, batch, device, fake=False, recipes=recipes)
+        distinct_ops = None if distinct_ops is None else {}
+        trace = symbolic_trace(module, batch, device, fake=False, distinct_ops=distinct_ops)
         trace.symbolic["tensors"] = f"real: {error}"
     probed = []
-    if cost_model is not None and recipes:
-        unseen = [r for r in recipes.values() if r.sample.name not in cost_model.known_types]
+    if cost_model is not None and distinct_ops and probe_seconds > 0:
+        unseen = [r for r in distinct_ops.values() if r.name not in cost_model.known_types]
         probed = probe(unseen, device, probe_seconds)
         if probed:
             remember_probes(probed, device, cache_dir)
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
-    return priced(trace, roofline(device, dtypes, cache_dir), cost_model, probed)
+    calls = {key: sample.call for key, sample in (distinct_ops or {}).items()}
+    return priced(trace, roofline(device, dtypes, cache_dir), cost_model, probed, calls)
 
 
 def estimate(
@@ -94,10 +99,12 @@ def estimate(
     top: int = 10,
     cost_model: OpCostModel | None = None,
     learned: bool = True,
+    tvm: bool = False,
 ) -> dict[str, Any]:
     """The estimate of one training step of LightningModule ``module`` on ``batch`` (see the module
-    docstring), as a ``report.json``-shaped dict; ``cost_model`` and ``learned`` as `estimate_trace`."""
-    trace = estimate_trace(module, batch, device, cost_model=cost_model, learned=learned)
+    docstring), as a ``report.json``-shaped dict; ``cost_model``, ``learned`` and ``tvm`` as
+    `estimate_trace`."""
+    trace = estimate_trace(module, batch, device, cost_model=cost_model, learned=learned, tvm=tvm)
     report = build_report([trace], top=top)
     for measured_only in (
         "measured",

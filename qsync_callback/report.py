@@ -21,6 +21,7 @@ from qsync_callback.planner.activation import NOTHING_TO_FREE
 from qsync_callback.planner.memory_plan import MemoryChoice
 from qsync_callback.planner.precision import PrecisionChoice
 from qsync_callback.precision_links import precision_links
+from qsync_callback.predictor.memory import unpredictable_peak
 from qsync_callback.predictor.predict import predict
 from qsync_callback.predictor.statistics import layer_statistics, op_statistics
 from qsync_callback.recorder.trace import Trace
@@ -103,6 +104,12 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
     measured_step = statistics.median(samples) if samples else None
     faults = traces[slowest].measured.get("page_faults") if slowest is not None else None
     measured_peak = max(peaks) if peaks else None
+    largest = max(traces, key=lambda t: t.measured.get("peak_bytes") or 0)
+    step_peaks = largest.measured.get("step_peak_bytes") or []
+    predicted = prediction.to_dict()
+    why_not = next((why for why in map(unpredictable_peak, traces) if why), None)
+    if why_not is not None:
+        predicted["peak_bytes"], predicted["peak_note"] = None, why_not
     return {
         "world_size": traces[0].world_size,
         "device": traces[0].device,
@@ -115,14 +122,17 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
             "step_ms_noise_pct": median_noise_pct(samples),
             "peak_bytes": measured_peak,
             "peak_source": traces[0].measured.get("peak_source"),
+            "peak_steps": len(step_peaks),
+            "peak_bytes_median": statistics.median(step_peaks) if step_peaks else None,
+            "peak_bytes_min": min(step_peaks) if step_peaks else None,
             "page_faults_per_step": statistics.median(faults) if faults else None,
             "page_size": traces[0].measured.get("page_size"),
             "offload": offload_traffic(traces[slowest if slowest is not None else 0]),
         },
-        "predicted": prediction.to_dict(),
+        "predicted": predicted,
         "error_pct": {
             "step_ms": error_pct(prediction.step_ms, measured_step),
-            "peak_bytes": error_pct(prediction.peak_bytes, measured_peak),
+            "peak_bytes": error_pct(predicted["peak_bytes"], measured_peak),
         },
         "profiler_overhead_us": traces[0].profiler_overhead_us,
         "profiler_share": traces[slowest if slowest is not None else 0].measured.get("profiler_share"),
@@ -157,6 +167,14 @@ def _rate(bytes_per_s: float | None) -> str:
     return "n/a" if bytes_per_s is None else f"{format_bytes(bytes_per_s)}/s"
 
 
+def _peak_spread(measured: dict[str, Any]) -> str:
+    """ "(largest of 21 steps, median 37.5 MiB) " where each step's peak was measured."""
+    if not measured.get("peak_steps"):
+        return ""
+    median = format_bytes(measured["peak_bytes_median"])
+    return f"(largest of {measured['peak_steps']} steps, median {median}) "
+
+
 def _signed_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.1f}%"
 
@@ -171,7 +189,7 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         f"  step time   measured {_ms(measured['step_ms'])} {_noise(measured.get('step_ms_noise_pct'))}"
         f"(median of {measured['step_ms_samples']}, spread {_pct(measured['step_ms_spread_pct'])})   "
         f"predicted {_ms(predicted['step_ms'])}   error {_pct(error['step_ms'])}",
-        f"  peak memory measured {format_bytes(measured['peak_bytes'])}   "
+        f"  peak memory measured {format_bytes(measured['peak_bytes'])} {_peak_spread(measured)}  "
         f"predicted {format_bytes(predicted['peak_bytes'])}   error {_pct(error['peak_bytes'])}",
         "  critical path: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
         "  memory at peak: "
@@ -190,6 +208,15 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
             f"neighbours; {profiler['loops_share_ms']:.2f} ms of it per recorded event): the prediction "
             "removes that much, so for the configuration recorded it is calibrated on this run and its "
             "error checks the replay; a plan's prediction re-costs the ops it changes"
+        )
+    if predicted.get("peak_note"):
+        lines.append(f"  note: {predicted['peak_note']}")
+    low, high = measured.get("peak_bytes_min"), measured["peak_bytes"]
+    if low is not None and predicted["peak_bytes"] is not None and low <= predicted["peak_bytes"] <= high:
+        lines.append(
+            f"  note: the measured peak varies from step to step ({format_bytes(low)} to "
+            f"{format_bytes(high)}: TF runs independent ops in parallel, in another order each step) "
+            "and the predicted peak lies within that range"
         )
     noise = measured.get("step_ms_noise_pct")
     if noise is not None and error["step_ms"] is not None and error["step_ms"] <= noise:

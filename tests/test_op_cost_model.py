@@ -161,3 +161,32 @@ def test_an_op_type_never_measured_is_priced_as_its_class():
     for add, sub, measured in zip(model.predict_us(adds), model.predict_us(subs), adds, strict=True):
         assert sub == pytest.approx(add, rel=0.5) and sub == pytest.approx(measured["us"], rel=0.5)
     assert "aten::sub" not in model.known_types and model.samples == 300
+
+
+def _mm_samples(sizes):
+    """aten::mm samples of n x n by n x n, each with its call, timed as a 1 GFLOP/s machine would."""
+    rows = []
+    for n in sizes:
+        tensor = {"tensor": [[n, n], [n, 1], "float"]}
+        call = {"op": "aten::mm.default", "args": [tensor, tensor], "kwargs": {}}
+        flops = 2.0 * n**3
+        rows.append(
+            asdict(
+                OpSample(
+                    "aten::mm", [[n, n], [n, n]], ["float"] * 2, flops, 4 * n * n, flops / 1e3, call=call
+                )
+            )
+        )
+    return rows
+
+
+def test_with_tvm_the_model_reads_each_calls_kernels_and_leaves_the_rest_missing(tmp_path):
+    train = _mm_samples(range(8, 8 + 3 * 24, 3))
+    model = OpCostModel([{"source": "mm", "ops": train, "steps": []}], tvm=True, cache_dir=tmp_path)
+    assert model.lowered == len(train) and "TVM's features of 24 of them" in model.describe()
+    without_call = [{**op, "call": None} for op in _mm_samples([40])]
+    with_call = _mm_samples([40])
+    both = model.predict_us(without_call + with_call)
+    assert all(us > 0 for us in both)  # an op with no call is priced on the framework's features
+    plain = OpCostModel([{"source": "mm", "ops": train, "steps": []}])
+    assert plain.lowered == 0 and "TVM" not in plain.describe()

@@ -152,17 +152,17 @@ class LSTMNet(pl.LightningModule):
 def test_ops_are_timed_alone_in_a_child_that_a_crashing_kernel_does_not_take_down():
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(8, 12, 16, generator=g), torch.randint(0, CLASSES, (8,), generator=g)
-    recipes = {}
-    symbolic_trace(LSTMNet(), batch, recipes=recipes)
-    assert len(recipes) > 20 and all(r.op.startswith("aten::") for r in recipes.values())
-    timed = probe(recipes.values(), seconds=120)
+    distinct_ops = {}
+    symbolic_trace(LSTMNet(), batch, distinct_ops=distinct_ops)
+    assert len(distinct_ops) > 20 and all(r.call["op"].startswith("aten::") for r in distinct_ops.values())
+    timed = probe(distinct_ops.values(), seconds=120)
     # every op is timed but, at most, the RNN backward that made-up values crash (it did on the
     # CPU this was written on: the child ran again from the op after it)
-    missing = {r.sample.name for r in recipes.values()} - {s.name for s in timed}
+    missing = {r.name for r in distinct_ops.values()} - {s.name for s in timed}
     assert missing <= {"aten::mkldnn_rnn_layer_backward"}
-    assert len(timed) >= len(recipes) - 1 and all(s.us > 0 for s in timed)
+    assert len(timed) >= len(distinct_ops) - 1 and all(s.us > 0 for s in timed)
     mm = next(s for s in timed if s.name == "aten::mm")
-    assert mm.shapes == next(r.sample.shapes for r in recipes.values() if r.sample.name == "aten::mm")
+    assert mm.shapes == next(r.shapes for r in distinct_ops.values() if r.name == "aten::mm")
 
 
 def test_an_estimate_times_the_op_types_its_model_never_saw_and_keeps_them(tmp_path, monkeypatch):

@@ -13,9 +13,12 @@ The candidates are Plans, each priced by the predictor (`Predictor.predict`) on 
 
 The lever "precision" (with "bf16" among the precisions) allows the bf16 plans, "buckets" the
 groups. The chosen plan is the fastest predicted one that meets the constraints (``max_step_ms``;
-``memory_budget`` on the predicted peak, which these plans, priced for time only, leave as
-recorded) if it is predicted more than `NO_DECISION_GAIN` faster than the recorded configuration;
-otherwise the recorded configuration (an empty plan): a smaller predicted difference is no decision.
+``memory_budget`` on the predicted peak: TF's allocator simulated on the recorded allocations, an
+op-type plan's made smaller where its ops run at bf16 and its casts added, `op_precision.py`) if it
+is predicted more than `NO_DECISION_GAIN` faster than the recorded configuration; otherwise the
+recorded configuration (an empty plan): a smaller predicted difference is no decision. None meeting
+them: the closest, which the loop applies only under ``best_effort``. A memory budget on traces
+that predict no peak (TF recorded no allocations) is refused, with the reason.
 
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
@@ -44,9 +47,11 @@ from qsync_callback.planner.op_precision import (
     measured_op_types,
 )
 from qsync_callback.planner.tensor_fusion import choose_groups, choose_settings, next_launch
+from qsync_callback.predictor.memory import unpredictable_peak
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import can_price_fusion
 from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
+from qsync_callback.units import format_bytes
 
 RECORDED = "recorded configuration"
 # a plan predicted less than this much faster than the recorded configuration is no decision (the
@@ -80,6 +85,10 @@ def has_tf_candidates(traces: Sequence[Trace]) -> bool:
 def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanChoice:
     """The best plan for ``traces`` under ``constraints`` (a memory budget in bytes by now), see
     the module docstring. Raises QSyncInputError when no candidate can be proposed, saying why."""
+    budgeted = constraints.memory_budget is not None or constraints.memory_budget_share is not None
+    why_not = next((why for why in map(unpredictable_peak, traces) if why), None)
+    if budgeted and why_not:
+        raise QSyncInputError(f"a memory budget cannot be honoured: {why_not}")
     predictor = Predictor(traces)
     fingerprint = traces[0].fingerprint
     notes: list[str] = []
@@ -190,6 +199,9 @@ def _table(
         change = 100 * (prediction.step_ms / recorded - 1)
         mark = f"   ({RECONSTRUCTION})" if name in rebuilt else ""
         mark += "   <- chosen" if name == chosen else ""
-        lines.append(f"  {name[:60]:<60} {prediction.step_ms:8.2f} ms predicted {change:+6.1f}%{mark}")
+        lines.append(
+            f"  {name[:60]:<60} {prediction.step_ms:8.2f} ms predicted {change:+6.1f}%, "
+            f"peak {format_bytes(prediction.peak_bytes)}{mark}"
+        )
     lines += [f"  note: {note}" for note in notes]
     return "\n".join(lines)

@@ -26,15 +26,18 @@ in rather than the curve rebuilt.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from qsync_callback.predictor.bfc_allocator import for_allocator
 from qsync_callback.recorder.trace import Op, Trace
 
 CATEGORIES = ("activations", "temporaries", "gradients", "optimizer_state", "other")
+ALLOCATOR_RUNS = 8  # runs of a step through a simulated allocator (`allocator_peaks`)
 
 
 @dataclass
@@ -199,13 +202,30 @@ class MemoryCurve:
 
     def __init__(self, trace: Trace, lives: Sequence[TensorLife]):
         self.resident_bytes = dict(trace.resident_bytes)
+        self.lives = list(lives)
+        self._trace = trace
         self._resident = sum(trace.resident_bytes.values())
         self._steps = lifetime_events(lives)
+
+    def with_lives(self, lives: Sequence[TensorLife]) -> MemoryCurve:
+        """The same rank's curve with other tensors (a plan's, `op_precision.op_type_lives`)."""
+        return MemoryCurve(self._trace, lives)
 
     def predict(self, extra: Sequence[dict[int, Events]] = ()) -> MemoryPrediction:
         """The curve's maximum over the recorded steps with the tensors of ``extra``
         (`lifetime_events` each) alive as well, and the bytes by category then (see
-        `predict_memory`)."""
+        `predict_memory`). On a trace of TF's allocator (``trace.allocator``, with the bytes it held
+        when the window opened) the peak is that allocator's, simulated (`allocator_peaks`); the
+        bytes by category are still the tensors' own."""
+        prediction = self._predict_tensors(extra)
+        allocator = self._trace.allocator
+        if allocator.get("in_use_bytes") is not None and not extra:
+            prediction.step_peaks = allocator_peaks(self.lives, allocator["name"], allocator["in_use_bytes"])
+            prediction.peak_step = max(prediction.step_peaks, key=prediction.step_peaks.get, default=None)
+            prediction.peak_bytes = prediction.step_peaks.get(prediction.peak_step, allocator["in_use_bytes"])
+        return prediction
+
+    def _predict_tensors(self, extra: Sequence[dict[int, Events]]) -> MemoryPrediction:
         resident = self._resident
         step_peaks: dict[int, int] = {}
         peak, peak_step, peak_at = resident, None, None
@@ -268,6 +288,73 @@ def _merged(base: Events | None, extra: Sequence[Events]) -> Events:
     times, deltas, categories = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
     order = np.lexsort((deltas, times))
     return times[order], deltas[order], categories[order]
+
+
+def allocator_peaks(lives: Sequence[TensorLife], allocator: str, in_use_bytes: int) -> dict[int, int]:
+    """Per step: the peak TF's allocator ``allocator`` reads in a step of ``lives``, simulated
+    (`bfc_allocator.py`) from the bytes in use when it starts (``in_use_bytes``, as counted when the
+    window opened).
+
+    The step's allocations and frees run `ALLOCATOR_RUNS` times in a row on a fresh simulated
+    allocator, each run meeting the regions and free chunks the runs before left, as a step meets
+    those of the steps before it. A tensor the step frees but did not make (the step before made
+    it) is taken to be one the run before made and kept, of its size; where there is none (the
+    first run), neither it nor its free is simulated: its bytes are among ``in_use_bytes``. How
+    much a run wastes in chunks larger than asked for depends on what the runs before left, and
+    does not settle (it cycles, as TF's own step peaks vary from step to step): the peak is
+    ``in_use_bytes`` plus the median over the runs after the first of each run's largest rise over
+    its start."""
+    by_step: dict[int, list[TensorLife]] = defaultdict(list)
+    for life in lives:
+        by_step[life.step].append(life)
+    peaks = {}
+    for step, step_lives in by_step.items():
+        events = []
+        for k, life in enumerate(step_lives):
+            if life.birth_us is not None:
+                events.append((life.birth_us, 1, k, life.bytes))
+            if life.death_us is not None:
+                events.append((life.death_us, 0, k, -life.bytes))
+        events.sort()  # at one time, frees first
+        sim = for_allocator(allocator)
+        kept: dict[int, list[tuple[int, int]]] = defaultdict(list)  # the run before's, by size
+        rises = []
+        for run in range(ALLOCATOR_RUNS):
+            made_before = {
+                k: kept[life.bytes].pop(0) if kept[life.bytes] else None
+                for k, life in enumerate(step_lives)
+                if life.birth_us is None
+            }
+            start = sim.bytes_in_use
+            sim.reset_peak()
+            for _, born, k, nbytes in events:
+                if born:
+                    sim.allocate((run, k), nbytes)
+                elif k not in made_before:
+                    sim.free((run, k))
+                elif made_before[k] is not None:
+                    sim.free(made_before[k])
+            kept = defaultdict(list)
+            for k, life in enumerate(step_lives):
+                if life.birth_us is not None and life.death_us is None:
+                    kept[life.bytes].append((run, k))
+            if run:
+                rises.append(sim.peak_bytes_in_use - start)
+        peaks[step] = in_use_bytes + int(statistics.median(rises))
+    return peaks
+
+
+def unpredictable_peak(trace: Trace) -> str | None:
+    """Why ``trace`` cannot give a peak to stand behind, or None. A TF trace whose profile holds
+    no allocations (its allocator records none: TF on the CPU without oneDNN) has only the resident
+    weights to count: a figure that is not a peak."""
+    if trace.framework == "tensorflow" and not trace.allocator:
+        return (
+            "no peak predicted: the recorded steps' profile holds no allocations of TF's allocator (on "
+            "the CPU, TF records and counts them when it runs with oneDNN: TF_ENABLE_ONEDNN_OPTS unset "
+            "or 1), and the resident weights alone are not a peak"
+        )
+    return None
 
 
 def predict_memory(trace: Trace, lives: list[TensorLife] | None = None) -> MemoryPrediction:

@@ -10,6 +10,12 @@ log of its time over the nominal one, each distinct op of a trace weighted by ho
 (Its loss and leaf size were chosen by holding each benchmark family out in turn,
 `benchmarks/op_cost_model.py`: among five settings, the one with the least held-out step error.)
 
+With ``tvm=True`` each op's features also hold TVM's (`tvm_features.py`: its call lowered to TIR
+kernels, their loop iterations, TIR FLOPs, bytes read and written; CDMPP's compiler-level
+features), missing (NaN, which the trees route on their own) for an op without a recorded call or
+one TVM cannot lower. Their worth is measured, not assumed: `benchmarks/op_cost_model.py` holds
+each family out with and without them.
+
 The host's time between ops (Python, autograd's bookkeeping, the optimizer's loop) is fitted apart,
 from the recorded steps: a step's length less its ops' time is ``per_step_us + per_op_us * ops``,
 by non-negative least squares (`HostCost`).
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 
 from qsync_callback.predictor.compiled_regions import input_bytes
+from qsync_callback.predictor.tvm_features import TVM_FEATURES, features_of
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import load_dataset
 from qsync_callback.recorder.op_samples import aten_packet
@@ -52,6 +59,7 @@ UNKNOWN_TYPE = "?"  # the type of an op whose type was never measured: its class
 UNKNOWN_WEIGHT = 0.5
 MIN_OPS = 20  # distinct measured ops below which no model is fitted (the roofline prices instead)
 MIN_US = 0.1  # an op measured shorter (the profiler's cost taken off can leave 0) counts as this
+TVM_SECONDS = 600.0  # at most this long lowering calls not cached yet (about 0.3 s each)
 
 
 def op_features(
@@ -133,10 +141,19 @@ class OpCostModel:
     """The learned model of one device (see the module docstring). ``sources`` names the traces it
     was trained on; ``known_types`` the op types among its samples."""
 
-    def __init__(self, traces: Sequence[Mapping[str, Any]]):
+    def __init__(
+        self,
+        traces: Sequence[Mapping[str, Any]],
+        tvm: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        tvm_seconds: float = TVM_SECONDS,
+    ):
         from sklearn.ensemble import HistGradientBoostingRegressor
 
         samples = [op for trace in traces for op in trace["ops"]]
+        self.tvm = tvm
+        self._cache_dir, self._tvm_seconds = cache_dir, tvm_seconds
+        self.lowered = 0  # ops with TVM's features among the samples
         if len(samples) < MIN_OPS:
             raise ValueError(f"{len(samples)} measured ops: too few to learn from (at least {MIN_OPS})")
         self.sources = [str(t.get("source", "")) for t in traces]
@@ -144,7 +161,8 @@ class OpCostModel:
         self.known_types = {op["name"] for op in samples}
         self._codes: list[dict[str, int]] = [{} for _ in CATEGORICAL]
         # each op also as an op of its class with no type, what an op type never measured is priced as
-        features = [self._features(op) for op in samples]
+        features = self._all_features(samples)
+        self.lowered = sum(1 for f in features if len(f) > len(FEATURES) and not math.isnan(f[len(FEATURES)]))
         rows = [self._encode(f, grow=True) for f in features]
         rows += [self._encode([UNKNOWN_TYPE, *f[1:]], grow=True) for f in features]
         weights = [op.get("count", 1) for op in samples]
@@ -166,9 +184,19 @@ class OpCostModel:
         )
         self.host = fit_host_cost(step for trace in traces for step in trace.get("steps", []))
 
-    @staticmethod
-    def _features(op: Mapping[str, Any]) -> list[Any]:
-        return op_features(op["name"], op["shapes"], op["dtypes"], op["flops"], op["out_bytes"])
+    def _all_features(self, ops: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+        """Each op's features, TVM's after the framework's where the model uses them."""
+        features = [
+            op_features(op["name"], op["shapes"], op["dtypes"], op["flops"], op["out_bytes"]) for op in ops
+        ]
+        if not self.tvm:
+            return features
+        calls = [op.get("call") for op in ops]
+        lowered = iter(features_of([c for c in calls if c], self._cache_dir, self._tvm_seconds))
+        missing = [math.nan] * len(TVM_FEATURES)
+        for row, call in zip(features, calls, strict=True):
+            row += (next(lowered) or missing) if call else missing
+        return features
 
     def _encode(self, features: list[Any], grow: bool = False) -> list[float]:
         encoded = list(features)
@@ -181,10 +209,10 @@ class OpCostModel:
 
     def predict_us(self, ops: Sequence[Mapping[str, Any]]) -> list[float]:
         """Predicted times (us) of ``ops``, each a mapping with an op sample's fields
-        (``name``, ``shapes``, ``dtypes``, ``flops``, ``out_bytes``)."""
+        (``name``, ``shapes``, ``dtypes``, ``flops``, ``out_bytes``, and ``call`` for TVM's)."""
         if not ops:
             return []
-        features = [self._features(op) for op in ops]
+        features = self._all_features(ops)
         rows = np.array(
             [self._encode([f[0] if f[0] in self.known_types else UNKNOWN_TYPE, *f[1:]]) for f in features],
             dtype=float,
@@ -193,17 +221,21 @@ class OpCostModel:
 
     def describe(self) -> str:
         """What the model was trained on, for a prediction to say."""
+        lowered = f", TVM's features of {self.lowered} of them" if self.tvm else ""
         return (
             f"learned per-op model (predictor/op_cost_model.py): {self.samples} distinct measured ops "
-            f"of {len(self.sources)} recorded trace(s) on this device; host time "
+            f"of {len(self.sources)} recorded trace(s) on this device{lowered}; host time "
             f"{self.host.per_op_us:.1f} us per op + {self.host.per_step_us / 1e3:.2f} ms per step"
         )
 
 
-def device_model(device: str, cache_dir: str | os.PathLike[str] | None = None) -> OpCostModel | None:
-    """The learned model of ``device``'s data set, or None where it holds too few ops yet."""
+def device_model(
+    device: str, cache_dir: str | os.PathLike[str] | None = None, tvm: bool = False
+) -> OpCostModel | None:
+    """The learned model of ``device``'s data set (with TVM's features: ``tvm``), or None where it
+    holds too few ops yet."""
     traces = load_dataset(device, cache_dir)
     try:
-        return OpCostModel(traces)
+        return OpCostModel(traces, tvm=tvm, cache_dir=cache_dir)
     except ValueError:
         return None

@@ -42,10 +42,12 @@ def priced(
     roofline: Mapping[str, Any],
     model: OpCostModel | None = None,
     probed: Sequence[OpSample] = (),
+    calls: Mapping[tuple, Mapping[str, Any]] | None = None,
 ) -> Trace:
     """A copy of symbolic ``trace`` whose ops last `op_us` (or ``model``'s prediction, with its host
     time; or, for an op ``probed`` at its shapes, the time measured), one after another from the
-    step's start, its memory events and step end moved with them."""
+    step's start, its memory events and step end moved with them. ``calls``: each distinct op's call
+    by `op_key` (the symbolic trace's ``distinct_ops``), for a model with TVM's features."""
     out = copy.copy(trace)
     out.ops = [copy.copy(op) for op in trace.ops]
     if model is None:
@@ -60,6 +62,7 @@ def priced(
                     "dtypes": op.input_dtypes,
                     "flops": op.flops,
                     "out_bytes": op.bytes,
+                    "call": (calls or {}).get(op_key(op.name, op.input_shapes, op.input_dtypes)),
                 }
                 for op in out.ops
             ]

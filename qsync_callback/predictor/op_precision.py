@@ -23,20 +23,29 @@ measured cost per byte of the casts that rewrite inserted.
   a tensor once for all its consumers); a cast back goes on the producing op's queue right after
   it. Ops the trace gives no type (inputs, variables, ops of other threads) count as fp32.
 
+- Memory (`op_type_lives`): a recorded allocation made by an op that now runs at a 16-bit
+  precision is half as large (the allocations TF's profiler reports for an op are its outputs and
+  scratch, float in these models); each cast is a new tensor: to the low precision, half the fp32
+  bytes, from the start of its first consumer to the end of its last one in the step; back to fp32,
+  the fp32 bytes, from the producer's end to its consumer's end.
+
 The plan's op types not in the table, and precisions not measured, are refused
 (`check_op_precision_plan`), never priced as if unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.predictor.memory import TensorLife
 from qsync_callback.predictor.precision import _insert
-from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, Op, Trace
 
 
 def op_type_table(trace: Trace) -> Mapping:
@@ -194,3 +203,49 @@ def apply_op_precision(
                 before=dst != FULL_PRECISION,
             )
     return out
+
+
+def op_type_lives(
+    trace: Trace, lives: Sequence[TensorLife], op_precision: Mapping[str, str]
+) -> list[TensorLife]:
+    """The tensors of ``trace``'s recorded steps (``lives``, `memory.tensor_lifetimes`) under op-type
+    plan ``op_precision``: those its low-precision ops make halved, and its casts added (see the
+    module docstring)."""
+    if not changed_op_types(op_precision):
+        return list(lives)
+    table = op_type_table(trace)
+    precisions = op_precisions(table, op_precision)
+    out = [
+        dataclasses.replace(life, bytes=life.bytes // 2)
+        if life.birth_op is not None and precisions.get(life.birth_op.name, FULL_PRECISION) != FULL_PRECISION
+        else life
+        for life in lives
+    ]
+    ran: dict[tuple[int, str], list] = defaultdict(list)
+    for op in trace.ops:
+        ran[(op.step, op.name)].append(op)
+    steps = sorted({op.step for op in trace.ops})
+    to_low: dict[tuple[int, str], list] = {}  # (step, producer) -> [bytes, first consumer, last consumer]
+    for producer, consumer, nbytes in table.get("edges", []):
+        src, dst = precisions.get(producer, FULL_PRECISION), precisions.get(consumer, FULL_PRECISION)
+        if src == dst:
+            continue
+        for step in steps:
+            consumers, producers = ran.get((step, consumer), []), ran.get((step, producer), [])
+            if not consumers:
+                continue
+            if dst != FULL_PRECISION:  # one cast for all the low-precision consumers
+                first, last = min(consumers, key=lambda o: o.start_us), max(consumers, key=lambda o: o.end_us)
+                known = to_low.setdefault((step, producer), [int(nbytes) // 2, first, last])
+                known[1] = min(known[1], first, key=lambda o: o.start_us)
+                known[2] = max(known[2], last, key=lambda o: o.end_us)
+            elif producers:
+                made, used = max(producers, key=lambda o: o.end_us), max(consumers, key=lambda o: o.end_us)
+                out.append(_cast_life(step, int(nbytes), made, used, made.end_us))
+    for (step, _), (nbytes, first, last) in sorted(to_low.items(), key=lambda item: item[0]):
+        out.append(_cast_life(step, nbytes, first, last, first.start_us))
+    return out
+
+
+def _cast_life(step: int, nbytes: int, birth: Op, death: Op, birth_us: float) -> TensorLife:
+    return TensorLife(-1, nbytes, step, birth_us, death.end_us, birth, death, "temporaries", birth.layer)

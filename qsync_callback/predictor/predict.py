@@ -38,7 +38,7 @@ from qsync_callback.predictor.compiled_regions import (
 )
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import MemoryCurve, tensor_lifetimes
-from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan
+from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan, op_type_lives
 from qsync_callback.predictor.precision import (
     PrecisionDurations,
     PrecisionLives,
@@ -169,7 +169,14 @@ class Predictor:
             corrections = [
                 c + shared_core_us(g, cg) for c, g, cg in zip(corrections, graphs, compiled, strict=True)
             ]
-        return self._price(plan.precision, compiled, [(c.dur, frozenset()) for c in compiled], corrections)
+        curves = None
+        if plan.op_precision:
+            curves = [
+                curve.with_lives(op_type_lives(trace, curve.lives, plan.op_precision))
+                for trace, curve in zip(self.traces, self._curves, strict=True)
+            ]
+        runs = [(c.dur, frozenset()) for c in compiled]
+        return self._price(plan.precision, compiled, runs, corrections, curves=curves)
 
     def estimate(
         self, precision: Mapping[str, str], activation: Mapping[str, str] | None = None
@@ -245,10 +252,12 @@ class Predictor:
         runs: Sequence[tuple[np.ndarray, frozenset[int]]],
         corrections: Sequence[float],
         activation: Mapping[str, str] | None = None,
+        curves: Sequence[MemoryCurve] | None = None,
     ) -> Prediction:
-        """Replay each step graph with its op durations, price the memory with ``precision``'s and
-        ``activation``'s extra tensors, and gather the prediction (step time: the median step; shares
-        and layer times: the step closest to it)."""
+        """Replay each step graph with its op durations, price the memory (each rank's ``curves``,
+        default the recorded ones) with ``precision``'s and ``activation``'s extra tensors, and
+        gather the prediction (step time: the median step; shares and layer times: the step closest
+        to it)."""
         timings = [c.run(dur, moved) for c, (dur, moved) in zip(compiled, runs, strict=True)]
         step_us = [t.step_us + c for t, c in zip(timings, corrections, strict=True)]
         median_us = statistics.median(step_us)
@@ -256,7 +265,9 @@ class Predictor:
         graph, dur = compiled[typical], runs[typical][0]
         memory = [
             curve.predict(extra)
-            for curve, extra in zip(self._curves, self.extra_lives(precision, activation or {}), strict=True)
+            for curve, extra in zip(
+                curves or self._curves, self.extra_lives(precision, activation or {}), strict=True
+            )
         ]
         largest = max(memory, key=lambda m: m.peak_bytes)
         return Prediction(

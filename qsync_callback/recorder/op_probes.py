@@ -2,8 +2,9 @@
 learned model never saw measured on this device (a max pool, dropout's random numbers), before any
 step of the model runs.
 
-`OpRecipe` is one op as the symbolic trace saw it dispatched: the aten overload's name and its
-arguments as JSON, each tensor kept as its shape, strides and dtype only. `probe` times recipes in
+An op is given as the symbolic trace saw it dispatched: its sample's ``call``, the aten overload's
+name and its arguments as JSON, each tensor kept as its shape, strides and dtype only
+(`op_samples.call_json`). `probe` times calls in
 a child Python process (made-up values can crash a native kernel: an RNN's backward reads its
 forward's workspace, which a made-up tensor is not), which makes real tensors of those (random
 floats; zeros for integers and booleans, valid indices and masks), runs each op once to warm it
@@ -13,7 +14,7 @@ so probes join the device's data set (`op_dataset.py`). Ops whose inputs exceed 
 whose arguments JSON cannot hold, that fail on made-up values, or beyond the time allowed are left
 to the model.
 
-    python -m qsync_callback.recorder.op_probes   # the child: recipes as JSON on stdin
+    python -m qsync_callback.recorder.op_probes   # the child: calls as JSON on stdin
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from qsync_callback.recorder.op_samples import KINETO_DTYPES, TORCH_DTYPES, OpSample
+from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample
 
 REPEATS = 3
 MAX_PROBE_BYTES = 256 << 20  # a probe's tensor inputs together at most
@@ -41,27 +41,6 @@ def _spec_bytes(spec: Sequence) -> int:
     shape, stride, dtype = spec
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0) if shape else 1
     return span * TORCH_DTYPES[dtype].itemsize
-
-
-def _to_json(value: Any) -> Any:
-    """``value`` as JSON, a tensor as ``{"tensor": [shape, stride, dtype]}`` (Kineto's dtype names);
-    ValueError for what JSON cannot hold."""
-    if isinstance(value, (torch.Tensor, torch.dtype)):
-        dtype = value.dtype if isinstance(value, torch.Tensor) else value
-        if dtype not in KINETO_DTYPES:
-            raise ValueError(f"dtype {dtype}")
-        if isinstance(value, torch.dtype):
-            return {"dtype": KINETO_DTYPES[dtype]}
-        return {"tensor": [list(value.shape), list(value.stride()), KINETO_DTYPES[dtype]]}
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v) for v in value]
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"float": repr(value)}
-    raise ValueError(f"argument of type {type(value).__name__}")
 
 
 def _from_json(value: Any, device: str) -> Any:
@@ -93,39 +72,20 @@ def _tensors(value: Any) -> list[list]:
     return []
 
 
-@dataclass
-class OpRecipe:
-    """One op as dispatched: its overload (``aten::add.Tensor``), arguments as JSON (see the module
-    docstring), and the sample fields the trace gave it."""
-
-    op: str
-    args: list
-    kwargs: dict
-    sample: OpSample
-
-    @classmethod
-    def of(cls, func: Any, args: tuple, kwargs: dict, sample: OpSample) -> OpRecipe | None:
-        """The recipe of a dispatched call, or None where its arguments cannot be written down."""
-        try:
-            keywords = {key: _to_json(v) for key, v in kwargs.items()}
-            return cls(f"{func._schema.name}.{func._overloadname}", _to_json(args), keywords, sample)
-        except ValueError:
-            return None
-
-    @property
-    def input_bytes(self) -> int:
-        return sum(_spec_bytes(t) for t in _tensors([self.args, list(self.kwargs.values())]))
+def call_input_bytes(call: Mapping[str, Any]) -> int:
+    """The bytes of a call's tensor inputs (`op_samples.call_json`'s form), strides counted."""
+    return sum(_spec_bytes(t) for t in _tensors([call["args"], list(call["kwargs"].values())]))
 
 
-def _run_recipe(recipe: dict, device: str) -> float:
-    """The least time (us) of ``REPEATS`` calls of a recipe, after a first that warms it."""
-    name, _, overload = recipe["op"].removeprefix("aten::").partition(".")
+def _run_call(call: dict, device: str) -> float:
+    """The least time (us) of ``REPEATS`` runs of a call, after a first that warms it."""
+    name, _, overload = call["op"].removeprefix("aten::").partition(".")
     func = getattr(getattr(torch.ops.aten, name), overload or "default")
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     best = math.inf
     for k in range(REPEATS + 1):
-        args = _from_json(recipe["args"], device)
-        kwargs = {key: _from_json(v, device) for key, v in recipe["kwargs"].items()}
+        args = _from_json(call["args"], device)
+        kwargs = {key: _from_json(v, device) for key, v in call["kwargs"].items()}
         sync()
         start = time.perf_counter()
         func(*args, **kwargs)
@@ -136,23 +96,23 @@ def _run_recipe(recipe: dict, device: str) -> float:
 
 
 def _child() -> None:
-    """Time the recipes given as JSON on stdin, one ``start i`` and one ``done i us`` (or ``failed
+    """Time the calls given as JSON on stdin, one ``start i`` and one ``done i us`` (or ``failed
     i``) line each on stdout."""
     request = json.load(sys.stdin)
-    for i, recipe in enumerate(request["recipes"]):
+    for i, call in enumerate(request["calls"]):
         print(f"start {i}", flush=True)
         try:
-            us = _run_recipe(recipe, request["device"])
+            us = _run_call(call, request["device"])
         except Exception:  # noqa: BLE001 - an op made-up values cannot run is left to the model
             print(f"failed {i}", flush=True)
             continue
         print(f"done {i} {us}", flush=True)
 
 
-def probe(recipes: Iterable[OpRecipe], device: str = "cpu", seconds: float = 5.0) -> list[OpSample]:
-    """The recipes timed on ``device`` in a child process (see the module docstring), within about
-    ``seconds`` in all."""
-    todo = [r for r in recipes if r.input_bytes <= MAX_PROBE_BYTES]
+def probe(samples: Iterable[OpSample], device: str = "cpu", seconds: float = 5.0) -> list[OpSample]:
+    """The calls of ``samples`` (those with one) timed on ``device`` in a child process (see the
+    module docstring), within about ``seconds`` in all: each a copy of its sample with the time."""
+    todo = [s for s in samples if s.call is not None and call_input_bytes(s.call) <= MAX_PROBE_BYTES]
     deadline = time.monotonic() + seconds
     timed: dict[int, float] = {}
     first = 0
@@ -160,7 +120,7 @@ def probe(recipes: Iterable[OpRecipe], device: str = "cpu", seconds: float = 5.0
     while first < len(todo) and time.monotonic() < deadline:
         request = {
             "device": device,
-            "recipes": [{"op": r.op, "args": r.args, "kwargs": r.kwargs} for r in todo[first:]],
+            "calls": [s.call for s in todo[first:]],
         }
         child = subprocess.Popen(
             [sys.executable, "-m", "qsync_callback.recorder.op_probes"],
@@ -182,7 +142,7 @@ def probe(recipes: Iterable[OpRecipe], device: str = "cpu", seconds: float = 5.0
         if last is None:  # the child did not start: nothing more to try
             break
         first = last + 1  # after a crash, from the op after the one that crashed
-    return [dataclasses.replace(r.sample, us=timed[i]) for i, r in enumerate(todo) if i in timed]
+    return [dataclasses.replace(s, us=timed[i]) for i, s in enumerate(todo) if i in timed]
 
 
 if __name__ == "__main__":

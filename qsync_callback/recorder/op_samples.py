@@ -15,7 +15,10 @@ them without counting. Each such event is one sample:
 - ``out_bytes``: what the op allocated and still held when it returned (the profiler's memory
   events inside it): its outputs, as the symbolic trace counts them;
 - ``us``: its duration less the profiler's calibrated cost of the events recorded inside it
-  (`overhead.py`'s figures, as the converted trace uses them).
+  (`overhead.py`'s figures, as the converted trace uses them);
+- ``call``: the overload and arguments it was called with (`call_json`'s form, tensors as shape,
+  stride and dtype), rebuilt from Kineto's arguments where they can be: what the compiler-level
+  features (`predictor/tvm_features.py`) lower and what `op_probes.py` times.
 
 Each recorded step also gives the host's share: the step's length, less the profiler's cost of all
 its events, less its samples' time, over the number of samples (`StepSample`). Samples of one
@@ -27,8 +30,9 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
+import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -71,6 +75,7 @@ class OpSample:
     out_bytes: int
     us: float
     count: int = 1
+    call: dict[str, Any] | None = None
 
 
 @dataclass
@@ -119,9 +124,11 @@ def decomposes(name: str) -> bool:
     return bool(found) and all(found)
 
 
-def _argument(dims: Any, kind: str, concrete: str) -> Any:
+def _argument(dims: Any, strides: Any, kind: str, concrete: str) -> Any:
     if kind in DTYPE_BYTES:
         dtype = TORCH_DTYPES.get(kind, torch.float32)
+        if isinstance(strides, list) and len(strides) == len(dims):
+            return torch.empty_strided(dims, strides, dtype=dtype, device="meta")
         return torch.empty(dims, dtype=dtype, device="meta")
     if concrete == "":
         return None
@@ -129,13 +136,21 @@ def _argument(dims: Any, kind: str, concrete: str) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _recorded_flops(name: str, args_key: str) -> float:
-    dims, kinds, concrete = ast.literal_eval(args_key)
+def _recorded_call(name: str, args_key: str) -> tuple[Any, list, dict] | None:
+    """The overload of aten op ``name`` that accepts the recorded arguments (``args_key``: Kineto's
+    dims, strides, types and concrete values), with them rebuilt on the meta device; None where
+    no overload does, or they cannot be rebuilt."""
+    dims, strides, kinds, concrete = ast.literal_eval(args_key)
     packet = aten_packet(name)
+    if packet is None:
+        return None
     try:
-        values = [_argument(d, k, c) for d, k, c in zip(dims, kinds, concrete, strict=False)]
+        values = [
+            _argument(d, s, k, c)
+            for d, s, k, c in zip(dims, strides or [None] * len(dims), kinds, concrete, strict=False)
+        ]
     except (ValueError, SyntaxError, RuntimeError, TypeError):
-        return 0.0
+        return None
     for overload_name in packet.overloads():  # Kineto lists keyword-only arguments in place
         overload = getattr(packet, overload_name)
         schema = overload._schema.arguments
@@ -144,12 +159,29 @@ def _recorded_flops(name: str, args_key: str) -> float:
         positional = [v for a, v in zip(schema, values, strict=False) if not a.kwarg_only]
         keywords = {a.name: v for a, v in zip(schema, values, strict=False) if a.kwarg_only}
         try:
-            with FlopCounterMode(display=False) as counter:
-                overload(*positional, **keywords)
+            overload(*positional, **keywords)
         except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
             continue
-        return float(counter.get_total_flops())
-    return 0.0
+        return overload, positional, keywords
+    return None
+
+
+def _args_key(args: Mapping[str, Any]) -> str:
+    """A recorded op's Kineto arguments as `_recorded_call`'s cache key."""
+    dims = args.get("Input Dims") or []
+    concrete = args.get("Concrete Inputs") or [""] * len(dims)
+    return repr((dims, args.get("Input Strides"), args.get("Input type") or [], concrete))
+
+
+@functools.lru_cache(maxsize=4096)
+def _recorded_flops(name: str, args_key: str) -> float:
+    matched = _recorded_call(name, args_key)
+    if matched is None:
+        return 0.0
+    overload, positional, keywords = matched
+    with FlopCounterMode(display=False) as counter:
+        overload(*positional, **keywords)
+    return float(counter.get_total_flops())
 
 
 def recorded_flops(name: str, args: Mapping[str, Any]) -> float:
@@ -157,10 +189,50 @@ def recorded_flops(name: str, args: Mapping[str, Any]) -> float:
     packet = aten_packet(name)
     if packet is None or packet not in flop_registry:
         return 0.0
-    dims = args.get("Input Dims") or []
-    kinds = args.get("Input type") or []
-    concrete = args.get("Concrete Inputs") or [""] * len(dims)
-    return _recorded_flops(name, repr((dims, kinds, concrete)))
+    return _recorded_flops(name, _args_key(args))
+
+
+def recorded_call(name: str, args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A recorded op (its Kineto ``args``) as the call it was, in `call_json`'s form; None where
+    its arguments cannot be rebuilt (tensor lists, values Kineto does not keep)."""
+    matched = _recorded_call(name, _args_key(args))
+    if matched is None:
+        return None
+    try:
+        return call_json(*matched)
+    except ValueError:
+        return None
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, (torch.Tensor, torch.dtype)):
+        dtype = value.dtype if isinstance(value, torch.Tensor) else value
+        if dtype not in KINETO_DTYPES:
+            raise ValueError(f"dtype {dtype}")
+        if isinstance(value, torch.dtype):
+            return {"dtype": KINETO_DTYPES[dtype]}
+        return {"tensor": [list(value.shape), list(value.stride()), KINETO_DTYPES[dtype]]}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    raise ValueError(f"argument of type {type(value).__name__}")
+
+
+def call_json(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """An aten call as JSON: ``{"op": "aten::addmm.default", "args": [...], "kwargs": {...}}``, a
+    tensor as ``{"tensor": [shape, stride, dtype]}`` (Kineto's dtype names), a dtype as ``{"dtype":
+    name}``, a device as ``{"device": name}``, a non-finite float as ``{"float": repr}``; ValueError
+    for what JSON cannot hold."""
+    return {
+        "op": f"{func._schema.name}.{func._overloadname}",
+        "args": _to_json(list(args)),
+        "kwargs": {key: _to_json(v) for key, v in kwargs.items()},
+    }
 
 
 def _tensor_inputs(args: Mapping[str, Any]) -> tuple[list[list[int]], list[str]]:
@@ -266,7 +338,14 @@ def op_samples(
         steps.append(StepSample(step_us=step_us, ops_us=ops_us, ops=count))
     samples = [
         OpSample(
-            name, shapes, dtypes, recorded_flops(name, args), allocated, statistics.median(times), len(times)
+            name,
+            shapes,
+            dtypes,
+            recorded_flops(name, args),
+            allocated,
+            statistics.median(times),
+            len(times),
+            recorded_call(name, args),
         )
         for name, shapes, dtypes, args, allocated, times in merged.values()
     ]

@@ -45,8 +45,7 @@ from qsync_callback.errors import QSyncInputError
 from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.module_calls import activation_refusals
-from qsync_callback.recorder.op_probes import OpRecipe
-from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, op_key
+from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, call_json, op_key
 from qsync_callback.recorder.trace import Op, Step, Trace
 
 STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and optimizer state)
@@ -68,9 +67,9 @@ class _StepRecorder(TorchDispatchMode):
     """Records every aten op run under it, with its phase, module, FLOPs and the storages it
     makes (see the module docstring); ``phase`` is set by the caller."""
 
-    def __init__(self, model: nn.Module, recipes: dict[tuple, OpRecipe] | None = None):
+    def __init__(self, model: nn.Module, distinct_ops: dict[tuple, OpSample] | None = None):
         super().__init__()
-        self.recipes = recipes
+        self.distinct_ops = distinct_ops
         self.phase = "other"
         self.ops: list[Op] = []
         self.memory_events: list[list] = []
@@ -177,11 +176,14 @@ class _StepRecorder(TorchDispatchMode):
             self._made_by.setdefault(torch._C._autograd._get_sequence_nr() - 1, (module, layer))
         op.bytes = sum(e[2] for e in self.memory_events[before:] if e[2] > 0)
         key = op_key(op.name, op.input_shapes, op.input_dtypes)
-        if self.recipes is not None and key not in self.recipes:
-            sample = OpSample(op.name, op.input_shapes, op.input_dtypes, op.flops, op.bytes, 0.0)
-            recipe = OpRecipe.of(func, args, kwargs, sample)
-            if recipe is not None:  # arguments JSON cannot hold: left to the model
-                self.recipes[key] = recipe
+        if self.distinct_ops is not None and key not in self.distinct_ops:
+            try:
+                call = call_json(func, args, kwargs)
+            except ValueError:  # arguments JSON cannot hold: left to the model
+                return
+            self.distinct_ops[key] = OpSample(
+                op.name, op.input_shapes, op.input_dtypes, op.flops, op.bytes, 0.0, call=call
+            )
 
     def _owner(self) -> tuple[str | None, str | None]:
         """The module and layer running the op: the forward calls in progress, or in backward
@@ -217,13 +219,14 @@ def symbolic_trace(
     batch: Any,
     device: str = "cpu",
     fake: bool = True,
-    recipes: dict[tuple, OpRecipe] | None = None,
+    distinct_ops: dict[tuple, OpSample] | None = None,
 ) -> Trace:
     """The trace of one training step of LightningModule ``module`` on ``batch`` (any nest of
     tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced.
     ``fake=False``: on real tensors, a copy of the module's (for a module that needs real values:
-    the same trace, at the cost of two real steps and the copy's memory). ``recipes``, where given,
-    gets each distinct op (by name, input shapes and dtypes) as an `OpRecipe` to probe."""
+    the same trace, at the cost of two real steps and the copy's memory). ``distinct_ops``, where given,
+    gets each distinct op (by name, input shapes and dtypes) as an `OpSample` with its ``call``, to
+    time alone or to lower."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with FakeCopyMode(fake_mode) if fake else contextlib.nullcontext():
         model = copy.deepcopy(module)
@@ -231,7 +234,7 @@ def symbolic_trace(
         batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
     with fake_mode:  # an optimizer that makes its state when built (Adagrad) makes it fake
         optimizers = _optimizers(model)
-    recorder = _StepRecorder(model, recipes)
+    recorder = _StepRecorder(model, distinct_ops)
     shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
         with fake_mode:

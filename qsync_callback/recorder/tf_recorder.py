@@ -47,7 +47,12 @@ recorded call, and its records go into the collective ops of rank 0's trace; the
 tensors, sizes, dtypes and variables are read from the step's concrete function graph at the first
 recorded call (`recorder/tf_collectives.py`; a step that is no ``tf.function`` leaves them to the
 timeline). Resident bytes: the model's weights and the optimizer's variables, counted when the
-window opens; the measured peak is not known (TF reports allocator peaks for GPUs only).
+window opens, and the allocator's bytes in use then.
+
+Memory: each timed call's peak is TF's allocator's own (`recorder/tf_memory.py`: reset at the
+call's boundary, read after it), and the measured peak is the largest; the recorded calls' profiles
+give the allocator's every allocation and free (`xspace.py`), the trace's memory events, from which
+the predictor simulates the allocator (`predictor/bfc_allocator.py`).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from qsync_callback.recorder.event_costs import event_costs
 from qsync_callback.recorder.horovod_timeline import TensorRecord
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
 from qsync_callback.recorder.tf_collectives import attach_timeline, graph_collectives
+from qsync_callback.recorder.tf_memory import StepPeaks
 from qsync_callback.recorder.tf_op_types import PROBE_CALLS, LiveStep, OpTypeProbe
 from qsync_callback.recorder.trace import OP_TYPE_COSTS, Op, Step, Trace, rank_trace_path
 from qsync_callback.recorder.xspace import (
@@ -82,7 +88,6 @@ COLD_STEPS = 2
 PROFILE_DIR = "profile"
 WARMUP_RUN = "warmup"
 PROBE_RUN = "bf16_probe"
-PEAK_SOURCE = "not measured: TensorFlow reports allocator peaks for GPUs only"
 
 
 class Timeline(Protocol):
@@ -136,6 +141,9 @@ class TFRecorder:
         self.timeline = timeline
         self.trace: Trace | None = None
         self.step_ms: list[float] = []  # the timed (unprofiled) calls
+        self.step_peaks: list[int] = []  # their allocator peaks (bytes), where TF keeps them
+        self._peaks = StepPeaks()
+        self._in_use_at_start: int | None = None
         self._probe = None
         if switch_to_bf16 is not None:
             self._probe = OpTypeProbe(step, self._profile_dir() / PROBE_RUN, switch_to_bf16)
@@ -211,6 +219,8 @@ class TFRecorder:
                 self.trace.precision_costs[OP_TYPE_COSTS] = self._probe.table(self.trace)
             else:
                 self._probe.step_boundary(call - self._probe_start)
+        if self._timed(call):
+            self._peaks.start()
         self._clock = time.perf_counter()
 
     def restart_step_clock(self) -> None:
@@ -245,12 +255,19 @@ class TFRecorder:
             raise self._failure
         if self._timed(call):
             self.step_ms.append(elapsed_ms)
+            peak = self._peaks.end()
+            if peak is not None:
+                self.step_peaks.append(peak)
         if self._probe is not None and self._probe_start <= call < self.done_step:
             self._probe.step_end(call - self._probe_start)
 
     def save(self) -> None:
-        """Write the trace with the timed calls (``measured.step_ms``)."""
+        """Write the trace with the timed calls (``measured.step_ms``) and their allocator peaks
+        (``measured.step_peak_bytes``; the measured peak is the largest)."""
         self.trace.measured["step_ms"] = list(self.step_ms)
+        self.trace.measured["step_peak_bytes"] = list(self.step_peaks)
+        self.trace.measured["peak_bytes"] = max(self.step_peaks) if self.step_peaks else None
+        self.trace.measured["peak_source"] = self._peaks.source
         self.trace.save(rank_trace_path(self.trace_dir, self.rank))
 
     def close(self) -> None:
@@ -275,6 +292,7 @@ class TFRecorder:
         shutil.rmtree(self._profile_dir(), ignore_errors=True)
         self._profile_dir().mkdir(parents=True, exist_ok=True)
         self._resident = resident_bytes(self.model, self.optimizer)
+        self._in_use_at_start = self._peaks.in_use()
 
     def _read_collectives(self) -> None:
         """The step's all-reduced tensors from its graph; a step that is no ``tf.function`` (or a
@@ -317,7 +335,7 @@ class TFRecorder:
         scopes = list(OPTIMIZER_SCOPES)
         if getattr(self.optimizer, "name", None):
             scopes.append(self.optimizer.name)
-        steps, ops = [], []
+        steps, ops, memory_events, allocator = [], [], [], None
         for session, mark_us in self._sessions:
             space = load_xspace(find_xspace(session))
             converted = convert_xspace(
@@ -327,7 +345,13 @@ class TFRecorder:
                 raise ValueError(f"{session}: the profile lost its clock mark")
             shift = mark_us - converted["clock_sync_us"]
             steps.extend(Step(s.index, s.start_us + shift, s.end_us + shift) for s in converted["steps"])
+            memory_events.extend(
+                [ts + shift, addr, nbytes, op_id + len(ops) if op_id >= 0 else -1]
+                for ts, addr, nbytes, op_id in converted["memory_events"]
+            )
+            allocator = allocator or converted["allocator"]
             ops.extend(_shifted(converted["ops"], len(ops), shift))
+        allocator = allocator or self._peaks.allocator  # none of the step's requests was counted
         return Trace(
             rank=self.rank,
             world_size=self.world_size,
@@ -340,7 +364,9 @@ class TFRecorder:
             clock_offset_us=-self._sessions[0][1],
             resident_bytes=self._resident,
             layers=self.layers,
-            measured={"peak_bytes": None, "peak_source": PEAK_SOURCE},
+            memory_events=memory_events,
+            allocator={"name": allocator, "in_use_bytes": self._in_use_at_start} if allocator else {},
+            measured={"peak_bytes": None, "peak_source": self._peaks.source},
             profiler_overhead_us=dict(self._overhead),
             fingerprint=self.fingerprint,
             raw_trace=PROFILE_DIR,

@@ -17,6 +17,11 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "steps": [{"index": 7, "start_us": ..., "end_us": ...}, ...],
       "ops": [Op, ...],                 # see `Op`
       "memory_events": [[ts_us, addr, bytes, op_id], ...],   # bytes < 0 is a free; op_id -1: none
+      "allocator": {"name": "mklcpu", "in_use_bytes": ...},   # whose allocations memory_events
+                                        # are, where its figures are not the bytes asked for: TF's
+                                        # BFC allocators ("mklcpu", "GPU_0_bfc"), simulated by
+                                        # `predictor/bfc_allocator.py`, and its bytes in use when
+                                        # the window opened; absent: the bytes are the figure (torch)
       "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...,
                          "gradient_buckets": ..., "other": ...},   # "other": every other live tensor
                                                                   # at the window's start
@@ -42,6 +47,7 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
       "layers": [{"name": "net.0", "type": "Linear", "param_bytes": 33024, "next": "net.1"}, ...],
                                         # "next": the next child of its nn.Sequential, or null
       "measured": {"step_ms": [...], "peak_bytes": ..., "peak_source": "...",
+                   "step_peak_bytes": [...],   # per measured step, where the allocator gives one
                    "profiler_share": {"in_step_ms": ..., "loops_share_ms": ..., "scale": ...,
                                       "slowdown": ...}},
                                         # what recording added to a step beyond the loops' costs,
@@ -198,6 +204,7 @@ class Trace:
     host: str = ""
     clock_offset_us: float = 0.0
     memory_events: list[list] = field(default_factory=list)
+    allocator: dict[str, Any] = field(default_factory=dict)
     resident_bytes: dict[str, int] = field(default_factory=dict)
     saved_activation_bytes: dict[str, int] = field(default_factory=dict)
     precision: dict[str, str] = field(default_factory=dict)
@@ -426,6 +433,7 @@ _TRACE = Fields(
         "host": STRING,
         "clock_offset_us": FINITE,
         "memory_events": ListOf(ANY),  # each: `_MEMORY_EVENT`, in `_check_memory_events`
+        "allocator": Fields(optional={"name": STRING, "in_use_bytes": Nullable(AMOUNT)}),
         "resident_bytes": MapOf(AMOUNT),
         "saved_activation_bytes": MapOf(AMOUNT),
         "precision": MapOf(Scalar(lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}")),
@@ -444,6 +452,7 @@ _TRACE = Fields(
                 "step_ms": ListOf(FINITE),
                 "peak_bytes": Nullable(AMOUNT),
                 "peak_source": Nullable(STRING),
+                "step_peak_bytes": ListOf(AMOUNT),
                 "page_faults": ListOf(COUNT),
                 "page_size": COUNT,
                 "recorder_overhead_s": NUMBER,

@@ -25,6 +25,12 @@ order says little: the loss's last ops may run after the first gradient ops). La
 Keras layer scope (see ``keras_layers``) found in the op's name at scope boundaries; for a
 collective, in the gradient's name that Horovod puts into the op's name.
 
+Memory: the allocator records each allocation and free it makes (``MemoryAllocation`` and
+``MemoryDeallocation`` events: the bytes asked for, the address, the op that asked, the
+allocator's name); those within the steps become the trace's memory events. On the CPU with oneDNN
+that allocator (``mklcpu``) sees requests of 256 KiB and more only (`predictor/bfc_allocator.py`),
+which are also all that TF's memory statistics count.
+
 Profiler overhead (``overhead_us``: microseconds per recorded event of each kind, `event_kind`,
 calibrated by the recorder, `recorder/tf_recorder.py`): every host event in a step but qsync's own
 marks costs its kind's figure. An event inside a node (an op that runs nested ops or allocates
@@ -52,6 +58,9 @@ from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
 from qsync_callback.recorder.trace import Op, Step
 
 STEP_NAME = "qsync::step"
+# the allocator's own events (its every allocation and free, with the op that asked and the bytes)
+MEMORY_ALLOCATION, MEMORY_DEALLOCATION = "MemoryAllocation", "MemoryDeallocation"
+_MEMORY_EVENTS = (MEMORY_ALLOCATION, MEMORY_DEALLOCATION)
 XSPACE_SUFFIX = ".xplane.pb"
 ASYNC_START = "ExecutorState::ProcessAsync::Start"
 ASYNC_DONE = "ExecutorState::ProcessAsync::Done"
@@ -199,8 +208,8 @@ def convert_xspace(
     collective_tensors: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     overhead_us: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Read an XSpace; return ``steps`` (list[Step]), ``ops`` (list[Op]) and ``clock_sync_us``
-    (None when no sync mark was recorded).
+    """Read an XSpace; return ``steps`` (list[Step]), ``ops`` (list[Op]), ``clock_sync_us``
+    (None when no sync mark was recorded), ``memory_events`` and ``allocator`` (`_memory_events`).
 
     ``layers`` is ``keras_layers(model)`` (ops get a layer only where one is given); steps are the
     host events named ``step_name`` that carry a ``step_num`` stat; ``collective_tensors`` maps a
@@ -260,7 +269,52 @@ def convert_xspace(
     if overhead_us and any(overhead_us.values()):
         _attribute_overhead(lines, main_line, ops, overhead_us, step_of)
     sync = [e for e in everything if e.name == CLOCK_SYNC]
-    return {"steps": steps, "ops": ops, "clock_sync_us": sync[-1].end if sync else None}
+    memory_events, allocator = _memory_events(everything, ops, step_of)
+    return {
+        "steps": steps,
+        "ops": ops,
+        "clock_sync_us": sync[-1].end if sync else None,
+        "memory_events": memory_events,
+        "allocator": allocator,
+    }
+
+
+def _memory_events(
+    everything: Iterable[_Event], ops: Sequence[Op], step_of: Callable[[float], Step | None]
+) -> tuple[list[list], str | None]:
+    """The allocator's allocations and frees within the steps, as the trace's ``memory_events``
+    (``[ts_us, addr, bytes, op_id]``, a free's bytes negative), and the allocator's name (that of
+    the steps' first allocation). An event's op is the one its ``tf_op`` stat names, else (a free
+    names none) the op of its thread it falls in or, between ops, the one that ended last before it
+    there (the op that dropped the tensor's last reference); -1 where none did."""
+    by_name: dict[str, list[Op]] = {}
+    for op in ops:
+        by_name.setdefault(op.name, []).append(op)
+    by_line: dict[int, list[_Event]] = {}
+    for e in everything:
+        if e.node_id is not None:
+            by_line.setdefault(e.line, []).append(e)
+    for nodes in by_line.values():
+        nodes.sort(key=lambda e: e.start)
+    starts = {line: [n.start for n in nodes] for line, nodes in by_line.items()}
+    events, allocator = [], None
+    for e in sorted((e for e in everything if e.name in _MEMORY_EVENTS), key=lambda e: e.start):
+        nbytes = int(e.stats.get("requested_bytes") or 0)
+        if step_of(e.start) is None or nbytes <= 0:
+            continue
+        named = by_name.get(str(e.stats.get("tf_op")), [])
+        op = next((o for o in named if o.start_us <= e.start <= o.end_us), None)
+        if op is None and named:
+            op = min(named, key=lambda o: abs(o.start_us - e.start))
+        if op is None:
+            nodes = by_line.get(e.line, [])
+            k = bisect.bisect_right(starts.get(e.line, []), e.start) - 1
+            if k >= 0 and step_of(nodes[k].start) is step_of(e.start):
+                op = ops[nodes[k].node_id]
+        signed = nbytes if e.name == MEMORY_ALLOCATION else -nbytes
+        events.append([e.start, int(e.stats.get("addr") or 0), signed, op.id if op is not None else -1])
+        allocator = allocator or e.stats.get("allocator_name")
+    return events, allocator
 
 
 def event_kind(name: str) -> str | None:

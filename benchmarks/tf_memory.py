@@ -1,0 +1,179 @@
+"""Predicted against measured peak memory of Horovod + TensorFlow runs: the recorded configuration and
+the bf16 plans, measured by TF's own allocator.
+
+For each Keras model of ``examples/train_horovod_tf.py`` (an MLP, a CNN, an embedding +
+bidirectional GRU, a residual CNN with batch norm) and each process count, runs the example
+``--repeats`` times, each in fresh processes, in mode "apply" (which records, reports, plans by op
+type, applies the plan on every rank, verifies it and keeps it or rolls it back):
+
+- **recorded configuration** (report.json): the measured peak, TF's allocator's own
+  (``tf.config.experimental.get_memory_info``, reset at each timed step's start: the largest of the
+  timed steps, with their median and smallest), against the predicted one (TF's BFC allocator
+  simulated on the recorded steps' allocations, `predictor/bfc_allocator.py`); the step time too;
+- **the plan** (verification.json, when one was applied): its measured peak (the verify window's
+  timed steps) against its predicted one (its bf16 ops' allocations halved and its casts added,
+  `predictor/op_precision.op_type_lives`).
+
+The runs of one repeat go one after the other in every (model, processes), in an order reversed
+from one repeat to the next. Writes ``<out>/tf_memory.md`` and ``<out>/tf_memory.json``; exits
+non-zero if any run produced no report.
+
+    python benchmarks/tf_memory.py [--models mlp,cnn,gru,resnet] [--procs 1,2] [--repeats 2]
+        [--batch-size 32] [--out benchmarks/results]
+    python benchmarks/tf_memory.py --quick     # smoke run: mlp and gru, 1 process, once
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from horovod_tf_accuracy import TIMEOUT_S, example_command
+from runs import bench_environment, range_noise_pct, stderr_tail, write_results
+
+from qsync_callback.jsonio import read_json
+from qsync_callback.report import change_pct
+from qsync_callback.units import format_bytes
+
+MODELS = ("mlp", "cnn", "gru", "resnet")
+TARGET_PCT = 5.0
+WINDOW = ["--warmup-steps", "10", "--profile-steps", "5", "--measure-steps", "20", "--verify-steps", "3"]
+
+
+def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str, Any] | str:
+    """One run in mode apply (a plan planned afresh); its row, or why there is none."""
+    extra = [*WINDOW, "--mode", "apply", "--plan", "none"]
+    cmd = example_command(model, procs, batch_size, run_dir, extra)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S * 2)
+    (run_dir / "stdout.log").write_text(done.stdout)
+    (run_dir / "stderr.log").write_text(done.stderr)
+    qsync = run_dir / "qsync"
+    if done.returncode != 0 or not (qsync / "report.json").exists():
+        return f"{model} {procs}p: rc={done.returncode}: {stderr_tail(run_dir)}"
+    report = read_json(qsync / "report.json", what="report")
+    measured, predicted = report["measured"], report["predicted"]
+    row = {
+        "model": model,
+        "procs": procs,
+        "peak_bytes": measured["peak_bytes"],
+        "peak_median_bytes": measured["peak_bytes_median"],
+        "peak_min_bytes": measured["peak_bytes_min"],
+        "peak_steps": measured["peak_steps"],
+        "predicted_peak_bytes": predicted["peak_bytes"],
+        "peak_error_pct": change_pct(predicted["peak_bytes"], measured["peak_bytes"]),
+        "peak_median_error_pct": change_pct(predicted["peak_bytes"], measured["peak_bytes_median"]),
+        "step_ms": measured["step_ms"],
+        "step_error_pct": change_pct(predicted["step_ms"], measured["step_ms"]),
+        "plan": None,
+    }
+    if (qsync / "verification.json").exists():
+        verification = read_json(qsync / "verification.json", what="verification")
+        plan = read_json(qsync / "plan.json", what="plan") if (qsync / "plan.json").exists() else {}
+        low = sorted(t for t, p in (plan.get("op_precision") or {}).items() if p != "fp32")
+        row["plan"] = {
+            "op_types": low,
+            "decision": verification.get("decision"),
+            "peak_bytes": verification["measured"]["peak_bytes"],
+            "predicted_peak_bytes": verification["predicted"]["peak_bytes"],
+            "peak_error_pct": change_pct(
+                verification["predicted"]["peak_bytes"], verification["measured"]["peak_bytes"]
+            ),
+        }
+    return row
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}%"
+
+
+def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -> str:
+    lines = [
+        f"Batch {batch_size} per process. Peaks are TF's allocator's (chunks in use; on the CPU, requests "
+        "of 256 KiB and more), per rank, the largest rank's.\n",
+        "| model | processes | measured peak: largest (median, smallest) of the timed steps | predicted "
+        "| error vs largest | error vs median | step ms (error) | plan applied: measured peak "
+        "| predicted | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        plan = r["plan"]
+        plan_cells = "| - | - | - |"
+        if plan is not None:
+            plan_cells = (
+                f"| {', '.join(plan['op_types']) or 'fp32'} ({plan['decision']}): "
+                f"{format_bytes(plan['peak_bytes'])} | {format_bytes(plan['predicted_peak_bytes'])} "
+                f"| {_pct(plan['peak_error_pct'])} |"
+            )
+        lines.append(
+            f"| {r['model']} | {r['procs']} | {format_bytes(r['peak_bytes'])} "
+            f"({format_bytes(r['peak_median_bytes'])}, {format_bytes(r['peak_min_bytes'])}) "
+            f"| {format_bytes(r['predicted_peak_bytes'])} | {_pct(r['peak_error_pct'])} "
+            f"| {_pct(r['peak_median_error_pct'])} | {r['step_ms']:.1f} ({_pct(r['step_error_pct'])}) "
+            + plan_cells
+        )
+    for procs in sorted({r["procs"] for r in rows}):
+        group = [r for r in rows if r["procs"] == procs]
+        largest = [abs(r["peak_error_pct"]) for r in group if r["peak_error_pct"] is not None]
+        median = [abs(r["peak_median_error_pct"]) for r in group if r["peak_median_error_pct"] is not None]
+        plans = [abs(r["plan"]["peak_error_pct"]) for r in group if r["plan"] and r["plan"]["peak_error_pct"]]
+        steps = [r["step_ms"] for r in group]
+        within = sum(e <= TARGET_PCT for e in largest)
+        spread = statistics.median(
+            100 * (r["peak_bytes"] - r["peak_min_bytes"]) / r["peak_median_bytes"] for r in group
+        )
+        planned = (
+            f"; plans' |peak error| median {statistics.median(plans):.1f}% over {len(plans)}" if plans else ""
+        )
+        lines.append(
+            f"\n{procs} process(es), {len(group)} runs: recorded configuration, |peak error| against the "
+            f"largest step median {statistics.median(largest):.1f}% ({within} of {len(largest)} within "
+            f"{TARGET_PCT:g}%), against the median step {statistics.median(median):.1f}%{planned}; "
+            "step-to-step spread of the measured peak (largest - smallest over median): median "
+            f"{spread:.1f}%; "
+            f"run-to-run noise of the step time {range_noise_pct(steps) or 0.0:.1f}%."
+        )
+    lines += [f"\nFailed: {f}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--procs", default="1,2")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="smoke run: mlp and gru, 1 process, once")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    models, procs, repeats = args.models.split(","), [int(p) for p in args.procs.split(",")], args.repeats
+    if args.quick:
+        models, procs, repeats = ["mlp", "gru"], [1], 1
+    environment = bench_environment(repeats=repeats)
+    cells = [(m, p) for m in models for p in procs]
+    rows, failures = [], []
+    for repeat in range(repeats):
+        for model, n in cells if repeat % 2 == 0 else cells[::-1]:
+            result = run_once(
+                model, n, args.batch_size, args.out / "tf_memory_runs" / f"{model}-{n}p-{repeat}"
+            )
+            if isinstance(result, str):
+                failures.append(result)
+            else:
+                rows.append({**result, "repeat": repeat})
+    rows.sort(key=lambda r: (models.index(r["model"]), r["procs"], r["repeat"]))
+    write_results(
+        args.out,
+        "tf_memory",
+        markdown(rows, failures, args.batch_size),
+        {"environment": environment, "rows": rows},
+    )
+    return 1 if failures or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
