@@ -124,6 +124,41 @@ def test_an_op_type_plan_becomes_tf_env_lists_and_a_priorlist(tmp_path):
     assert (tmp_path / PRIORLIST_FILE).read_text() == "MatMul\nReluGrad\n"
     with pytest.raises(ValueError, match="bf16 or fp32 only, not fp16"):
         env_lists({"MatMul": "fp16"})
+    # a batch norm at bf16 stays on TF's infer list (on the allow list TF aborts), not denied
+    norm = env_lists({"Conv2D": "bf16", "FusedBatchNormV3": "bf16"})
+    assert p + "ALLOWLIST_ADD" not in norm and norm[p + "INFERLIST_REMOVE"] == "Conv2D"
+    assert norm[p + "DENYLIST_REMOVE"] == "Conv2D,FusedBatchNormV3"
+
+
+BATCH_NORM_UNDER_THE_REWRITE = """
+import tensorflow as tf
+from qsync_callback.integrations.horovod_tf.mixed_precision import env_lists, rewrite_on
+rewrite_on(env_lists({"Conv2D": "bf16", "FusedBatchNormV3": "bf16", "FusedBatchNormGradV3": "bf16"}))
+layers = tf.keras.layers
+model = tf.keras.Sequential([
+    layers.Conv2D(8, 3, use_bias=False), layers.BatchNormalization(), layers.ReLU(), layers.Flatten(),
+    layers.Dense(2),
+])
+optimizer = tf.keras.optimizers.SGD(0.01)
+
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(x, training=True) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return loss
+
+print("loss", float(step(tf.random.normal((4, 8, 8, 3)))))
+"""
+
+
+@pytest.mark.skipif(not cpu_runs_bf16(), reason=NO_BF16_CPU)
+def test_a_plan_with_a_batch_norm_at_bf16_trains_instead_of_aborting_tf(tmp_path):
+    """TF 2.15 aborts the process (mkl_layout_pass.cc, SIGABRT) on a training BatchNormalization
+    whose FusedBatchNormV3 is on the bf16 allow list; a plan's lists leave it on the infer list."""
+    script = tmp_path / "bn.py"
+    script.write_text(BATCH_NORM_UNDER_THE_REWRITE)
+    assert "loss" in run_python([str(script)]).stdout
 
 
 def bf16_op_counts(fn: Callable, args: Sequence, kwargs: Mapping) -> dict[str, int]:

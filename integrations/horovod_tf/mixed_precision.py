@@ -22,6 +22,12 @@ graph's bfloat16 op counts and a MatMul whose fp32 and bf16 results differ visib
   of TF) are not read by TF: no effect here. They are written anyway, for forks that read them.
 - On the bf16 lists of 2.15, ``Sum`` and ``Tanh`` are on none (a missing comma in TF's source joins
   them into one name); ``_REMOVE`` makes this harmless.
+- ``FusedBatchNormV3`` and its gradient (a Keras ``BatchNormalization`` in training) are on TF's
+  infer list: painted after a bf16 op, they run at bf16 with their scale and statistics at fp32.
+  Added to the allow list instead, their scale type ``U`` becomes bfloat16 too, which the oneDNN op
+  they become (``_MklNativeFusedBatchNormV3``) does not allow: ``mkl_layout_pass.cc`` aborts the
+  process (SIGABRT, nothing to catch; seen on a residual CNN with batch norm). So a plan's bf16
+  `INFER_ONLY_OP_TYPES` stay on the infer list, where the uniform rewrite had them.
 - Denying an op type keeps it fp32. Its infer-list neighbours can follow it: TF paints an infer or
   clear op bf16 only after or between bf16 ops (see `predictor/op_precision.py`).
 """
@@ -64,6 +70,11 @@ TF_BF16_ALLOWLIST = frozenset(
 )
 
 
+# op types TF 2.15's oneDNN rewrite aborts the process on when they are on its allow list (module
+# docstring): at bf16 they stay on its infer list
+INFER_ONLY_OP_TYPES = frozenset({"FusedBatchNormV3", "FusedBatchNormGradV3"})
+
+
 def unknown_op_types(names: Iterable[str]) -> list[str]:
     """The names of ``names`` that are no op type registered in this TF."""
     return sorted(n for n in names if op_def_registry.get(n) is None)
@@ -71,8 +82,9 @@ def unknown_op_types(names: Iterable[str]) -> list[str]:
 
 def env_lists(op_precision: Mapping[str, str], priorlist_file: Path | None = None) -> dict[str, str]:
     """The env that carries out ``op_precision`` (op type -> "bf16" or "fp32") on TF's bf16
-    rewrite: low-precision types not on TF's allow list go to ``ALLOWLIST_ADD``, fp32 types to
-    ``DENYLIST_ADD``, each removed from the other lists (see the module docstring); the
+    rewrite: low-precision types not on TF's allow list go to ``ALLOWLIST_ADD`` (but
+    `INFER_ONLY_OP_TYPES` stay on its infer list), fp32 types to ``DENYLIST_ADD``, each removed from
+    the other lists (see the module docstring); the
     low-precision types also go to ``PRIORLIST_ADD`` and, one per line, to ``priorlist_file``
     (written here) for forks that read them. Only non-empty variables are returned. An op type TF
     does not know, or another precision, raises ValueError before anything is written."""
@@ -87,9 +99,9 @@ def env_lists(op_precision: Mapping[str, str], priorlist_file: Path | None = Non
     if unknown:
         raise ValueError(f"no op type of this TensorFlow is named {', '.join(map(repr, unknown))}")
     names = {
-        "ALLOWLIST_ADD": [t for t in low if t not in TF_BF16_ALLOWLIST],
+        "ALLOWLIST_ADD": [t for t in low if t not in TF_BF16_ALLOWLIST | INFER_ONLY_OP_TYPES],
         "ALLOWLIST_REMOVE": full,
-        "INFERLIST_REMOVE": low + full,
+        "INFERLIST_REMOVE": [t for t in low if t not in INFER_ONLY_OP_TYPES] + full,
         "CLEARLIST_REMOVE": low + full,
         "DENYLIST_REMOVE": low,
         "DENYLIST_ADD": full,

@@ -1,0 +1,211 @@
+"""TensorFlow's BFC allocator simulated (`predictor/bfc_allocator.py`): against TF's own allocator,
+its rules one by one, and the predicted peaks built on it (`memory.allocator_peaks`, op-type plans'
+tensors, the TF planner under a memory budget) on hand-made traces with known answers. The same on
+real recorded windows: `tests/test_tf_memory.py`."""
+
+import random
+import re
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Constraints, Plan
+from qsync_callback.planner.tf_plans import choose_tf_plan
+from qsync_callback.predictor.bfc_allocator import (
+    FIRST_REGION,
+    SMALL_ALLOCATION,
+    BFCAllocator,
+    for_allocator,
+    rounded,
+    simulate,
+)
+from qsync_callback.predictor.memory import allocator_peaks, tensor_lifetimes
+from qsync_callback.predictor.predict import Predictor
+
+from tf_launch import run_python
+from tracebuilder import op, trace
+
+MiB = 1 << 20
+
+# ----------------------------------------------------------------------------- the simulation
+
+CHECK_AGAINST_TF = textwrap.dedent(
+    """
+    import random, sys
+    import tensorflow as tf
+    from qsync_callback.predictor.bfc_allocator import for_allocator
+    rng, sim, live, wrong = random.Random(int(sys.argv[1])), for_allocator("mklcpu"), {}, 0
+    for i in range(200):
+        if live and rng.random() < 0.45:
+            key = rng.choice(list(live))
+            del live[key]
+            sim.free(key)
+        else:
+            n = rng.choice([rng.randint(1, 500), rng.randint(500, 75_000), rng.randint(75_000, 1_500_000)])
+            live[i] = tf.random.uniform([n])
+            sim.allocate(i, 4 * n)
+        got = tf.config.experimental.get_memory_info("CPU:0")
+        wrong += (got["current"], got["peak"]) != (sim.bytes_in_use, sim.peak_bytes_in_use)
+    print("mismatches", wrong)
+    """
+)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_simulation_reads_what_tensorflows_cpu_allocator_reads(tmp_path, seed):
+    script = tmp_path / "check.py"
+    script.write_text(CHECK_AGAINST_TF)
+    run = run_python([str(script), str(seed)])
+    assert "mismatches 0" in run.stdout, run.stdout
+
+
+def test_a_chunk_is_split_only_when_twice_the_request():
+    sim = for_allocator("mklcpu")
+    sim.allocate("a", 5 * MiB)  # regions double from 2 MiB until 5 MiB fits: one 8 MiB region
+    assert sim.region_bytes == 8 * MiB and sim.bytes_in_use == 8 * MiB  # not split: 8 < 2 * 5
+    sim.free("a")
+    sim.allocate("b", 3 * MiB)  # 8 >= 2 * 3: split
+    assert sim.bytes_in_use == 3 * MiB
+    sim.allocate("c", 1000)  # another allocator's: not counted
+    assert sim.bytes_in_use == 3 * MiB and rounded(1000) == 1024
+
+
+def test_regions_grow_and_freed_neighbours_merge():
+    sim = for_allocator("mklcpu")
+    for key in "abcd":
+        sim.allocate(key, 1 * MiB)  # the first 2 MiB region holds two; the next (4 MiB) the rest
+    assert sim.region_bytes == FIRST_REGION + 2 * FIRST_REGION
+    sim.free("c")
+    sim.free("d")
+    sim.allocate("e", 4 * MiB)  # c, d and the rest of the 4 MiB region merged into one chunk
+    assert sim.region_bytes == 6 * MiB and sim.bytes_in_use == 6 * MiB
+    sim.free("a")
+    sim.free("b")
+    sim.allocate("f", 2 * MiB)  # the two regions' free chunks do not merge across them
+    assert sim.region_bytes == 6 * MiB and sim.peak_bytes_in_use == 6 * MiB
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12 * MiB)), max_size=60), st.randoms())
+def test_chunks_tile_the_regions_and_the_count_is_theirs(moves, rng):
+    sim, held = BFCAllocator(small_bytes=SMALL_ALLOCATION), []
+    for k, (free, nbytes) in enumerate(moves):
+        if free and held:
+            sim.free(held.pop(rng.randrange(len(held))))
+        else:
+            sim.allocate(k, nbytes)
+            held.append(k)
+        chunks = sim._chunks
+        assert sum(c.size for c in chunks) == sim.region_bytes
+        assert all(a.address + a.size == b.address for a, b in zip(chunks, chunks[1:], strict=False))
+        assert sim.bytes_in_use == sum(c.size for c in chunks if c.in_use) <= sim.peak_bytes_in_use
+        assert not any(  # a free chunk never beside another free chunk of its region
+            not a.in_use and not b.in_use and a.region == b.region
+            for a, b in zip(chunks, chunks[1:], strict=False)
+        )
+
+
+def test_simulate_runs_a_sequence():
+    # a: regions double from 2 MiB to 4 MiB, taken whole (4 < 2 * 3); b: a second 4 MiB region,
+    # whole; c: a's freed chunk, split (4 >= 2 * 1)
+    sim = simulate([("a", 3 * MiB), ("b", 3 * MiB), ("a", -1), ("c", 1 * MiB)], for_allocator("mklcpu"))
+    assert (sim.region_bytes, sim.peak_bytes_in_use, sim.bytes_in_use) == (8 * MiB, 8 * MiB, 5 * MiB)
+
+
+def test_random_sequences_give_one_peak_from_one_start():
+    """Two identical simulations agree (no hidden state between them)."""
+    rng = random.Random(3)
+    moves = [(k, rng.randint(1, 4 * MiB)) for k in range(30)] + [(k, -1) for k in range(0, 30, 2)]
+    runs = [simulate(moves, for_allocator("mklcpu")) for _ in range(2)]
+    assert len({(r.bytes_in_use, r.peak_bytes_in_use, r.region_bytes) for r in runs}) == 1
+
+
+# ----------------------------------------------------------------------------- hand-made traces
+
+
+def _two_op_trace(allocator=None, made=4 * MiB, weight=8 * MiB):
+    """fc/MatMul (0-100 us) makes ``made`` bytes freed when fc/Relu (105-125) ends; fc/Relu makes as
+    many, freed when loss (125-135) ends; the MatMul's inputs x (4 MiB) and w (``weight``) are no
+    recorded ops."""
+    ops = [
+        op(0, "fc/MatMul", "forward", "main", 0.0, 100.0),
+        op(1, "fc/Relu", "forward", "main", 105.0, 20.0),
+        op(2, "loss", "forward", "main", 125.0, 10.0),
+    ]
+    table = {
+        "ops": {"fc/MatMul": "MatMul", "fc/Relu": "Relu", "loss": "Sum"},
+        "edges": [["x", "fc/MatMul", 4 * MiB], ["w", "fc/MatMul", weight], ["fc/MatMul", "fc/Relu", 4 * MiB]]
+        + [["fc/Relu", "loss", 4 * MiB]],
+        "costs": {
+            "MatMul": {"ops": 1, "measured_ops": 1, "fp32_us": 100.0, "bf16_us": 25.0},
+            "Relu": {"ops": 1, "measured_ops": 1, "fp32_us": 20.0, "bf16_us": 10.0},
+        },
+        "casts": {"fp32->bf16": {"us_per_byte": 0.0}, "bf16->fp32": {"us_per_byte": 0.0}},
+    }
+    events = [[1.0, 1, made, 0], [106.0, 2, made, 1], [125.0, 1, -made, 1], [134.0, 2, -made, 2]]
+    return trace(
+        ops, 135.0, precision_costs={"op_types": table}, memory_events=events, allocator=allocator or {}
+    )
+
+
+def test_an_op_type_plan_halves_what_its_ops_make_and_adds_its_casts():
+    predictor = Predictor([_two_op_trace()])
+    assert predictor.predict().peak_bytes == 8 * MiB  # both outputs, 105-125 us
+    # MatMul at bf16: its output 2 MiB; x and w cast to bf16 (2 + 4 MiB) over the MatMul (0-100);
+    # its output cast back to fp32 for the Relu (4 MiB, 100-125); the Relu's 4 MiB from 105
+    plan = Plan(op_precision={"MatMul": "bf16"})
+    assert predictor.predict(plan).peak_bytes == 2 * MiB + 4 * MiB + 4 * MiB
+    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})  # one cast back, at the loss
+    assert predictor.predict(both).peak_bytes == max(2 + 2 + 4, 2 + 2 + 4) * MiB
+
+
+def test_a_trace_of_tensorflows_allocator_is_priced_as_that_allocator_counts():
+    in_use, allocator = 10 * MiB, {"name": "mklcpu", "in_use_bytes": 10 * MiB}
+    trace_ = _two_op_trace(allocator, made=3 * MiB)
+    # each 3 MiB request takes a new 4 MiB region whole (4 < 2 * 3): 8 MiB counted for 6 asked
+    assert Predictor([trace_]).predict().peak_bytes == in_use + 8 * MiB
+    assert allocator_peaks(tensor_lifetimes(trace_), "mklcpu", in_use) == {0: in_use + 8 * MiB}
+    # on a GPU's allocator (one region) the chunks are the requests
+    assert allocator_peaks(tensor_lifetimes(trace_), "GPU_0_bfc", in_use) == {0: in_use + 6 * MiB}
+    # the tensors' own bytes, without the allocator: the requests
+    assert Predictor([_two_op_trace(made=3 * MiB)]).predict().peak_bytes == 6 * MiB
+
+
+def test_a_step_that_frees_what_the_step_before_kept_meets_it_held():
+    """A step keeps 3 MiB (its loss, say) and frees the 3 MiB the step before kept: the simulation
+    holds that one from the start and frees it, without counting it twice."""
+    ops = [op(0, "a", "forward", "main", 0.0, 10.0), op(1, "b", "forward", "main", 20.0, 10.0)]
+    events = [[1.0, 7, -3 * MiB, 0], [21.0, 8, 3 * MiB, 1]]  # addr 7: made before the step
+    trace_ = trace(ops, 40.0, memory_events=events, allocator={"name": "mklcpu", "in_use_bytes": 5 * MiB})
+    assert allocator_peaks(tensor_lifetimes(trace_), "mklcpu", 5 * MiB) == {0: 5 * MiB}
+
+
+# ----------------------------------------------------------------------------- plans under a budget
+
+
+def test_the_tf_planner_keeps_a_plan_that_fits_the_budget_and_refuses_one_it_cannot_price():
+    trace_ = _two_op_trace(weight=1 * MiB)
+    trace_.framework = "tensorflow"
+    trace_.allocator = {"name": "GPU_0_bfc", "in_use_bytes": 0}  # one region: chunks are the requests
+
+    def choose(budget):
+        return choose_tf_plan([trace_], Constraints.from_arguments(budget, None, ("fp32", "bf16")))
+
+    # bf16: x and w cast (2 + 0.5 MiB) beside the MatMul's 2 MiB output, freed at its end; the Relu's
+    # 2 MiB output takes the 2.5 MiB chunk they leave, whole (2.5 < 2 * 2); its cast back to fp32 for
+    # the loss (4 MiB) beside it: 6.5 MiB counted, against the recorded 8
+    free = choose(None)
+    assert re.search(r"recorded configuration .*, peak 8\.0 MiB", free.table)
+    assert re.search(r"bf16 uniform .*, peak 6\.5 MiB .*<- chosen", free.table)
+    fits = choose("7MiB")
+    assert fits.feasible and fits.plan.op_precision == {"MatMul": "bf16", "Relu": "bf16"}
+    assert not choose("5MiB").feasible  # the closest: the loop keeps the recorded one unless best_effort
+    trace_.allocator = {}  # TF recorded no allocations: no peak to plan a budget on
+    with pytest.raises(QSyncInputError, match="memory budget cannot be honoured: no peak predicted"):
+        choose("7MiB")
+    with pytest.raises(QSyncInputError, match="memory budget cannot be honoured"):
+        choose("85%")
+    assert choose(None).plan.op_precision  # without a budget the time is still planned
