@@ -24,10 +24,14 @@ measured cost per byte of the casts that rewrite inserted.
   it. Ops the trace gives no type (inputs, variables, ops of other threads) count as fp32.
 
 - Memory (`op_type_lives`): a recorded allocation made by an op that now runs at a 16-bit
-  precision is half as large (the allocations TF's profiler reports for an op are its outputs and
-  scratch, float in these models); each cast is a new tensor: to the low precision, half the fp32
-  bytes, from the start of its first consumer to the end of its last one in the step; back to fp32,
-  the fp32 bytes, from the producer's end to its consumer's end.
+  precision is resized by what the uniform rewrite's profiled steps allocated for that op over
+  what the recorded steps did (``allocated``; half where the rewrite did not run it low). Each cast
+  of a producer's output to the other precision is a new tensor, one for all its consumers there:
+  to the low precision from the start of the first of them, back to fp32 from the producer's end,
+  to the end of the last of them; its bytes as the rewrite's own cast of that output allocated
+  (``cast_allocated``; none where the rewrite crossed precisions there without one: a cast fused
+  into its consumer, or one too small for the allocator's count), else half the fp32 bytes to the
+  low precision and the fp32 bytes back.
 
 The plan's op types not in the table, and precisions not measured, are refused
 (`check_op_precision_plan`), never priced as if unchanged.
@@ -209,43 +213,68 @@ def op_type_lives(
     trace: Trace, lives: Sequence[TensorLife], op_precision: Mapping[str, str]
 ) -> list[TensorLife]:
     """The tensors of ``trace``'s recorded steps (``lives``, `memory.tensor_lifetimes`) under op-type
-    plan ``op_precision``: those its low-precision ops make halved, and its casts added (see the
+    plan ``op_precision``: those its low-precision ops make resized, and its casts added (see the
     module docstring)."""
     if not changed_op_types(op_precision):
         return list(lives)
     table = op_type_table(trace)
     precisions = op_precisions(table, op_precision)
     out = [
-        dataclasses.replace(life, bytes=life.bytes // 2)
+        dataclasses.replace(life, bytes=int(life.bytes * _made_ratio(table, life.birth_op.name)))
         if life.birth_op is not None and precisions.get(life.birth_op.name, FULL_PRECISION) != FULL_PRECISION
         else life
         for life in lives
     ]
-    ran: dict[tuple[int, str], list] = defaultdict(list)
+    ran: dict[tuple[int, str], list[Op]] = defaultdict(list)
     for op in trace.ops:
         ran[(op.step, op.name)].append(op)
     steps = sorted({op.step for op in trace.ops})
-    to_low: dict[tuple[int, str], list] = {}  # (step, producer) -> [bytes, first consumer, last consumer]
+    casts: dict[tuple[int, str, str], list] = {}  # (step, producer, to) -> [bytes, birth op, birth, last use]
     for producer, consumer, nbytes in table.get("edges", []):
         src, dst = precisions.get(producer, FULL_PRECISION), precisions.get(consumer, FULL_PRECISION)
         if src == dst:
             continue
         for step in steps:
             consumers, producers = ran.get((step, consumer), []), ran.get((step, producer), [])
-            if not consumers:
+            if not consumers or (dst == FULL_PRECISION and not producers):
                 continue
-            if dst != FULL_PRECISION:  # one cast for all the low-precision consumers
-                first, last = min(consumers, key=lambda o: o.start_us), max(consumers, key=lambda o: o.end_us)
-                known = to_low.setdefault((step, producer), [int(nbytes) // 2, first, last])
-                known[1] = min(known[1], first, key=lambda o: o.start_us)
-                known[2] = max(known[2], last, key=lambda o: o.end_us)
-            elif producers:
-                made, used = max(producers, key=lambda o: o.end_us), max(consumers, key=lambda o: o.end_us)
-                out.append(_cast_life(step, int(nbytes), made, used, made.end_us))
-    for (step, _), (nbytes, first, last) in sorted(to_low.items(), key=lambda item: item[0]):
-        out.append(_cast_life(step, nbytes, first, last, first.start_us))
+            last = max(consumers, key=lambda o: o.end_us)
+            # to the low precision: right before the first consumer; back: right after the producer
+            born = (
+                min(consumers, key=lambda o: o.start_us)
+                if dst != FULL_PRECISION
+                else max(producers, key=lambda o: o.end_us)
+            )
+            at = born.start_us if dst != FULL_PRECISION else born.end_us
+            known = casts.setdefault(
+                (step, producer, dst), [_cast_bytes(table, producer, consumer, dst, nbytes), born, at, last]
+            )
+            if at < known[2]:
+                known[1:3] = [born, at]
+            known[3] = max(known[3], last, key=lambda o: o.end_us)
+    for (step, _, _), (nbytes, born, at, last) in sorted(casts.items(), key=lambda item: item[0]):
+        out.append(TensorLife(-1, nbytes, step, at, last.end_us, born, last, "temporaries", born.layer))
     return out
 
 
-def _cast_life(step: int, nbytes: int, birth: Op, death: Op, birth_us: float) -> TensorLife:
-    return TensorLife(-1, nbytes, step, birth_us, death.end_us, birth, death, "temporaries", birth.layer)
+def _made_ratio(table: Mapping, name: str) -> float:
+    """What op ``name`` allocates at the low precision over at fp32: as measured under the uniform
+    rewrite where it ran at it (``allocated``), else half."""
+    fp32, low = table.get("allocated", {}).get(name, (0, 0))
+    if fp32 and name in table.get("low_ops", ()):
+        return low / fp32
+    return 0.5
+
+
+def _cast_bytes(table: Mapping, producer: str, consumer: str, to: str, fp32_bytes: float) -> int:
+    """What the cast of ``producer``'s output to precision ``to`` allocates: as measured under the
+    uniform rewrite where it cast it (``cast_allocated``; 0 where it crossed precisions there and
+    allocated no counted cast: fused, or too small for the allocator's count); else its bytes."""
+    measured = table.get("cast_allocated")
+    if measured is not None:
+        if f"{producer}->{to}" in measured:
+            return int(measured[f"{producer}->{to}"])
+        uniform = set(table.get("low_ops", ()))
+        if (producer in uniform) != (consumer in uniform):
+            return 0
+    return int(fp32_bytes) // 2 if to != FULL_PRECISION else int(fp32_bytes)

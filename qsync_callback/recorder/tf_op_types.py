@@ -20,9 +20,11 @@ bf16 op types are those the rewrite ran, the configuration these calls profiled;
 reconstruction of them, and the planner's table says so (`planner/tf_plans.py`).
 
 `op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
-(schema in `recorder/trace.py`). The table's unit is TF's: an op type as its lists name it. The
-profile names ops after fusion (a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and
-Relu): such an op counts as its root type (MatMul). Tensor sizes come from the traced step
+(schema in `recorder/trace.py`), with what the allocator gave each op per step in both, and each
+of the rewrite's casts (what an op-type plan's peak is priced on, `predictor/op_precision.py`).
+The table's unit is TF's: an op type as its lists name it. The profile names ops after fusion
+(a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as
+its root type (MatMul). Tensor sizes come from the traced step
 function's static shapes. On a CPU without bfloat16 the rewrite changes no op, and the table has
 no costs.
 """
@@ -196,6 +198,16 @@ def _per_step_us(names_durs: Sequence[tuple[str, float]], steps: int) -> dict[st
     return totals
 
 
+def _allocated_per_step(ops: Sequence[Any], memory_events: Sequence[Sequence], steps: int) -> dict[str, int]:
+    """Bytes the allocator gave each op (by name) per step, over ``steps`` steps."""
+    names = {op.id: op.name for op in ops}
+    totals: dict[str, int] = {}
+    for _, _, nbytes, op_id in memory_events:
+        if nbytes > 0 and op_id in names:
+            totals[names[op_id]] = totals.get(names[op_id], 0) + nbytes
+    return {name: total // max(steps, 1) for name, total in totals.items()}
+
+
 def op_type_table(
     trace: Trace, logdir: Path, graph: Any, shapes: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
@@ -256,12 +268,23 @@ def op_type_table(
         entry["casts"] += 1
     for entry in cast_costs.values():
         entry["us_per_byte"] = entry["us"] / entry["bytes"]
+    fp32_bytes = _allocated_per_step(trace.ops, trace.memory_events, len(trace.steps))
+    bf16_bytes = _allocated_per_step(converted["ops"], converted["memory_events"], len(converted["steps"]))
+    cast_allocated = {}
+    for name, node in casts.items():
+        found = source(node.input[0])
+        if found is not None and (name in bf16_bytes or name in bf16_us):
+            direction = LOW if node.attr["DstT"].type == bf16 else FULL_PRECISION
+            key = f"{found[0]}->{direction}"
+            cast_allocated[key] = cast_allocated.get(key, 0) + bf16_bytes.get(name, 0)
     return {
         "ops": ops,
         "low_ops": sorted(low_ops),
         "edges": edges,
         "costs": costs,
         "casts": cast_costs,
+        "allocated": {name: [fp32_bytes.get(name, 0), bf16_bytes.get(name, 0)] for name in ops},
+        "cast_allocated": cast_allocated,
         "source": (
             f"rank {trace.rank}: fp32 from its {len(trace.steps)} recorded steps, bf16 and the rewrite's "
             f"casts from {len(converted['steps'])} profiled steps of TF's uniform bf16 rewrite"

@@ -89,6 +89,10 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
                                                # (the recorded steps) and at bf16 (profiled steps)
      "casts": {"fp32->bf16": {"us_per_byte": .., "bytes": .., "casts": 9}, "bf16->fp32": {...}},
                                                # the rewrite's own Cast ops, per step, per fp32 byte
+     "allocated": {"mlp/fc1/Relu": [1048576, 524288], ...},   # bytes the allocator gave an op per
+                                               # step: recorded (fp32), and under the rewrite
+     "cast_allocated": {"mlp/fc1/Relu->bf16": 524288, ...},   # the same of the rewrite's casts of a
+                                               # producer's output, by producer and direction
      "source": "..."}                          # what was measured where (rank, steps)
     {"note": "..."}                            # instead, where the probe measured nothing: why
 """
@@ -388,6 +392,8 @@ _PRECISION_COSTS = Fields(
                 "edges": ListOf(Row((STRING, STRING, NUMBER), "[producer, consumer, bytes]")),
                 "costs": MapOf(Fields(optional={"ops": COUNT, "measured_ops": COUNT}, rest=Nullable(NUMBER))),
                 "casts": MapOf(Fields(required={"us_per_byte": NUMBER})),
+                "allocated": MapOf(Row((AMOUNT, AMOUNT), "[fp32 bytes, bf16 bytes]")),
+                "cast_allocated": MapOf(AMOUNT),
                 "source": STRING,
             }
         ),
