@@ -120,8 +120,15 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         group = [r for r in rows if r["procs"] == procs]
         largest = [abs(r["peak_error_pct"]) for r in group if r["peak_error_pct"] is not None]
         median = [abs(r["peak_median_error_pct"]) for r in group if r["peak_median_error_pct"] is not None]
-        plans = [abs(r["plan"]["peak_error_pct"]) for r in group if r["plan"] and r["plan"]["peak_error_pct"]]
-        steps = [r["step_ms"] for r in group]
+        plans = [
+            abs(r["plan"]["peak_error_pct"])
+            for r in group
+            if r["plan"] and r["plan"]["peak_error_pct"] is not None
+        ]
+        noise = statistics.median(
+            range_noise_pct([r["step_ms"] for r in group if r["model"] == m]) or 0.0
+            for m in {r["model"] for r in group}
+        )
         within = sum(e <= TARGET_PCT for e in largest)
         spread = statistics.median(
             100 * (r["peak_bytes"] - r["peak_min_bytes"]) / r["peak_median_bytes"] for r in group
@@ -135,7 +142,7 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
             f"{TARGET_PCT:g}%), against the median step {statistics.median(median):.1f}%{planned}; "
             "step-to-step spread of the measured peak (largest - smallest over median): median "
             f"{spread:.1f}%; "
-            f"run-to-run noise of the step time {range_noise_pct(steps) or 0.0:.1f}%."
+            f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%."
         )
     lines += [f"\nFailed: {f}" for f in failures]
     return "\n".join(lines) + "\n"
