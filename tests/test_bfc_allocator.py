@@ -209,3 +209,40 @@ def test_the_tf_planner_keeps_a_plan_that_fits_the_budget_and_refuses_one_it_can
     with pytest.raises(QSyncInputError, match="memory budget cannot be honoured"):
         choose("85%")
     assert choose(None).plan.op_precision  # without a budget the time is still planned
+
+
+def test_the_rules_at_their_edges():
+    sim = for_allocator("mklcpu")
+    sim.allocate("small", SMALL_ALLOCATION - 1)  # the other allocator's
+    sim.allocate("counted", SMALL_ALLOCATION)  # 256 KiB exactly: TF's BFC allocator's, counted
+    assert sim.bytes_in_use == SMALL_ALLOCATION
+    exact = for_allocator("mklcpu")
+    exact.allocate("a", FIRST_REGION)  # exactly the first region's size: that region, not a larger one
+    assert exact.region_bytes == FIRST_REGION
+    exact.free("a")
+    exact.allocate("b", FIRST_REGION)  # the freed chunk of exactly that size, at address 0
+    assert exact.region_bytes == FIRST_REGION and exact._held["b"].address == 0
+
+
+def test_a_chunk_larger_by_128_mib_or_more_is_split_even_under_twice_the_request():
+    sim = for_allocator("mklcpu")
+    sim.allocate("a", 100 * MiB)  # a 128 MiB region: 28 MiB over, under twice: not split
+    assert sim.bytes_in_use == 128 * MiB
+    big = for_allocator("mklcpu")
+    big.allocate("b", 384 * MiB)  # a 512 MiB region: 128 MiB over: split
+    assert big.bytes_in_use == 384 * MiB
+
+
+def test_a_freed_chunk_merges_with_the_free_one_before_it_and_never_across_regions():
+    sim = for_allocator("mklcpu")
+    for key in "abcd":
+        sim.allocate(key, 1 * MiB)  # a, b fill the 2 MiB region; c, d the first half of the 4 MiB one
+    sim.free("a")
+    sim.free("b")  # merges with a, before it: one free 2 MiB chunk at address 0
+    assert sim._held.keys() == {"c", "d"} and (2 * MiB, 0) in sim._free
+    sim.allocate("e", 2 * MiB)
+    assert sim._held["e"].address == 0 and sim.region_bytes == 6 * MiB
+    sim.free("e")
+    sim.free("c")  # free beside the first region's end, in the next region: not merged with it
+    sim.allocate("f", 3 * MiB)  # does not fit in either, nor in the 2 MiB after d: a new region
+    assert sim.region_bytes == 6 * MiB + 8 * MiB
