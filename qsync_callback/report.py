@@ -110,6 +110,8 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
     why_not = next((why for why in map(unpredictable_peak, traces) if why), None)
     if why_not is not None:
         predicted["peak_bytes"], predicted["peak_note"] = None, why_not
+    elif traces[0].allocator.get("in_use_bytes") is not None:
+        predicted["peak_allocator"] = traces[0].allocator["name"]
     return {
         "world_size": traces[0].world_size,
         "device": traces[0].device,
@@ -167,6 +169,21 @@ def _rate(bytes_per_s: float | None) -> str:
     return "n/a" if bytes_per_s is None else f"{format_bytes(bytes_per_s)}/s"
 
 
+def _breakdown(breakdown: Mapping[str, int]) -> str:
+    """The bytes alive at the peak by kind; resident bytes freed before it said as such."""
+    parts = [f"{k} {format_bytes(v)}" for k, v in breakdown.items() if v > 0 and k != "freed_resident"]
+    if breakdown.get("freed_resident", 0) < 0:
+        parts.append(f"resident bytes freed before it {format_bytes(-breakdown['freed_resident'])}")
+    return ", ".join(parts)
+
+
+def _breakdown_note(predicted: Mapping[str, Any]) -> str:
+    allocator = predicted.get("peak_allocator")
+    if not allocator:
+        return ""
+    return f" (the tensors' own bytes; TF's {allocator} allocator counts its chunks, up to twice a request)"
+
+
 def _peak_spread(measured: dict[str, Any]) -> str:
     """ "(largest of 21 steps, median 37.5 MiB) " where each step's peak was measured."""
     if not measured.get("peak_steps"):
@@ -192,8 +209,7 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         f"  peak memory measured {format_bytes(measured['peak_bytes'])} {_peak_spread(measured)}  "
         f"predicted {format_bytes(predicted['peak_bytes'])}   error {_pct(error['peak_bytes'])}",
         "  critical path: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
-        "  memory at peak: "
-        + ", ".join(f"{k} {format_bytes(v)}" for k, v in predicted.get("memory_breakdown", {}).items() if v),
+        f"  memory at peak{_breakdown_note(predicted)}: " + _breakdown(predicted.get("memory_breakdown", {})),
         "  top ops (ms per step, profiler overhead removed):",
     ]
     for row in report["ops"][:top]:

@@ -12,6 +12,7 @@ import tensorflow as tf
 from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.predictor.bfc_allocator import SMALL_ALLOCATION
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import format_summary
 
 from keras_steps import mlp_and_step
 from tf_launch import EXAMPLE, run_python
@@ -67,6 +68,9 @@ def test_the_predicted_peak_is_the_simulated_allocators_within_the_measured_step
     measured, predicted = report["measured"], report["predicted"]
     assert measured["peak_steps"] > 0 and measured["peak_bytes_min"] <= measured["peak_bytes_median"]
     assert predicted["peak_bytes"] is not None and "peak_note" not in predicted
+    summary = format_summary(report)
+    assert predicted["peak_allocator"] == "mklcpu" and "mklcpu allocator counts its chunks" in summary
+    assert "-" not in summary.split("memory at peak")[1].splitlines()[0]  # no negative bytes printed
     # the allocator's peak moves with the order TF's threads run ops in: within its range, or near it
     assert 0.9 * measured["peak_bytes_min"] <= predicted["peak_bytes"] <= 1.1 * measured["peak_bytes"]
 
