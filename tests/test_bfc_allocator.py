@@ -22,8 +22,9 @@ from qsync_callback.predictor.bfc_allocator import (
     rounded,
     simulate,
 )
-from qsync_callback.predictor.memory import allocator_peaks, tensor_lifetimes
+from qsync_callback.predictor.memory import allocator_peaks, tensor_lifetimes, unpredictable_peak
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import Step, Trace
 
 from tf_launch import run_python
 from tracebuilder import op, trace
@@ -246,3 +247,40 @@ def test_a_freed_chunk_merges_with_the_free_one_before_it_and_never_across_regio
     sim.free("c")  # free beside the first region's end, in the next region: not merged with it
     sim.allocate("f", 3 * MiB)  # does not fit in either, nor in the 2 MiB after d: a new region
     assert sim.region_bytes == 6 * MiB + 8 * MiB
+
+
+def test_the_peak_is_the_step_whose_simulated_allocator_peaks_highest():
+    ops = [
+        op(0, "big", "forward", "main", 0.0, 10.0, step=0),
+        op(1, "small", "forward", "main", 100.0, 10.0, step=1),
+    ]
+    events = [[1.0, 1, 8 * MiB, 0], [5.0, 1, -8 * MiB, 0], [101.0, 2, 2 * MiB, 1], [105.0, 2, -2 * MiB, 1]]
+    trace_ = Trace(
+        rank=0, world_size=1, device="cpu", steps=[Step(0, 0.0, 50.0), Step(1, 100.0, 150.0)], ops=ops,
+        memory_events=events, allocator={"name": "GPU_0_bfc", "in_use_bytes": MiB},
+    )  # fmt: skip
+    prediction = Predictor([trace_]).curves[0].predict()
+    assert (prediction.peak_step, prediction.peak_bytes) == (0, 9 * MiB)
+    assert prediction.step_peaks == {0: 9 * MiB, 1: 3 * MiB}
+
+
+def test_an_allocator_that_counted_no_allocation_in_the_step_predicts_its_bytes_in_use():
+    trace_ = trace(
+        [op(0, "a", "forward", "main", 0.0, 10.0)],
+        20.0,
+        allocator={"name": "mklcpu", "in_use_bytes": 5 * MiB},
+    )
+    trace_.framework = "tensorflow"
+    assert Predictor([trace_]).predict().peak_bytes == 5 * MiB
+    assert unpredictable_peak(trace_) is None
+
+
+def test_a_tf_trace_without_allocations_says_why_it_predicts_no_peak():
+    trace_ = trace([op(0, "a", "forward", "main", 0.0, 10.0)], 20.0)
+    assert unpredictable_peak(trace_) is None  # torch's: the tensors' bytes are the figure
+    trace_.framework = "tensorflow"
+    why = unpredictable_peak(trace_)
+    assert why.startswith(
+        "no peak predicted: the recorded steps' profile holds no allocations of TF's allocator"
+    )
+    assert "TF_ENABLE_ONEDNN_OPTS unset or 1), and the resident weights alone are not a peak" in why
