@@ -154,30 +154,9 @@ def versions() -> dict[str, str]:
 # --- one call ---------------------------------------------------------------------------------
 
 
-def _placeholders(value: Any, tensors: list) -> Any:
-    """``value`` with each tensor replaced by its index in ``tensors`` (appended there, made on the
-    meta device: no memory, whatever its size), dtypes, devices (as the meta device) and floats
-    rebuilt; a list stays a list."""
-    import torch
-
-    from qsync_callback.recorder.op_samples import TORCH_DTYPES
-
-    if isinstance(value, list):
-        return [_placeholders(v, tensors) for v in value]
-    if isinstance(value, dict):
-        if "tensor" in value:
-            shape, stride, dtype = value["tensor"]
-            tensors.append(torch.empty_strided(shape, stride, dtype=TORCH_DTYPES[dtype], device="meta"))
-            return _Slot(len(tensors) - 1)
-        if "dtype" in value:
-            return TORCH_DTYPES[value["dtype"]]
-        if "device" in value:
-            return torch.device("meta")  # features are of the program, not of the device
-        return float(value["float"])
-    return value
-
-
 class _Slot:
+    """Where a call's tensor goes among the exported module's inputs."""
+
     def __init__(self, index: int):
         self.index = index
 
@@ -188,14 +167,6 @@ def _fill(value: Any, tensors: Sequence[Any]) -> Any:
     if isinstance(value, _Slot):
         return tensors[value.index]
     return value
-
-
-def _overload(name: str) -> Any:
-    import torch
-
-    namespace, _, rest = name.partition("::")
-    packet, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
 
 
 def _foreach(func: Any, args: list, kwargs: dict) -> list:
@@ -279,10 +250,19 @@ def _exported(call: Mapping[str, Any]) -> Any:
     and ``convolution_backward`` as what they compute, `_foreach` and `_convolution_backward`)."""
     import torch
 
-    func = _overload(call["op"])
-    tensors: list = []
-    args = _placeholders(list(call["args"]), tensors)
-    kwargs = {key: _placeholders(v, tensors) for key, v in call["kwargs"].items()}
+    from qsync_callback.recorder.op_samples import TORCH_DTYPES, call_overload, call_values
+
+    func = call_overload(call)
+    tensors: list = []  # made on the meta device (no memory, whatever their size), the module's inputs
+
+    def slot(spec: list) -> _Slot:
+        shape, stride, dtype = spec
+        tensors.append(torch.empty_strided(shape, stride, dtype=TORCH_DTYPES[dtype], device="meta"))
+        return _Slot(len(tensors) - 1)
+
+    meta = torch.device("meta")  # features are of the program, not of the device
+    args = call_values(list(call["args"]), slot, meta)
+    kwargs = {key: call_values(v, slot, meta) for key, v in call["kwargs"].items()}
     if func._schema.name.startswith("aten::_foreach_"):
         func = functools.partial(_foreach, func)
         run = lambda a, k: func(a, k)  # noqa: E731

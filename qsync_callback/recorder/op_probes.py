@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample
+from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample, call_overload, call_values
 
 REPEATS = 3
 MAX_PROBE_BYTES = 256 << 20  # a probe's tensor inputs together at most
@@ -43,25 +43,16 @@ def _spec_bytes(spec: Sequence) -> int:
     return span * TORCH_DTYPES[dtype].itemsize
 
 
-def _from_json(value: Any, device: str) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v, device) for v in value]
-    if isinstance(value, dict):
-        if "tensor" in value:
-            shape, stride, dtype = value["tensor"]
-            torch_dtype = TORCH_DTYPES[dtype]
-            span = max(_spec_bytes(value["tensor"]) // torch_dtype.itemsize, 1)
-            if torch_dtype.is_floating_point:
-                base = torch.randn(span, dtype=torch_dtype, device=device)
-            else:
-                base = torch.zeros(span, dtype=torch_dtype, device=device)
-            return base.as_strided(shape, stride)
-        if "dtype" in value:
-            return TORCH_DTYPES[value["dtype"]]
-        if "device" in value:
-            return torch.device(device)
-        return float(value["float"])
-    return value
+def _made_up(spec: Sequence, device: str) -> torch.Tensor:
+    """A tensor of ``spec`` (shape, stride, dtype) on ``device``: random floats, zeros otherwise."""
+    shape, stride, dtype = spec
+    torch_dtype = TORCH_DTYPES[dtype]
+    span = max(_spec_bytes(spec) // torch_dtype.itemsize, 1)
+    if torch_dtype.is_floating_point:
+        base = torch.randn(span, dtype=torch_dtype, device=device)
+    else:
+        base = torch.zeros(span, dtype=torch_dtype, device=device)
+    return base.as_strided(shape, stride)
 
 
 def _tensors(value: Any) -> list[list]:
@@ -79,13 +70,16 @@ def call_input_bytes(call: Mapping[str, Any]) -> int:
 
 def _run_call(call: dict, device: str) -> float:
     """The least time (us) of ``REPEATS`` runs of a call, after a first that warms it."""
-    name, _, overload = call["op"].removeprefix("aten::").partition(".")
-    func = getattr(getattr(torch.ops.aten, name), overload or "default")
+    func = call_overload(call)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def made(spec: Sequence) -> torch.Tensor:
+        return _made_up(spec, device)
+
     best = math.inf
     for k in range(REPEATS + 1):
-        args = _from_json(call["args"], device)
-        kwargs = {key: _from_json(v, device) for key, v in call["kwargs"].items()}
+        args = call_values(call["args"], made, torch.device(device))
+        kwargs = {key: call_values(v, made, torch.device(device)) for key, v in call["kwargs"].items()}
         sync()
         start = time.perf_counter()
         func(*args, **kwargs)

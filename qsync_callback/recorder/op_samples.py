@@ -32,7 +32,7 @@ import bisect
 import functools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -221,6 +221,29 @@ def _to_json(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else {"float": repr(value)}
     raise ValueError(f"argument of type {type(value).__name__}")
+
+
+def call_overload(call: Mapping[str, Any]) -> Any:
+    """The ``torch.ops`` overload a call (`call_json`'s form) names."""
+    namespace, _, rest = call["op"].partition("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def call_values(value: Any, tensor: Callable[[list], Any], device: torch.device) -> Any:
+    """A call's arguments (`call_json`'s form) as values: each tensor made by ``tensor`` from its
+    ``[shape, stride, dtype]``, dtypes and non-finite floats rebuilt, each device as ``device``."""
+    if isinstance(value, list):
+        return [call_values(v, tensor, device) for v in value]
+    if isinstance(value, dict):
+        if "tensor" in value:
+            return tensor(value["tensor"])
+        if "dtype" in value:
+            return TORCH_DTYPES[value["dtype"]]
+        if "device" in value:
+            return device
+        return float(value["float"])
+    return value
 
 
 def call_json(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
