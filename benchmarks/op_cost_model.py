@@ -166,7 +166,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['model']}{' (fresh)' if row['fresh'] else ''} | "
+            f"| {_family(row)} | "
             f"{len(row['trained_on'])} families ({row['training_ops']}) | "
             f"{len(row['unseen_types'])} ({len(row['timed_alone'])}) | {row['op_mape_pct']:.1f}% | "
             f"{row['op_weighted_mape_pct']:.1f}% | {row['measured_step_ms']:.1f} "
@@ -175,22 +175,17 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{row['features_only_step_ms']:.1f} ({row['features_only_error_pct']:+.1f}%) | "
             f"{row['roofline_step_ms']:.1f} ({row['roofline_error_pct']:+.1f}%) |"
         )
-    for fresh, what in ((False, "families held out in turn"), (True, "fresh families")):
-        group = [r for r in rows if r["fresh"] == fresh]
-        if not group:
-            continue
-        learned = statistics.median(abs(r["learned_error_pct"]) for r in group)
-        alone = statistics.median(abs(r["features_only_error_pct"]) for r in group)
-        rooflined = statistics.median(abs(r["roofline_error_pct"]) for r in group)
+    for what, group in _groups(rows):
         signed = statistics.fmean(r["learned_error_pct"] for r in group)
+        noise = statistics.median(r["run_noise_pct"] or 0.0 for r in group)
         lines.append(
-            f"\n{what.capitalize()} ({len(group)}): step error, median |error|: learned + timed alone "
-            f"{learned:.1f}% (mean signed {signed:+.1f}%), learned alone {alone:.1f}%, roofline "
-            f"{rooflined:.1f}%; target {STEP_TARGET_PCT:g}%. Per-op MAPE median "
-            f"{statistics.median(r['op_mape_pct'] for r in group):.1f}%, time-weighted "
-            f"{statistics.median(r['op_weighted_mape_pct'] for r in group):.1f}%. Run-to-run noise of the "
-            f"measured steps (max - min over mean): median "
-            f"{statistics.median(r['run_noise_pct'] or 0.0 for r in group):.1f}%."
+            f"\n{what} ({len(group)}): step error, median |error|: learned + timed alone "
+            f"{_median(group, 'learned_error_pct', abs):.1f}% (mean signed {signed:+.1f}%), learned alone "
+            f"{_median(group, 'features_only_error_pct', abs):.1f}%, roofline "
+            f"{_median(group, 'roofline_error_pct', abs):.1f}%; target {STEP_TARGET_PCT:g}%. Per-op MAPE "
+            f"median {_median(group, 'op_mape_pct'):.1f}%, time-weighted "
+            f"{_median(group, 'op_weighted_mape_pct'):.1f}%. Run-to-run noise of the measured steps "
+            f"(max - min over mean): median {noise:.1f}%."
         )
     tvm_rows = [r for r in rows if "tvm_op_mape_pct" in r]
     if tvm_rows:
@@ -203,26 +198,34 @@ def table(rows: list[dict[str, Any]]) -> str:
         ]
         for row in tvm_rows:
             lines.append(
-                f"| {row['model']}{' (fresh)' if row['fresh'] else ''} | {row['tvm_lowered_ops']} of "
+                f"| {_family(row)} | {row['tvm_lowered_ops']} of "
                 f"{row['training_ops']} | {row['op_mape_pct']:.1f}% / {row['tvm_op_mape_pct']:.1f}% | "
                 f"{row['op_weighted_mape_pct']:.1f}% / {row['tvm_op_weighted_mape_pct']:.1f}% | "
                 f"{row['learned_error_pct']:+.1f}% / {row['tvm_learned_error_pct']:+.1f}% | "
                 f"{row['features_only_error_pct']:+.1f}% / {row['tvm_features_only_error_pct']:+.1f}% |"
             )
-        for fresh, what in ((False, "families held out in turn"), (True, "fresh families")):
-            group = [r for r in tvm_rows if r["fresh"] == fresh]
-            if group:
-                lines.append(
-                    f"\n{what.capitalize()} ({len(group)}), medians without / with TVM: per-op MAPE "
-                    f"{_median(group, 'op_mape_pct'):.1f}% / {_median(group, 'tvm_op_mape_pct'):.1f}%, "
-                    f"time-weighted {_median(group, 'op_weighted_mape_pct'):.1f}% / "
-                    f"{_median(group, 'tvm_op_weighted_mape_pct'):.1f}%, |step error| learned + timed alone "
-                    f"{_median(group, 'learned_error_pct', abs):.1f}% / "
-                    f"{_median(group, 'tvm_learned_error_pct', abs):.1f}%, learned alone "
-                    f"{_median(group, 'features_only_error_pct', abs):.1f}% / "
-                    f"{_median(group, 'tvm_features_only_error_pct', abs):.1f}%."
-                )
+        for what, group in _groups(tvm_rows):
+            lines.append(
+                f"\n{what} ({len(group)}), medians without / with TVM: per-op MAPE "
+                f"{_median(group, 'op_mape_pct'):.1f}% / {_median(group, 'tvm_op_mape_pct'):.1f}%, "
+                f"time-weighted {_median(group, 'op_weighted_mape_pct'):.1f}% / "
+                f"{_median(group, 'tvm_op_weighted_mape_pct'):.1f}%, |step error| learned + timed alone "
+                f"{_median(group, 'learned_error_pct', abs):.1f}% / "
+                f"{_median(group, 'tvm_learned_error_pct', abs):.1f}%, learned alone "
+                f"{_median(group, 'features_only_error_pct', abs):.1f}% / "
+                f"{_median(group, 'tvm_features_only_error_pct', abs):.1f}%."
+            )
     return "\n".join(lines) + "\n"
+
+
+def _family(row: dict[str, Any]) -> str:
+    return f"{row['model']}{' (fresh)' if row['fresh'] else ''}"
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The rows of the families held out in turn, then of the fresh ones: those that have any."""
+    groups = [("Families held out in turn", False), ("Fresh families", True)]
+    return [(what, g) for what, fresh in groups if (g := [r for r in rows if r["fresh"] == fresh])]
 
 
 def _median(rows: list[dict[str, Any]], key: str, of: Any = float) -> float:
