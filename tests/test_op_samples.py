@@ -82,7 +82,11 @@ def test_a_recorded_run_adds_its_measured_ops_to_the_devices_data_set(recorded):
     names = {op["name"] for op in document["ops"]}
     assert {"aten::convolution", "aten::addmm", "aten::convolution_backward"} <= names
     assert all(op["us"] >= 0 and op["count"] >= 1 for op in document["ops"])
-    assert sum(op["us"] > 0 for op in document["ops"]) > 0.8 * len(document["ops"])
+    # an op doing arithmetic is timed; a detach or a view can cost less than the profiler's
+    # own per-event cost, which is subtracted, and is then 0 (never negative)
+    arithmetic = [op for op in document["ops"] if op["flops"] > 0]
+    assert len(arithmetic) >= 3 and all(op["us"] > 0 for op in arithmetic)
+    assert sum(op["us"] for op in arithmetic) > 0.5 * sum(op["us"] for op in document["ops"])
     # the model's ops only: the data loader's (TensorDataset's indexing, collation) are host time
     assert "aten::stack" not in names
 
