@@ -137,8 +137,9 @@ def test_each_recorded_event_is_charged_its_kinds_cost_to_the_op_it_delays(profi
         assert total == int(total) and 0 < total <= sum(k == kind for k, _ in inside)
     assert _charged(by_kind["op"]) >= len(by_kind["op"])
     # costs add up linearly, by kind
-    both = convert_xspace(space, overhead_us={"op": 0.5, "other": 2.0})["ops"]
-    assert _charged(both) == pytest.approx(0.5 * _charged(by_kind["op"]) + 2.0 * _charged(by_kind["other"]))
+    costs = {"op": 0.5, "executor": 0.25, "other": 2.0}
+    every = convert_xspace(space, overhead_us=costs)["ops"]
+    assert _charged(every) == pytest.approx(sum(c * _charged(by_kind[k]) for k, c in costs.items()))
     # qsync's own marks cost nothing: the step mark is not charged
     assert event_kind(STEP_NAME) is None and event_kind(CALIBRATION_LOOP_PREFIX + "ops") is None
 
@@ -167,14 +168,19 @@ def test_calibration_counts_the_events_in_its_loops_and_solves_their_costs(tmp_p
         tf.profiler.experimental.stop()
     calibration.time_plain()
     counts = calibration_event_counts(load_xspace(find_xspace(tmp_path)))
-    assert set(counts) == {"ops", "calls"} and all(set(c) == set(EVENT_KINDS) for c in counts.values())
+    assert set(counts) == {"ops", "calls", "executor"}
+    assert all(set(c) == set(EVENT_KINDS) for c in counts.values())
     repeats = ProfilerCalibration.REPEATS
     # the MatMul chain records an op event per MatMul, the cheap function hardly any
     assert counts["ops"]["op"] >= repeats * ProfilerCalibration.CHAIN > counts["calls"]["op"]
     assert counts["calls"]["other"] >= repeats  # a function call's own events
+    # the while loop: the executor's events, at least one per iteration, and more than of any kind
+    assert counts["executor"]["executor"] >= repeats * ProfilerCalibration.ITERATIONS
+    assert counts["executor"]["executor"] > max(counts["executor"]["op"], counts["executor"]["other"])
+    assert counts["executor"]["executor"] > 10 * (counts["ops"]["executor"] + counts["calls"]["executor"])
     costs = calibration.costs(tmp_path)
     assert set(costs) == set(EVENT_KINDS) and all(0 <= c < 100 for c in costs.values())
-    assert all(calibration.profiled[k] > 0 and calibration.plain[k] > 0 for k in ("ops", "calls"))
+    assert all(calibration.profiled[k] > 0 and calibration.plain[k] > 0 for k in counts)
 
 
 def test_overhead_per_event_solves_the_loops_equations_with_no_cost_negative():
@@ -184,7 +190,8 @@ def test_overhead_per_event_solves_the_loops_equations_with_no_cost_negative():
         "ops": plain["ops"] + (40 * 0.5 + 10 * 1.5) * 1e-6,
         "calls": plain["calls"] + (2 * 0.5 + 12 * 1.5) * 1e-6,
     }
-    assert overhead_per_event(plain, exact, events) == {"op": 0.5, "other": 1.5}
+    # no loop recorded an executor event: its cost is 0
+    assert overhead_per_event(plain, exact, events) == {"op": 0.5, "executor": 0.0, "other": 1.5}
     # noise that makes the op cost negative: 0, and the other cost fitted to both loops alone
     noisy = {"ops": plain["ops"] + 10e-6, "calls": plain["calls"] + 24e-6}
     costs = overhead_per_event(plain, noisy, events)
@@ -193,7 +200,7 @@ def test_overhead_per_event_solves_the_loops_equations_with_no_cost_negative():
     )
     # a kind no loop recorded, or no loops at all: 0
     assert overhead_per_event(plain, exact, {"ops": {"op": 40}, "calls": {"op": 2}})["other"] == 0
-    assert overhead_per_event({}, {}, {}) == {"op": 0.0, "other": 0.0}
+    assert overhead_per_event({}, {}, {}) == {"op": 0.0, "executor": 0.0, "other": 0.0}
 
 
 def test_profile_without_step_events_is_refused(profiled):

@@ -8,7 +8,7 @@ window:
 - calls before ``warmup_steps`` run untouched and are timed (the first `COLD_STEPS` are not: they
   trace the function), except the last, which runs under a profiler session that is thrown away (a
   session's first profiled call is slow); right before it, at its boundary, the profiler's cost per
-  recorded event is calibrated (`ProfilerCalibration`: two small loops timed inside that session
+  recorded event is calibrated (`ProfilerCalibration`: three small loops timed inside that session
   and outside it, before it starts and after it stops), and when it stops the events it recorded in
   the loops' ranges are counted;
 - call ``warmup_steps`` settles after that session and is not timed;
@@ -397,18 +397,25 @@ class ProfilerCalibration:
     - ``ops``: a chain of `CHAIN` 64x64 MatMuls: TF's executor records each as an op event (it
       records ops it has found expensive, over a few microseconds, and not the cheap ones);
     - ``calls``: a function of a few cheap ops: mostly the events of a function call itself (the
-      Python-level mark of a ``tf.function`` call, the eager runtime's and the executor's events).
+      Python-level mark of a ``tf.function`` call, the eager runtime's and the executor's events);
+    - ``executor``: a while loop of `ITERATIONS` iterations of cheap ops, lowered into the
+      executor's control flow as a recurrent layer's is: mostly the executor's own
+      ``ExecutorState::Process`` events (`xspace.EXECUTOR_EVENTS`), over a thousand a call.
 
-    The two loops give two equations (extra time per call = events per call @ cost per event) for
-    the two costs, solved by least squares with none negative (`overhead_per_event`). The loops
-    run on the process's TF thread pools, as the step does; they are traced and warmed up when the
-    calibration is made. On the project's 2-core VM, over the 12 runs of session 7's
+    The loops give three equations (extra time per call = events per call @ cost per event) for the
+    three costs, solved by least squares with none negative (`overhead_per_event`). Each loop is
+    dominated by the events of one kind, so each cost rests mostly on one loop. The loops run on the
+    process's TF thread pools, as the step does; they are traced and warmed up when the calibration
+    is made. On the project's 2-core VM, over the 12 runs of session 7's
     `benchmarks/horovod_tf_accuracy.py` table: an op event 0 to 2.3 us, another 1.4 to 8.5 us (the
     two loops tell them apart poorly on a drifting machine); what they add up to per step is
-    steadier: 0.21 to 0.59 ms.
+    steadier: 0.21 to 0.59 ms. An executor event costs about a tenth of a call's events (0.2-0.5 us
+    against 2.4-3.7 us, session 15): charged at the calls' cost, the GRU's 6,300 of them a step took
+    24 ms out of a 16 ms step.
     """
 
     CHAIN = 32
+    ITERATIONS = 128
     REPEATS = 50
     WARM_CALLS = 5
 
@@ -428,9 +435,19 @@ class ProfilerCalibration:
         def calls(v: tf.Tensor) -> tf.Tensor:
             return tf.sin(tf.cos(v) + v)
 
+        iterations = self.ITERATIONS
+
+        @tf.function(autograph=False)
+        def executor(v: tf.Tensor) -> tf.Tensor:
+            def body(i: tf.Tensor, v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+                return i + 1, tf.tanh(v * 0.5 + 0.1)
+
+            return tf.while_loop(lambda i, _: i < iterations, body, (tf.constant(0), v))[1]
+
         self._loops: dict[str, Callable[[], Any]] = {
             "ops": lambda: ops(self._x, self._w),
             "calls": lambda: calls(self._v),
+            "executor": lambda: executor(self._v),
         }
         self.plain: dict[str, float] = {}  # seconds per call, best of the repeats
         self.profiled: dict[str, float] = {}

@@ -82,7 +82,12 @@ OPTIMIZER_SCOPES = (
 # what one recorded event costs, by kind: "op" an op's execution (a TF op event, an async op's
 # launch or completion), "other" the runtime around them (the executor's and the eager runtime's
 # events, a function call's, allocations, Python-level marks)
-EVENT_KINDS = ("op", "other")
+EVENT_KINDS = ("op", "executor", "other")
+# the executor's own bookkeeping events, fixed names: one per batch of ready ops it runs, inline ones
+# (cheap ops, which get no event of their own) included, and one per parallel loop inside an op. A
+# recurrent layer's lowered while loop records thousands a step; each costs a small part of what a
+# call's machinery events cost
+EXECUTOR_EVENTS = ("ExecutorState::Process", "ParallelFor")
 _TF_OP = re.compile(r"^([^:\s][^:]*):([A-Za-z_][\w.]*)$")
 _GRADIENT_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/")
 _APPLY_TYPE = re.compile(r"^(Resource)?(Sparse)?Apply")
@@ -324,6 +329,8 @@ def event_kind(name: str) -> str | None:
         return None
     if name in (ASYNC_START, ASYNC_DONE) or _TF_OP.match(name):
         return "op"
+    if name in EXECUTOR_EVENTS:
+        return "executor"
     return "other"
 
 
