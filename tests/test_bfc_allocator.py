@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.tf_plans import choose_tf_plan
+from qsync_callback.predictor import memory
 from qsync_callback.predictor.bfc_allocator import (
     FIRST_REGION,
     SMALL_ALLOCATION,
@@ -22,7 +23,7 @@ from qsync_callback.predictor.bfc_allocator import (
     rounded,
     simulate,
 )
-from qsync_callback.predictor.memory import allocator_peaks, tensor_lifetimes, unpredictable_peak
+from qsync_callback.predictor.memory import TensorLife, allocator_peaks, tensor_lifetimes, unpredictable_peak
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Step, Trace
 
@@ -182,6 +183,42 @@ def test_a_step_that_frees_what_the_step_before_kept_meets_it_held():
     events = [[1.0, 7, -3 * MiB, 0], [21.0, 8, 3 * MiB, 1]]  # addr 7: made before the step
     trace_ = trace(ops, 40.0, memory_events=events, allocator={"name": "mklcpu", "in_use_bytes": 5 * MiB})
     assert allocator_peaks(tensor_lifetimes(trace_), "mklcpu", 5 * MiB) == {0: 5 * MiB}
+
+
+def _life(step, mib, birth, death):
+    return TensorLife(0, int(mib * MiB), step, birth, death, None, None, "other")
+
+
+def test_a_steps_peak_is_its_highest_run_as_the_measured_one_is_the_largest_step(monkeypatch):
+    """The chunks a run gets depend on what the runs before left: this step's runs cycle through
+    different peaks, and the prediction is the highest, not the second run's."""
+    lives = [
+        _life(0, 3, None, 34.0),
+        _life(0, 5, 11.0, 17.0),
+        _life(0, 1.5, 16.0, 17.0),
+        _life(0, 3, 12.0, None),
+    ]
+    assert allocator_peaks(lives, "mklcpu", MiB) == {0: MiB + int(12.5 * MiB)}
+    monkeypatch.setattr(memory, "ALLOCATOR_STEPS", 2)  # the first run and one more
+    assert allocator_peaks(lives, "mklcpu", MiB) == {0: MiB + int(10.5 * MiB)}
+
+
+def test_steps_run_after_one_another_and_each_starts_holding_what_it_frees():
+    """Step 0 keeps a 3 MiB tensor past its end and frees a 1 MiB one the step before kept; step 1
+    frees a 1 MiB one and keeps a 1 MiB one. After step 0 the simulated step 1 meets no 1 MiB tensor
+    kept: it starts holding one all the same (else its rise would count 1 MiB it never freed: 3 MiB),
+    and step 0's 3 MiB is freed as it starts. Step 0 after step 1 meets the chunks step 1 left and
+    reads more than after itself."""
+    step0 = [_life(0, 1, None, 2.0), _life(0, 5, 3.0, 23.0), _life(0, 3, 3.0, None), _life(0, 3, 28.0, 32.0)]
+    step1 = [
+        _life(1, 1, None, 25.0),
+        _life(1, 2, 36.0, 53.0),
+        _life(1, 1, 16.0, 26.0),
+        _life(1, 1, 1.0, None),
+    ]
+    assert allocator_peaks(step0, "mklcpu", 0) == {0: 10 * MiB}
+    assert allocator_peaks(step1, "mklcpu", 0) == {1: 2 * MiB}
+    assert allocator_peaks(step0 + step1, "mklcpu", 0) == {0: 11 * MiB, 1: 2 * MiB}
 
 
 # ----------------------------------------------------------------------------- plans under a budget
