@@ -19,11 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
+from runs import (
+    bench_environment,
+    launch,
+    max_present,
+    na,
+    profiler_share,
+    range_noise_pct,
+    say_allocator,
+    stderr_tail,
+    write_results,
+)
 
-from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.torch_recorder import window_close_step
-from qsync_callback.recorder.trace import load_trace_dir
 
 WARMUP_STEPS = 10
 PROFILE_STEPS = 5
@@ -109,11 +117,6 @@ def rank_costs(trace: dict[str, Any], step_ms: list[float] | None) -> dict[str, 
     return costs
 
 
-def _max(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
-
-
 def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) -> dict[str, Any]:
     """One table row from a finished run's report.json and rank traces (slowest rank for costs)."""
     report = json.loads((run_dir / "report.json").read_text())
@@ -126,9 +129,9 @@ def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) 
         per_rank.append(rank_costs(trace, step_ms))
         other.append(trace.get("resident_bytes", {}).get("other"))
     keys = ("recorder_overhead_s", "profiled_extra_s", "warmup_extra_s", "total_cost_s", "pre_window_step_ms")
-    costs = {key: _max([c[key] for c in per_rank]) for key in keys}
+    costs = {key: max_present([c[key] for c in per_rank]) for key in keys}
     return {
-        **_profiler_share(run_dir, measured.get("step_ms")),
+        **profiler_share(run_dir / "trace", measured.get("step_ms")),
         "model": model,
         "procs": procs,
         "repeat": repeat,
@@ -141,28 +144,11 @@ def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) 
         "predicted_peak_bytes": predicted.get("peak_bytes"),
         "peak_error_pct": error.get("peak_bytes"),
         "peak_source": measured.get("peak_source"),
-        "other_resident_bytes": _max(other),
+        "other_resident_bytes": max_present(other),
         **costs,
         "ranks_traced": len(per_rank),
         "wall_s": wall_s,
         "run_dir": str(run_dir),
-    }
-
-
-def _profiler_share(run_dir: Path, measured_ms: float | None) -> dict[str, float | None]:
-    """What recording added to a recorded step (slowest rank's figures, `overhead.calibrate_on_steps`)
-    and the prediction with the calibration loops' per-event costs alone (the share measured on the
-    run's steps left out): its signed error shows the lean that the run's own steps remove."""
-    traces = load_trace_dir(run_dir / "trace")
-    shares = [t.measured.get("profiler_share") or {} for t in traces]
-    for trace in traces:
-        trace.measured.pop("profiler_share", None)
-    loops_only = predict(traces).step_ms
-    return {
-        "recording_added_ms": _max([share.get("in_step_ms") for share in shares]),
-        "loops_share_ms": _max([share.get("loops_share_ms") for share in shares]),
-        "loops_only_step_ms": loops_only,
-        "loops_only_error_pct": 100.0 * (loops_only - measured_ms) / measured_ms if measured_ms else None,
     }
 
 
@@ -275,7 +261,7 @@ def markdown(rows: list[dict[str, Any]], noise: list[dict[str, Any]], failures: 
         "benchmark's own step timer (slowest rank). Negative extras mean noise larger than the cost. "
         "recording added = the recorded steps' median less the unprofiled steps' median; loops' share = "
         "what the calibration loops' per-event costs account for (slowest rank). The prediction removes "
-        "what recording added as measured on the run's own steps (`overhead.calibrate_on_steps`), so for "
+        "what recording added as measured on the run's own steps (`event_costs.calibrate_on_steps`), so for "
         "the configuration recorded its error checks the replay, not the profiler's cost: it is close to "
         "0 by construction. 'loops' costs only' is the prediction without that calibration: its signed "
         "errors show the lean the run's own steps remove. Accuracy proper is judged on plans "

@@ -17,6 +17,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from qsync_callback.predictor.predict import predict
+from qsync_callback.recorder.trace import load_trace_dir
+
 REPO = Path(__file__).resolve().parent.parent
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 STDERR_TAIL_LINES = 40
@@ -212,3 +215,27 @@ def precision_counts(precision: dict[str, str]) -> str:
     for p in precision.values():
         counts[p] = counts.get(p, 0) + 1
     return ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "recorded"
+
+
+def max_present(values: list[float | None]) -> float | None:
+    """The largest of ``values`` that are not None; None if none is."""
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def profiler_share(trace_dir: Path, measured_ms: float | None) -> dict[str, float | None]:
+    """What recording added to a recorded step (slowest rank's figures,
+    `event_costs.calibrate_on_steps`) and the prediction with the calibration loops' per-event costs
+    alone (the share measured on the run's steps left out): its signed error shows the lean that the
+    run's own steps remove, and it is the recorded configuration's prediction out of sample."""
+    traces = load_trace_dir(trace_dir)
+    shares = [t.measured.get("profiler_share") or {} for t in traces]
+    for trace in traces:
+        trace.measured.pop("profiler_share", None)
+    loops_only = predict(traces).step_ms
+    return {
+        "recording_added_ms": max_present([share.get("in_step_ms") for share in shares]),
+        "loops_share_ms": max_present([share.get("loops_share_ms") for share in shares]),
+        "loops_only_step_ms": loops_only,
+        "loops_only_error_pct": 100.0 * (loops_only - measured_ms) / measured_ms if measured_ms else None,
+    }

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from horovod_tf_accuracy import TIMEOUT_S, example_command
-from runs import bench_environment, range_noise_pct, stderr_tail, write_results
+from runs import bench_environment, profiler_share, range_noise_pct, stderr_tail, write_results
 
 from qsync_callback.jsonio import read_json
 from qsync_callback.report import change_pct
@@ -69,6 +69,7 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
         "peak_median_error_pct": change_pct(predicted["peak_bytes"], measured["peak_bytes_median"]),
         "step_ms": measured["step_ms"],
         "step_error_pct": change_pct(predicted["step_ms"], measured["step_ms"]),
+        **profiler_share(qsync / "trace", measured["step_ms"]),
         "plan": None,
     }
     if (qsync / "verification.json").exists():
@@ -96,8 +97,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         f"Batch {batch_size} per process. Peaks are TF's allocator's (chunks in use; on the CPU, requests "
         "of 256 KiB and more), per rank, the largest rank's.\n",
         "| model | processes | measured peak: largest (median, smallest) of the timed steps | predicted "
-        "| error vs largest | error vs median | step ms (error) | plan applied: measured peak "
-        "| predicted | error |",
+        "| error vs largest | error vs median | step ms (error; loops' costs only) | plan applied: "
+        "measured peak | predicted | error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -113,8 +114,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
             f"| {r['model']} | {r['procs']} | {format_bytes(r['peak_bytes'])} "
             f"({format_bytes(r['peak_median_bytes'])}, {format_bytes(r['peak_min_bytes'])}) "
             f"| {format_bytes(r['predicted_peak_bytes'])} | {_pct(r['peak_error_pct'])} "
-            f"| {_pct(r['peak_median_error_pct'])} | {r['step_ms']:.1f} ({_pct(r['step_error_pct'])}) "
-            + plan_cells
+            f"| {_pct(r['peak_median_error_pct'])} | {r['step_ms']:.1f} ({_pct(r['step_error_pct'])}; "
+            f"{_pct(r.get('loops_only_error_pct'))}) " + plan_cells
         )
     for procs in sorted({r["procs"] for r in rows}):
         group = [r for r in rows if r["procs"] == procs]
@@ -136,13 +137,28 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         planned = (
             f"; plans' |peak error| median {statistics.median(plans):.1f}% over {len(plans)}" if plans else ""
         )
+        steps = [abs(r["step_error_pct"]) for r in group if r["step_error_pct"] is not None]
+        loops = [r["loops_only_error_pct"] for r in group if r.get("loops_only_error_pct") is not None]
+        step_line = (
+            f" Step time: |error| median {statistics.median(steps):.1f}% (calibrated on the run's own "
+            "timed calls, so close to 0 by construction)"
+            + (
+                f"; with the calibration loops' per-event costs alone |error| median "
+                f"{statistics.median(abs(e) for e in loops):.1f}%, "
+                f"signed mean {statistics.fmean(loops):+.1f}%."
+                if loops
+                else "."
+            )
+            if steps
+            else ""
+        )
         lines.append(
             f"\n{procs} process(es), {len(group)} runs: recorded configuration, |peak error| against the "
             f"largest step median {statistics.median(largest):.1f}% ({within} of {len(largest)} within "
             f"{TARGET_PCT:g}%), against the median step {statistics.median(median):.1f}%{planned}; "
             "step-to-step spread of the measured peak (largest - smallest over median): median "
             f"{spread:.1f}%; "
-            f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%."
+            f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%." + step_line
         )
     lines += [f"\nFailed: {f}" for f in failures]
     return "\n".join(lines) + "\n"

@@ -1,12 +1,13 @@
 """Run by the tests as its own program: a deep MLP (widths of 1 MiB and more per layer, so that
 DDP's default buckets leave most of the gradients for after backward) trained under DDP on 2 CPU
-processes with ``QSyncCallback(mode=<mode>, levers=("buckets",))``; arguments: the output directory,
-the mode, the number of steps, and optionally a plan file to apply from step 0 and a rank on which
+processes with ``QSyncCallback(mode=<mode>, levers=<levers>)``; arguments: the output directory,
+the mode, the number of steps, and optionally a plan file to apply from step 0, a rank on which
 the user registers a comm hook of their own before the first step (`UserHook`: the bucket applier
-refuses to re-wrap a module with a hook it does not know, on that rank only).
+refuses to re-wrap a module with a hook it does not know, on that rank only), and the levers
+(comma-separated; "buckets" without them).
 
-Each rank writes ``rank<k>.json`` with DDP's bucket sizes after the last step (its logging data)
-and the losses. The tests start it with `run_two_ranks`."""
+Each rank writes ``rank<k>.json`` with DDP's bucket sizes after the last step (its logging data),
+the modules that ran compiled then, and the losses. The tests start it with `run_two_ranks`."""
 
 import json
 import os
@@ -43,13 +44,18 @@ class DeepMLP(pl.LightningModule):
 
 
 class LastBuckets(pl.Callback):
-    """DDP's bucket sizes after each step (Lightning unwraps the model when training ends)."""
+    """DDP's bucket sizes after each step (Lightning unwraps the model when training ends), and the
+    modules running compiled then."""
 
     sizes: list[int] = []
+    compiled: list[str] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         sizes = trainer.strategy.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
         self.sizes = [int(s) for s in str(sizes).replace(",", " ").split()]
+        self.compiled = [
+            name for name, m in pl_module.named_modules() if m.__dict__.get("_compiled_call_impl") is not None
+        ]
 
 
 class UserHook(pl.Callback):
@@ -68,12 +74,18 @@ def users_allreduce(state, bucket):
 
 
 def run_two_ranks(
-    out: Path, mode: str, steps: int, plan: Path | None = None, user_hook_on: int | None = None
+    out: Path,
+    mode: str,
+    steps: int,
+    plan: Path | None = None,
+    user_hook_on: int | None = None,
+    levers: tuple[str, ...] = ("buckets",),
 ) -> subprocess.CompletedProcess:
     """This program, run in ``out`` (its output directory too)."""
     hook = "" if user_hook_on is None else str(user_hook_on)
+    arguments = [str(out), mode, str(steps), str(plan or ""), hook, ",".join(levers)]
     return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out), mode, str(steps), str(plan or ""), hook],
+        [sys.executable, str(Path(__file__).resolve()), *arguments],
         capture_output=True,
         text=True,
         timeout=400,
@@ -86,6 +98,7 @@ def main() -> None:
     out, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     plan = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
     hooks = [UserHook(int(sys.argv[5]))] if len(sys.argv) > 5 and sys.argv[5] else []
+    levers = tuple(sys.argv[6].split(",")) if len(sys.argv) > 6 else ("buckets",)
     pl.seed_everything(0, verbose=False)
     data = TensorDataset(torch.randn(4096, WIDTH), torch.randint(0, 10, (4096,)))
     model = DeepMLP()
@@ -95,7 +108,7 @@ def main() -> None:
         strategy="ddp",
         max_steps=steps,
         callbacks=[
-            QSyncCallback(mode=mode, output_dir=out, levers=("buckets",), plan_cache=False, plan=plan),
+            QSyncCallback(mode=mode, output_dir=out, levers=levers, plan_cache=False, plan=plan),
             last := LastBuckets(),
             *hooks,
         ],
@@ -105,7 +118,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=32))
-    result = {"bucket_sizes": last.sizes, "losses": model.losses}
+    result = {"bucket_sizes": last.sizes, "compiled": last.compiled, "losses": model.losses}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -233,6 +233,24 @@ def test_a_plan_file_with_per_layer_buckets_is_applied_from_step_zero(tmp_path, 
         assert sizes == [(10 * WIDTH + 10) * 4] + [LAYER_BYTES] * DEPTH
 
 
+def test_a_plan_of_buckets_and_a_compiled_region_is_applied_together_on_both_ranks(tmp_path, recorded):
+    """DDP's buckets re-wrapped around a model whose MLP runs compiled in place: both at step 0, on
+    both ranks, training on with finite losses."""
+    names = [t["name"] for b in recorded[0].communication["buckets"] for t in b]
+    per_layer = [names[i : i + 2] for i in range(0, len(names), 2)]
+    plan = Plan(fingerprint=recorded[0].fingerprint, buckets=per_layer, fused_regions=[["net"]])
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_dict()))
+    result = run_two_ranks(tmp_path, "apply", 12, plan_file, levers=("buckets", "regions"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps aside" not in result.stderr, result.stderr[-3000:]
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["bucket_sizes"] == [(10 * WIDTH + 10) * 4] + [LAYER_BYTES] * DEPTH
+        assert outcome["compiled"] == ["net"]
+        assert len(outcome["losses"]) == 12 and all(math.isfinite(x) for x in outcome["losses"])
+
+
 def test_a_plan_one_rank_cannot_apply_leaves_every_rank_on_ddps_own_buckets(tmp_path, recorded):
     """Rank 1 holds a comm hook of the user's, which the re-wrap refuses there: rank 0, which
     re-wrapped, goes back to its old wrapper, both train on with DDP's default buckets, and the

@@ -4,7 +4,7 @@ import pytest
 
 from qsync_callback.predictor.graph import build_step_graph
 from qsync_callback.predictor.replay import replay
-from qsync_callback.recorder.overhead import calibrate_on_steps
+from qsync_callback.recorder.event_costs import calibrate_on_steps
 from qsync_callback.recorder.trace import Op, Step, Trace
 
 from tracebuilder import op

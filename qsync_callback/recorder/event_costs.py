@@ -1,11 +1,15 @@
-"""Solve what a profiler adds per recorded event of each kind from calibration loops, for both
+"""Solve what a profiler adds per recorded event of each kind from calibration loops, and what
+recording added to the recorded steps beyond that, from the run's own unprofiled steps, for both
 recorders (`overhead.py` for torch, `tf_recorder.ProfilerCalibration` for TensorFlow)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from qsync_callback.recorder.trace import Trace
 
 
 def event_costs(
@@ -30,3 +34,39 @@ def event_costs(
             break
         kept.pop(int(solved.argmin()))
     return {kind: round(float(c), 3) for kind, c in zip(kinds, costs, strict=True)}
+
+
+def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, float | None]:
+    """What recording added to ``trace``'s recorded steps beyond the loops' per-event costs, for
+    ``trace.measured["profiler_share"]`` (which `Trace.own_us`, `Trace.gap_overhead_us` and
+    `Trace.gap_kept` apply).
+
+    ``in_step_ms``: the recorded steps' median time less the median of ``plain_ms`` (the unprofiled
+    steps' times, the measured step time's samples); ``loops_share_ms``: the median over recorded
+    steps of the ops' ``overhead_us`` and ``gap_overhead_us`` (the loops' costs per event). If the
+    steps show more, the rest is a ``slowdown`` of the whole step: the fraction of the recorded
+    median less the loops' share that it is, by which every op but a collective, and the idle time
+    before it, runs shorter without the profiler; if less, ``scale`` (below 1) shrinks the loops'
+    shares to it. Without unprofiled steps nothing changes (1 and 0)."""
+    loops_us: dict[int, float] = {step.index: 0.0 for step in trace.steps}
+    for op in trace.ops:
+        if op.step in loops_us:
+            loops_us[op.step] += op.overhead_us + op.gap_overhead_us
+    profiled_ms = [(step.end_us - step.start_us) / 1e3 for step in trace.steps]
+    loops_ms = statistics.median(loops_us.values()) / 1e3 if loops_us else 0.0
+    figures: dict[str, float | None] = {
+        "in_step_ms": None,
+        "loops_share_ms": loops_ms,
+        "scale": 1.0,
+        "slowdown": 0.0,
+    }
+    if not profiled_ms or not plain_ms:
+        return figures
+    recorded_ms = statistics.median(profiled_ms)
+    in_step = recorded_ms - statistics.median(plain_ms)
+    figures["in_step_ms"] = in_step
+    if in_step < loops_ms:
+        figures["scale"] = max(0.0, in_step) / loops_ms
+    elif recorded_ms > loops_ms:
+        figures["slowdown"] = (in_step - loops_ms) / (recorded_ms - loops_ms)
+    return figures

@@ -36,7 +36,7 @@ profiler's large blocks, make the steps after the window take none where those b
 thousands.
 
 So the loops give what an op, a memory event and a layer range cost each, and the run's measured
-steps give the rest (`calibrate_on_steps`): the recorded steps' median less the unprofiled steps'
+steps give the rest (`event_costs.calibrate_on_steps`): the recorded steps' median less the unprofiled steps'
 median (the measured step time's own samples) is what recording added to a step, and what that shows
 beyond the loops' share is a slowdown of the whole step, taken off each op and each idle time in
 proportion (for a small model most of it lies between the ops: the recorder's Python hooks). The
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -62,7 +62,6 @@ from qsync_callback.quiet_profiler import quiet_kineto
 from qsync_callback.recorder.event_costs import event_costs
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX
 from qsync_callback.recorder.layer_ranges import LayerRanges
-from qsync_callback.recorder.trace import Trace
 
 EVENT_KINDS = ("op", "memory", "range")
 _LOOPS = 100
@@ -144,39 +143,3 @@ def overhead_per_event(
         for loop in extra
     }
     return event_costs(EVENT_KINDS, {loop: seconds * 1e6 for loop, seconds in extra.items()}, per_iteration)
-
-
-def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, float | None]:
-    """What recording added to ``trace``'s recorded steps beyond the loops' per-event costs, for
-    ``trace.measured["profiler_share"]`` (which `Trace.own_us`, `Trace.gap_overhead_us` and
-    `Trace.gap_kept` apply).
-
-    ``in_step_ms``: the recorded steps' median time less the median of ``plain_ms`` (the unprofiled
-    steps' times, the measured step time's samples); ``loops_share_ms``: the median over recorded
-    steps of the ops' ``overhead_us`` and ``gap_overhead_us`` (the loops' costs per event). If the
-    steps show more, the rest is a ``slowdown`` of the whole step: the fraction of the recorded
-    median less the loops' share that it is, by which every op but a collective, and the idle time
-    before it, runs shorter without the profiler; if less, ``scale`` (below 1) shrinks the loops'
-    shares to it. Without unprofiled steps nothing changes (1 and 0)."""
-    loops_us: dict[int, float] = {step.index: 0.0 for step in trace.steps}
-    for op in trace.ops:
-        if op.step in loops_us:
-            loops_us[op.step] += op.overhead_us + op.gap_overhead_us
-    profiled_ms = [(step.end_us - step.start_us) / 1e3 for step in trace.steps]
-    loops_ms = statistics.median(loops_us.values()) / 1e3 if loops_us else 0.0
-    figures: dict[str, float | None] = {
-        "in_step_ms": None,
-        "loops_share_ms": loops_ms,
-        "scale": 1.0,
-        "slowdown": 0.0,
-    }
-    if not profiled_ms or not plain_ms:
-        return figures
-    recorded_ms = statistics.median(profiled_ms)
-    in_step = recorded_ms - statistics.median(plain_ms)
-    figures["in_step_ms"] = in_step
-    if in_step < loops_ms:
-        figures["scale"] = max(0.0, in_step) / loops_ms
-    elif recorded_ms > loops_ms:
-        figures["slowdown"] = (in_step - loops_ms) / (recorded_ms - loops_ms)
-    return figures

@@ -77,6 +77,7 @@ from qsync_callback.recorder.ddp_buckets import (
     is_ddp,
     time_allreduces,
 )
+from qsync_callback.recorder.event_costs import calibrate_on_steps
 from qsync_callback.recorder.kineto import (
     CALIBRATION_RANGE,
     CLOCK_SYNC,
@@ -91,7 +92,6 @@ from qsync_callback.recorder.module_calls import CallProbe, activation_refusals
 from qsync_callback.recorder.op_dataset import add_to_dataset
 from qsync_callback.recorder.op_samples import op_samples, samples_document
 from qsync_callback.recorder.overhead import (
-    calibrate_on_steps,
     calibration_extra_times,
     overhead_per_event,
     profiler_kwargs,
@@ -577,7 +577,7 @@ class TorchRecorder:
     def save(self) -> None:
         """Write the normalized trace with the unprofiled step times measured so far, its profiler
         shares calibrated on them (once: at the first save after the window closed, when the loop
-        has measured the steps after it; `overhead.calibrate_on_steps`)."""
+        has measured the steps after it; `event_costs.calibrate_on_steps`)."""
         if self.trace is not None and "profiler_share" not in self.trace.measured and self.unprofiled_ms:
             self.trace.measured["profiler_share"] = calibrate_on_steps(self.trace, self.unprofiled_ms)
         if (

@@ -52,7 +52,7 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                       "slowdown": ...}},
                                         # what recording added to a step beyond the loops' costs,
                                         # from the recorded against the unprofiled steps
-                                        # (`overhead.calibrate_on_steps`, `Trace.own_us`)
+                                        # (`event_costs.calibrate_on_steps`, `Trace.own_us`)
       "profiler_overhead_us": {"op": ..., "range": ..., "memory": ...},
       "communication": {...},           # the collective library's settings in effect, and where its
                                         # own record is (Horovod: fusion threshold, cycle time,
@@ -227,7 +227,7 @@ class Trace:
     def own_us(self, op: Op) -> float:
         """``op``'s duration without the profiler: less its events' cost at the loops' per-event
         costs (``op.overhead_us``), scaled and less the steps' slowdown as the recorded steps against
-        the unprofiled ones say (``measured["profiler_share"]``, `overhead.calibrate_on_steps`)."""
+        the unprofiled ones say (``measured["profiler_share"]``, `event_costs.calibrate_on_steps`)."""
         share = self.measured.get("profiler_share") or {}
         own = max(0.0, op.dur_us - share.get("scale", 1.0) * op.overhead_us)
         return own if op.collective is not None else own * (1.0 - share.get("slowdown", 0.0))
