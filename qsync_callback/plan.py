@@ -425,6 +425,49 @@ class Plan:
             )
 
 
+def _region_of(parameter: str, regions: Sequence[Sequence[str]]) -> str | None:
+    """The compiled region (a torch region names one module) that holds ``parameter``, or None."""
+    for region in regions:
+        for module in region:
+            if parameter.startswith(module + "."):
+                return module
+    return None
+
+
+def regions_split_by_buckets(buckets: Sequence[Sequence[str]], regions: Sequence[Sequence[str]]) -> list[str]:
+    """The compiled regions whose parameters ``buckets`` spread over more than one bucket.
+
+    A compiled region's backward is one graph: its parameters' gradients become ready together, at
+    its end, in an order of the compiler's (the MLP of `tests/test_ddp_buckets.py` compiled whole
+    made them ready weight and bias apart, out of layer order). DDP fills its buckets in ready
+    order, so a bucket boundary inside a region cannot be reproduced (`appliers/torch_ddp_buckets.py`)."""
+    where: dict[str, set[int]] = {}
+    for k, bucket in enumerate(buckets):
+        for parameter in bucket:
+            region = _region_of(parameter, regions)
+            if region is not None:
+                where.setdefault(region, set()).add(k)
+    return [region for region, found in where.items() if len(found) > 1]
+
+
+def buckets_around_regions(
+    buckets: Sequence[Sequence[str]], regions: Sequence[Sequence[str]]
+) -> list[list[str]]:
+    """``buckets`` (in launch order) with every run of buckets from the first to the last holding a
+    compiled region's parameters merged into one, so that no bucket boundary falls inside a region
+    (`regions_split_by_buckets`)."""
+    merged = [list(bucket) for bucket in buckets]
+    while True:
+        spans = [
+            [k for k, bucket in enumerate(merged) if any(_region_of(p, [[r]]) for p in bucket)]
+            for r in regions_split_by_buckets(merged, regions)
+        ]
+        if not spans:
+            return merged
+        first, last = min(spans[0]), max(spans[0])
+        merged[first : last + 1] = [[p for bucket in merged[first : last + 1] for p in bucket]]
+
+
 def _describe(value: Any) -> str:
     """Short text for a fingerprint value in a mismatch message."""
     if isinstance(value, list):

@@ -233,22 +233,42 @@ def test_a_plan_file_with_per_layer_buckets_is_applied_from_step_zero(tmp_path, 
         assert sizes == [(10 * WIDTH + 10) * 4] + [LAYER_BYTES] * DEPTH
 
 
-def test_a_plan_of_buckets_and_a_compiled_region_is_applied_together_on_both_ranks(tmp_path, recorded):
-    """DDP's buckets re-wrapped around a model whose MLP runs compiled in place: both at step 0, on
-    both ranks, training on with finite losses."""
+def _bucket_and_region_plan(out, recorded, region: str):
     names = [t["name"] for b in recorded[0].communication["buckets"] for t in b]
     per_layer = [names[i : i + 2] for i in range(0, len(names), 2)]
-    plan = Plan(fingerprint=recorded[0].fingerprint, buckets=per_layer, fused_regions=[["net"]])
-    plan_file = tmp_path / "plan.json"
+    plan = Plan(fingerprint=recorded[0].fingerprint, buckets=per_layer, fused_regions=[[region]])
+    plan_file = out / "plan.json"
     plan_file.write_text(json.dumps(plan.to_dict()))
-    result = run_two_ranks(tmp_path, "apply", 12, plan_file, levers=("buckets", "regions"))
+    return run_two_ranks(out, "apply", 12, plan_file, levers=("buckets", "regions"))
+
+
+def test_buckets_and_a_compiled_region_inside_one_of_them_are_applied_together(tmp_path, recorded):
+    """DDP's buckets re-wrapped around a model whose layer net.10 runs compiled in place: both at
+    step 0, on both ranks; its gradients, ready together at the end of its compiled backward, fill
+    its bucket as planned."""
+    result = _bucket_and_region_plan(tmp_path, recorded, "net.10")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps aside" not in result.stderr, result.stderr[-3000:]
     for rank in (0, 1):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["bucket_sizes"] == [(10 * WIDTH + 10) * 4] + [LAYER_BYTES] * DEPTH
-        assert outcome["compiled"] == ["net"]
+        assert outcome["compiled"] == ["net.10"]
         assert len(outcome["losses"]) == 12 and all(math.isfinite(x) for x in outcome["losses"])
+
+
+def test_buckets_that_split_a_compiled_region_are_refused_with_nothing_applied(tmp_path, recorded):
+    """The whole MLP compiled makes its gradients ready at once, weight and bias apart, out of layer
+    order (DDP filled buckets of 1 MiB, 1 MiB + the head, ... and a lone bias when this was applied):
+    per-layer buckets cannot be kept. Refused whole: neither the buckets nor the region."""
+    result = _bucket_and_region_plan(tmp_path, recorded, "net")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"steps aside: .*the plan's buckets split the parameters of compiled region\(s\) 'net'",
+                     result.stderr)  # fmt: skip
+    default = [(10 * WIDTH + 10) * 4 + LAYER_BYTES, (DEPTH - 1) * LAYER_BYTES]
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["bucket_sizes"] == default and outcome["compiled"] == []
+        assert len(outcome["losses"]) == 12
 
 
 def test_a_plan_one_rank_cannot_apply_leaves_every_rank_on_ddps_own_buckets(tmp_path, recorded):

@@ -17,8 +17,10 @@ from qsync_callback.plan import (
     PRECISIONS,
     Constraints,
     Plan,
+    buckets_around_regions,
     fingerprint_key,
     fingerprint_mismatches,
+    regions_split_by_buckets,
 )
 
 FINGERPRINT = {
@@ -502,3 +504,29 @@ def test_fingerprint_key_differs() -> None:
 def test_fingerprint_key_rejects_non_json() -> None:
     with pytest.raises(QSyncInputError, match="fingerprint is not plain JSON data"):
         fingerprint_key({"device": object()})
+
+
+def test_a_bucket_boundary_inside_a_compiled_region_is_found_and_merged_away() -> None:
+    buckets = [["head.bias", "head.weight"], ["net.2.bias", "net.2.weight"], ["net.0.bias"], ["net.0.weight"]]
+    # net.2 in one bucket: nothing split; "net" holds net.2 and net.0, over three buckets
+    assert regions_split_by_buckets(buckets, [["net.2"]]) == []
+    assert regions_split_by_buckets(buckets, [["net.0"], ["head"]]) == ["net.0"]
+    assert regions_split_by_buckets(buckets, [["net"]]) == ["net"]
+    # a module's name is a prefix at a dot: "net.2" does not hold "net.20.weight"
+    assert regions_split_by_buckets([["net.20.weight"], ["net.2.weight"]], [["net.2"]]) == []
+    assert buckets_around_regions(buckets, [["net.0"]]) == [
+        ["head.bias", "head.weight"],
+        ["net.2.bias", "net.2.weight"],
+        ["net.0.bias", "net.0.weight"],
+    ]
+    # merged from the first bucket holding the region to the last, in launch order
+    assert buckets_around_regions(buckets, [["net"]]) == [
+        ["head.bias", "head.weight"],
+        ["net.2.bias", "net.2.weight", "net.0.bias", "net.0.weight"],
+    ]
+    # two regions whose merges overlap end in one bucket
+    assert buckets_around_regions([["a.x"], ["b.x"], ["a.y"], ["b.y"]], [["a"], ["b"]]) == [
+        ["a.x", "b.x", "a.y", "b.y"]
+    ]
+    assert buckets_around_regions(buckets, []) == buckets
+    assert buckets_around_regions([], [["net"]]) == []

@@ -30,7 +30,10 @@ Lightning and a group of one, in ``tests/test_ddp_buckets_apply.py``):
   a run left alone (checked). With more ranks a ring all-reduce may add an element's terms in an
   order that depends on where it sits in its bucket, so the last bits may differ.
 - within a bucket the gradients are in filling order: a plan's bucket is compared as a set.
-- what cannot be reproduced, refused: a bucket that is not a contiguous run of the filling order
+- what cannot be reproduced, refused: a bucket boundary inside a compiled region of the same plan
+  (its gradients become ready together at the end of its backward graph, in the compiler's order:
+  `plan.regions_split_by_buckets`; the planner merges such buckets, `plan.buckets_around_regions`);
+  a bucket that is not a contiguous run of the filling order
   (it is known when the wrapper in place has rebuilt its buckets: the concatenation of its buckets
   is the ready order; before that, at step 0, the plan's own order, which the recorder read off a
   rebuilt run of the same model, is taken as the ready order); a bucket ending in parameters with no
@@ -88,7 +91,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Plan
+from qsync_callback.plan import Plan, regions_split_by_buckets
 from qsync_callback.recorder.ddp_buckets import fill_buckets
 
 MIB = 2**20
@@ -204,6 +207,14 @@ class DDPBucketApplier:
             )
         if not plan.buckets:
             return lambda: None
+        split = regions_split_by_buckets(plan.buckets, plan.fused_regions)
+        if split:
+            raise QSyncInputError(
+                f"buckets: the plan's buckets split the parameters of compiled region(s) "
+                f"{', '.join(repr(r) for r in split)}; a compiled region's gradients become ready together, "
+                "in an order of the compiler's, so DDP cannot fill those buckets as planned: put each "
+                "region's parameters in one bucket; nothing was changed"
+            )
         buckets = self._plan_parameters(wrapper, plan.buckets)
         settings = ddp_settings(wrapper)
         caps = self._caps(wrapper, buckets, plan.buckets)

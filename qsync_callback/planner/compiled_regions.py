@@ -29,7 +29,9 @@ measured): its compile time counts twice.
 The exhaustive search runs where it can; the MCMC where it cannot (the benchmark runs both on small
 models and reports the gap). With the steps left unknown (an iterable data set without a length), a
 region's compile is counted against `UNKNOWN_STEPS_LEFT` steps. The chosen set is priced by
-the predictor (a replay of the graphs with the regions compiled, `compiled_regions.apply_regions`);
+the predictor (a replay of the graphs with the regions compiled, `compiled_regions.apply_regions`),
+with the buckets of the plan it goes on merged where one would end inside a region (a compiled
+region's gradients become ready together: `plan.buckets_around_regions`);
 if it is not predicted more than `NO_DECISION_GAIN` faster than the plan it goes on top of, or its
 compile does not pay back in the steps left, no region is chosen.
 """
@@ -44,7 +46,7 @@ from itertools import combinations
 
 import networkx as nx
 
-from qsync_callback.plan import Plan
+from qsync_callback.plan import Plan, buckets_around_regions
 from qsync_callback.predictor.compiled_regions import (
     REUSE_COMPILE_S,
     FusionCosts,
@@ -256,7 +258,9 @@ def choose_regions(predictor: Predictor, base: Plan) -> RegionChoice:
     choice = RegionChoice(None, base_prediction, [], None, costs, steps_left, 0.0, stats, errors)
     if not chosen:
         return choice
-    plan = Plan.from_dict({**base.to_dict(), "fused_regions": [[m] for m in chosen]})
+    regions = [[m] for m in chosen]
+    buckets = buckets_around_regions(base.buckets, regions)
+    plan = Plan.from_dict({**base.to_dict(), "fused_regions": regions, "buckets": buckets})
     prediction = predictor.predict(plan)
     choice.chosen = [search.regions[m] for m in chosen]
     choice.prediction = prediction
