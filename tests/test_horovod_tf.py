@@ -117,12 +117,16 @@ def test_one_process_writes_its_trace_and_raw_profiles(recorded, keras):
     # the profiler's cost per event, calibrated before the window, is charged to the recorded ops,
     # never more than the step (the replay subtracts it); on these 0.5 ms steps the calibration's
     # noise has taken it just past half the step in a whole-suite run, so half is no bound here
-    assert set(trace.profiler_overhead_us) == {"op", "other"}
+    assert set(trace.profiler_overhead_us) == {"op", "executor", "other"}
     assert all(0 <= c < 100 for c in trace.profiler_overhead_us.values())
     for step in trace.steps:
         charged = sum(op.overhead_us + op.gap_overhead_us for op in trace.ops if op.step == step.index)
         assert charged < step.dur_us
         assert (charged > 0) == any(trace.profiler_overhead_us.values())
+    # what recording added beyond the per-event costs, from the timed calls (`calibrate_on_steps`)
+    share = trace.measured["profiler_share"]
+    assert share["loops_share_ms"] >= 0 and share["in_step_ms"] is not None
+    assert 0 <= share["scale"] <= 1 and 0 <= share["slowdown"] < 1
     # every session on one clock: the recorded steps in call order, in this run's wall-clock time
     assert trace.steps[0].end_us < trace.steps[1].start_us
     assert abs(trace.steps[0].start_us / 1e6 - (out / "report.json").stat().st_mtime) < 60
