@@ -10,12 +10,15 @@ from one repeat to the next, so that a drift of the machine spreads over all of 
 Per run: the measured step time (median of the slowest rank's unprofiled calls) and its spread
 within the run ((p90 - p10) / median), the recorded (profiled) steps' median wall time, the
 predicted step time (the replay with the calibrated profiler overhead subtracted,
-`recorder/tf_recorder.ProfilerCalibration`) and, recomputed here from the same traces with nothing
-subtracted, what it was before that calibration; the profiler's cost per event and per step.
+`recorder/tf_recorder.ProfilerCalibration`, and what recording added beyond it taken from the run's
+own timed calls, `event_costs.calibrate_on_steps`: calibrated on the run, so close to the measured
+step by construction), recomputed here from the same traces, the prediction with the per-event
+costs alone (out of sample: "loops' costs only") and with nothing subtracted; the profiler's cost
+per event and per step.
 Writes a markdown table (``<out>/horovod_tf_accuracy.md``) and the raw rows
 (``<out>/horovod_tf_accuracy.json``). Exits non-zero if any run produced no report.
 
-    python benchmarks/horovod_tf_accuracy.py [--models mlp,cnn] [--procs 1,2] [--repeats 3]
+    python benchmarks/horovod_tf_accuracy.py [--models mlp,cnn,gru,resnet] [--procs 1,2] [--repeats 3]
         [--settings example] [--measure-steps N] [--batch-size 64] [--out benchmarks/results]
     python benchmarks/horovod_tf_accuracy.py --quick     # smoke run: mlp, 1 and 2 processes, once
 """
@@ -196,7 +199,7 @@ def horovod_arguments(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--models", default="mlp,cnn,gru,resnet")
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)

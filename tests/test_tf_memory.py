@@ -71,8 +71,14 @@ def test_the_predicted_peak_is_the_simulated_allocators_within_the_measured_step
     summary = format_summary(report)
     assert predicted["peak_allocator"] == "mklcpu" and "mklcpu allocator counts its chunks" in summary
     assert "-" not in summary.split("memory at peak")[1].splitlines()[0]  # no negative bytes printed
-    # the allocator's peak moves with the order TF's threads run ops in: within its range, or near it
-    assert 0.9 * measured["peak_bytes_min"] <= predicted["peak_bytes"] <= 1.1 * measured["peak_bytes"]
+    # the prediction is the largest of 40 simulated steps: not under the typical measured step, and
+    # over the largest of these few measured ones by at most one chunk of the largest request (the
+    # simulation starts from an empty allocator, so its chunks can fall where TF's did not: this
+    # window's simulated steps alternate between two peaks a chunk apart, TF's stayed on the lower)
+    (trace_,) = load_trace_dir(recorded / "trace")
+    largest = max(e[2] for e in trace_.memory_events)
+    assert 0.95 * measured["peak_bytes_median"] <= predicted["peak_bytes"]
+    assert predicted["peak_bytes"] <= measured["peak_bytes"] + 2 * largest
 
 
 def test_without_onednn_no_peak_is_measured_or_predicted_and_the_report_says_why(tmp_path):
