@@ -1,9 +1,12 @@
-"""Reading and writing the project's JSON files (plans, traces, reports).
+"""Reading and writing the project's JSON files (plans, traces, reports, the user's caches).
 
 One place for what a user sees when a file is missing, unreadable, empty, not JSON or not of the
 expected shape (one line naming the file and the field, as a `QSyncInputError`; shapes are said
 with `Fields`, `ListOf`, `MapOf`, ... and checked by `check_shape`), and for atomic writes: a
-reader never sees half a file.
+reader never sees half a file. A cache file is one document ``{"format", "version", "key", ...}``
+(`read_cache_document`, `write_cache_document`): read back only when it is of its format and
+version and made for the key asked for (the device and software), else refitted or started afresh
+by its owner, with a warning.
 Never pickle: these files may come from elsewhere, and loading one must not run code.
 """
 
@@ -82,6 +85,43 @@ def write_text_atomic(path: str | os.PathLike[str], text: str, what: str = "file
         except OSError:
             pass
         raise QSyncInputError(f"{path}: cannot write {what}: {exc.strerror or exc}") from None
+
+
+def read_cache_document(
+    path: str, document_format: str, version: int, key: Mapping[str, Any] | None, what: str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The cache document at ``path`` and None when it is a JSON object of ``document_format`` and
+    ``version`` made for ``key`` (None: for any key); else None and why not, in a few words (the
+    path not repeated). No file: None and None."""
+    if not os.path.exists(path):
+        return None, None
+    try:
+        data = read_json(path, what)
+    except QSyncInputError as error:
+        return None, str(error).removeprefix(f"{path}: ")
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    if data.get("format") != document_format or data.get("version") != version:
+        return None, f"not a {document_format} version {version} document"
+    if key is not None and data.get("key") != key:
+        return None, "made for another device or software"
+    return data, None
+
+
+def write_cache_document(
+    path: str,
+    document_format: str,
+    version: int,
+    key: Mapping[str, Any],
+    body: Mapping[str, Any],
+    what: str,
+    indent: int | None = None,
+) -> None:
+    """Write ``body`` under ``document_format``, ``version`` and ``key`` at ``path``, atomically,
+    making its directory; QSyncInputError or OSError when it cannot be written."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    document = {"format": document_format, "version": version, "key": dict(key), **body}
+    write_text_atomic(path, json.dumps(document, indent=indent, sort_keys=indent is not None) + "\n", what)
 
 
 # --- the shape of parsed JSON ----------------------------------------------------------------

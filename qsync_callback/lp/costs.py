@@ -33,7 +33,7 @@ from torch import nn
 
 from qsync_callback.cache import default_cache_dir
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.jsonio import read_cache_document, write_cache_document
 from qsync_callback.lp.modules import (
     CAST_DTYPES,
     LPLinear,
@@ -321,34 +321,19 @@ def cached_fit(
     without fitting anything; else ``fit()`` and False, written there atomically. A file that
     cannot be read, is not JSON or holds no valid fit for this key is never trusted: it is refitted
     and overwritten, with a one-line warning. A cache that cannot be written only warns."""
-    if os.path.exists(path):
-        try:
-            data = read_json(path, f"{what} cache")
-            problem = _document_problem(data, document_format, key) or costs_problem(data["costs"])
-        except QSyncInputError as error:
-            problem = str(error).removeprefix(f"{path}: ")
+    data, problem = read_cache_document(path, document_format, CACHE_VERSION, key, f"{what} cache")
+    if data is not None:
+        problem = costs_problem(data.get("costs"))
         if problem is None:
             return data["costs"], True
+    if problem is not None:
         warnings.warn(f"{path}: ignoring the {what} cache ({problem}); refitting", stacklevel=3)
     costs = fit()
-    document = {"format": document_format, "version": CACHE_VERSION, "key": dict(key), "costs": costs}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", f"{what} cache")
+        write_cache_document(path, document_format, CACHE_VERSION, key, {"costs": costs}, f"{what} cache", 2)
     except (OSError, QSyncInputError) as error:
         warnings.warn(f"cannot write the {what} cache: {error}", stacklevel=3)
     return costs, False
-
-
-def _document_problem(data: Any, document_format: str, key: Mapping[str, Any]) -> str | None:
-    """Why ``data`` is not a cache document of ``document_format`` made for ``key``; None if it is."""
-    if not isinstance(data, dict):
-        return "not a JSON object"
-    if data.get("format") != document_format or data.get("version") != CACHE_VERSION:
-        return f"not a {document_format} version {CACHE_VERSION} document"
-    if data.get("key") != key:
-        return "made for another device or software"
-    return None
 
 
 def _cast_costs_problem(costs: Any, pairs: list[str]) -> str | None:

@@ -218,7 +218,9 @@ class MemoryCurve:
         (`lifetime_events` each) alive as well, and the bytes by category then (see
         `predict_memory`). On a trace of TF's allocator (``trace.allocator``, with the bytes it held
         when the window opened) the peak is that allocator's, simulated (`allocator_peaks`); the
-        bytes by category are still the tensors' own."""
+        bytes by category are still the tensors' own. ``extra`` comes as byte changes, not as
+        tensors with a birth and a death, so it is not simulated: with it the peak is the tensors'
+        sum (no TF plan adds any: an op-type plan's tensors replace the recorded ones, `with_lives`)."""
         prediction = self._predict_tensors(extra)
         allocator = self._trace.allocator
         if allocator.get("in_use_bytes") is not None and not extra:

@@ -88,7 +88,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.jsonio import read_cache_document, write_cache_document
 from qsync_callback.lp.costs import cache_path
 
 TVM_FEATURES: tuple[str, ...] = (
@@ -107,6 +107,7 @@ TVM_FEATURES: tuple[str, ...] = (
 CACHE_KIND = "tvm-features"
 CACHE_FORMAT = "qsync-tvm-features"
 CACHE_VERSION = 1
+CACHE_WHAT = "TVM features cache"
 PARALLEL_FROM = 8  # calls to lower from which two children share them
 CRASH_ON_ENV = "QSYNC_TVM_FEATURES_CRASH_ON"  # tests: a child dies by SIGSEGV on a call of this op
 _STATEMENT_CHILDREN = ("body", "block", "init", "then_case", "else_case")
@@ -439,25 +440,13 @@ def features_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
 def _load(path: str, quiet: bool = False) -> tuple[dict[str, list[float] | None], bool]:
     """The cached calls in ``path`` and whether the file is sound (or absent); a file that is not
     warns (unless ``quiet``) and counts as empty."""
-    if not os.path.exists(path):
-        return {}, True
-    try:
-        document = read_json(path, "TVM features cache")
-        problem = None
-    except QSyncInputError as error:
-        document, problem = None, str(error)
-    if problem is None and (
-        not isinstance(document, Mapping)
-        or document.get("format") != CACHE_FORMAT
-        or document.get("version") != CACHE_VERSION
-        or document.get("key") != versions()
-        or not isinstance(document.get("calls"), Mapping)
-    ):
-        problem = f"{path}: not a {CACHE_FORMAT} v{CACHE_VERSION} file"
-    if problem is not None:
-        if not quiet:
-            warnings.warn(f"{problem}; the TVM features cache starts afresh", stacklevel=3)
-        return {}, False
+    document, problem = read_cache_document(path, CACHE_FORMAT, CACHE_VERSION, versions(), CACHE_WHAT)
+    if document is not None and not isinstance(document.get("calls"), Mapping):
+        document, problem = None, "holds no calls"
+    if problem is not None and not quiet:
+        warnings.warn(f"{path}: {problem}; the TVM features cache starts afresh", stacklevel=3)
+    if document is None:
+        return {}, problem is None
     width = len(TVM_FEATURES)
     return {
         key: value
@@ -467,10 +456,9 @@ def _load(path: str, quiet: bool = False) -> tuple[dict[str, list[float] | None]
 
 
 def _save(path: str, calls: Mapping[str, list[float] | None]) -> None:
-    document = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": versions(), "calls": dict(calls)}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_text_atomic(path, json.dumps(document) + "\n", "TVM features cache")
+        body = {"calls": dict(calls)}
+        write_cache_document(path, CACHE_FORMAT, CACHE_VERSION, versions(), body, CACHE_WHAT)
     except (OSError, QSyncInputError) as error:
         warnings.warn(f"the TVM features were not cached: {error}", stacklevel=3)
 

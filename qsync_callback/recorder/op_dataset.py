@@ -11,7 +11,6 @@ warning: a cache is never a reason to stop a run.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,7 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.jsonio import read_json, write_text_atomic
+from qsync_callback.jsonio import read_cache_document, write_cache_document
 from qsync_callback.lp.costs import cache_key, cache_path
 from qsync_callback.recorder.op_samples import OpSample, op_key
 
@@ -38,23 +37,12 @@ def dataset_path(device: str, cache_dir: str | os.PathLike[str] | None = None) -
 def load_dataset(device: str, cache_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """The trace documents of ``device``'s data set, oldest first; [] where there is none yet."""
     path = dataset_path(device, cache_dir)
-    if not os.path.exists(path):
-        return []
-    try:
-        document = read_json(path, "op samples")
-    except QSyncInputError as error:
-        warnings.warn(f"{error}; the op data set starts afresh", stacklevel=2)
-        return []
-    if (
-        not isinstance(document, Mapping)
-        or document.get("format") != DATASET_FORMAT
-        or document.get("version") != DATASET_VERSION
-        or not isinstance(document.get("traces"), list)
-    ):
-        warnings.warn(
-            f"{path}: not a {DATASET_FORMAT} v{DATASET_VERSION} file; the op data set starts afresh",
-            stacklevel=2,
-        )
+    document, problem = read_cache_document(path, DATASET_FORMAT, DATASET_VERSION, None, "op samples")
+    if document is not None and not isinstance(document.get("traces"), list):
+        document, problem = None, "holds no list of traces"
+    if problem is not None:
+        warnings.warn(f"{path}: {problem}; the op data set starts afresh", stacklevel=2)
+    if document is None:
         return []
     return [t for t in document["traces"] if isinstance(t, Mapping) and isinstance(t.get("ops"), list)]
 
@@ -71,15 +59,8 @@ def add_to_dataset(
 def _save(traces: Sequence[Mapping[str, Any]], device: str, cache_dir: str | os.PathLike[str] | None) -> str:
     """Write ``traces``, the newest `MAX_TRACES` of them, as ``device``'s data set; its path."""
     path = dataset_path(device, cache_dir)
-    traces = list(traces)[-MAX_TRACES:]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    document = {
-        "format": DATASET_FORMAT,
-        "version": DATASET_VERSION,
-        "key": cache_key(device),
-        "traces": traces,
-    }
-    write_text_atomic(path, json.dumps(document) + "\n", "op samples")
+    body = {"traces": list(traces)[-MAX_TRACES:]}
+    write_cache_document(path, DATASET_FORMAT, DATASET_VERSION, cache_key(device), body, "op samples")
     return path
 
 
