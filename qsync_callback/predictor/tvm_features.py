@@ -79,14 +79,13 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from qsync_callback.child_runner import run_in_children, serve
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_cache_document, write_cache_document
 from qsync_callback.lp.costs import cache_path
@@ -463,41 +462,6 @@ def _save(path: str, calls: Mapping[str, list[float] | None]) -> None:
         warnings.warn(f"the TVM features were not cached: {error}", stacklevel=3)
 
 
-def _lower_in_children(
-    calls: Sequence[Mapping[str, Any]], deadline: float, report: Callable[[int, list[float] | None], None]
-) -> None:
-    """Lower ``calls`` in a child process, started again after each one that dies (the call it was
-    lowering reported as None); stops at ``deadline``, killing the child."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    first = 0
-    while first < len(calls) and time.monotonic() < deadline:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "qsync_callback.predictor.tvm_features"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )  # fmt: skip
-        assert child.stdin is not None and child.stdout is not None
-        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), child.kill)
-        timer.start()
-        try:
-            child.stdin.write(json.dumps({"calls": list(calls[first:])}))
-            child.stdin.close()
-        except BrokenPipeError:
-            pass
-        started = None  # the call the child is lowering
-        for line in child.stdout:
-            word, index, *rest = line.split(maxsplit=2)
-            started = first + int(index)
-            if word == "done":
-                report(started, json.loads(rest[0]))
-                started = None
-        child.wait()
-        timer.cancel()
-        if started is None or time.monotonic() >= deadline:
-            return  # all done, or the child did not start; or the time ran out (not a failure)
-        report(started, None)  # the child died lowering it
-        first = started + 1
-
-
 def features_of(
     calls: Sequence[Mapping[str, Any]],
     cache_dir: str | os.PathLike[str] | None = None,
@@ -521,7 +485,7 @@ def features_of(
             def report(i: int, value: list[float] | None) -> None:
                 lowered[shard[i]] = value
 
-            _lower_in_children([json.loads(k) for k in shard], deadline, report)
+            run_in_children(__name__, [json.loads(k) for k in shard], deadline, report)
 
         threads = [threading.Thread(target=lower, args=(shard,)) for shard in shards]
         for thread in threads:
@@ -536,21 +500,20 @@ def features_of(
 
 
 def _child() -> None:
-    """Lower the calls given as JSON on stdin: one ``start i`` and one ``done i <features or
-    null>`` line each on stdout (anything else written to stdout goes to stderr)."""
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    """Lower the calls handed over (`child_runner.serve`) on one thread; a call of the op named in
+    `CRASH_ON_ENV` (for the tests) takes the child down."""
     import torch
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    request = json.load(sys.stdin)
     crash_on = os.environ.get(CRASH_ON_ENV)
-    for i, call in enumerate(request["calls"]):
-        print(f"start {i}", file=out, flush=True)
+
+    def lower(call: Mapping[str, Any], request: Mapping[str, Any]) -> list[float] | None:
         if call.get("op") == crash_on:
             os.kill(os.getpid(), signal.SIGSEGV)
-        print(f"done {i} {json.dumps(call_features(call))}", file=out, flush=True)
+        return call_features(call)
+
+    serve(lower)
 
 
 if __name__ == "__main__":

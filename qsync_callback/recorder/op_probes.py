@@ -9,10 +9,10 @@ a child Python process (made-up values can crash a native kernel: an RNN's backw
 forward's workspace, which a made-up tensor is not), which makes real tensors of those (random
 floats; zeros for integers and booleans, valid indices and masks), runs each op once to warm it
 and then `REPEATS` times, and keeps the least time. A crash loses only the op that crashed: the
-child is started again after it. Each result is an `OpSample` of the same schema as a recorded op's,
-so probes join the device's data set (`op_dataset.py`). Ops whose inputs exceed `MAX_PROBE_BYTES`,
-whose arguments JSON cannot hold, that fail on made-up values, or beyond the time allowed are left
-to the model.
+child is started again after it (`child_runner.py`). Each result is an `OpSample` of the same
+schema as a recorded op's, so probes join the device's data set (`op_dataset.py`). Ops whose
+inputs exceed `MAX_PROBE_BYTES`, whose arguments JSON cannot hold, that fail on made-up values, or
+beyond the time allowed are left to the model.
 
     python -m qsync_callback.recorder.op_probes   # the child: calls as JSON on stdin
 """
@@ -20,17 +20,14 @@ to the model.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from qsync_callback.child_runner import run_in_children, serve
 from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample, call_overload, call_values
 
 REPEATS = 3
@@ -89,55 +86,20 @@ def _run_call(call: dict, device: str) -> float:
     return best
 
 
-def _child() -> None:
-    """Time the calls given as JSON on stdin, one ``start i`` and one ``done i us`` (or ``failed
-    i``) line each on stdout."""
-    request = json.load(sys.stdin)
-    for i, call in enumerate(request["calls"]):
-        print(f"start {i}", flush=True)
-        try:
-            us = _run_call(call, request["device"])
-        except Exception:  # noqa: BLE001 - an op made-up values cannot run is left to the model
-            print(f"failed {i}", flush=True)
-            continue
-        print(f"done {i} {us}", flush=True)
-
-
 def probe(samples: Iterable[OpSample], device: str = "cpu", seconds: float = 5.0) -> list[OpSample]:
     """The calls of ``samples`` (those with one) timed on ``device`` in a child process (see the
     module docstring), within about ``seconds`` in all: each a copy of its sample with the time."""
     todo = [s for s in samples if s.call is not None and call_input_bytes(s.call) <= MAX_PROBE_BYTES]
-    deadline = time.monotonic() + seconds
     timed: dict[int, float] = {}
-    first = 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    while first < len(todo) and time.monotonic() < deadline:
-        request = {
-            "device": device,
-            "calls": [s.call for s in todo[first:]],
-        }
-        child = subprocess.Popen(
-            [sys.executable, "-m", "qsync_callback.recorder.op_probes"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )  # fmt: skip
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps(request))
-        child.stdin.close()
-        last = None
-        for line in child.stdout:
-            word, index, *rest = line.split()
-            last = first + int(index)
-            if word == "done":
-                timed[last] = float(rest[0])
-            if time.monotonic() > deadline:
-                child.kill()
-                break
-        child.wait()
-        if last is None:  # the child did not start: nothing more to try
-            break
-        first = last + 1  # after a crash, from the op after the one that crashed
+
+    def report(i: int, us: float | None) -> None:
+        if us is not None:
+            timed[i] = us
+
+    calls = [s.call for s in todo]
+    run_in_children(__name__, calls, time.monotonic() + seconds, report, {"device": device})
     return [dataclasses.replace(s, us=timed[i]) for i, s in enumerate(todo) if i in timed]
 
 
 if __name__ == "__main__":
-    _child()
+    serve(lambda call, request: _run_call(call, request["device"]))

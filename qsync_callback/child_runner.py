@@ -1,0 +1,79 @@
+"""Run a list of items through a child Python process that one of them may take down: the ops the
+estimate times alone (`recorder/op_probes.py`: made-up values can crash a native kernel) and the
+calls TVM lowers (`predictor/tvm_features.py`: TVM aborts on some).
+
+The parent (`run_in_children`) starts ``python -m <module>`` with the request as JSON on its stdin,
+``{"items": [...], **extra}``; the child (`serve`, called from that module's ``__main__``) handles the
+items in order and writes one ``start i`` line before each and one ``done i <result as JSON>`` (or
+``failed i``, when the handler raised) after it. A child that dies leaves a ``start`` without its end:
+that item is reported as None and a new child takes the items after it. At the deadline the child is
+killed and what is left is not reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+
+def run_in_children(
+    module: str,
+    items: Sequence[Any],
+    deadline: float,
+    report: Callable[[int, Any | None], None],
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Hand ``items`` to children running ``module`` until each is done or ``deadline`` (a
+    ``time.monotonic()`` time) passes; ``report(i, result)`` for each item done, ``report(i, None)``
+    for one that failed or took its child down."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    first = 0
+    while first < len(items) and time.monotonic() < deadline:
+        child = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+        assert child.stdin is not None and child.stdout is not None
+        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), child.kill)
+        timer.start()
+        try:
+            child.stdin.write(json.dumps({**(extra or {}), "items": list(items[first:])}))
+            child.stdin.close()
+        except BrokenPipeError:
+            pass
+        started = None  # the item the child is on
+        for line in child.stdout:
+            word, index, *rest = line.split(maxsplit=2)
+            started = first + int(index)
+            if word in ("done", "failed"):
+                report(started, json.loads(rest[0]) if word == "done" else None)
+                started = None
+        child.wait()
+        timer.cancel()
+        if started is None or time.monotonic() >= deadline:
+            return  # all done, or the child did not start; or the time ran out (not a failure)
+        report(started, None)  # the child died on it
+        first = started + 1
+
+
+def serve(handle: Callable[[Any, Mapping[str, Any]], Any]) -> None:
+    """The child's side: the request from stdin, ``handle(item, request)`` for each of its items,
+    the lines `run_in_children` reads on stdout. Anything else written to stdout (a library's own
+    prints) goes to stderr, so it cannot be taken for a line of the protocol."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    request = json.load(sys.stdin)
+    for i, item in enumerate(request["items"]):
+        print(f"start {i}", file=out, flush=True)
+        try:
+            result = handle(item, request)
+        except Exception:  # noqa: BLE001 - an item that cannot be handled is reported as failed
+            print(f"failed {i}", file=out, flush=True)
+            continue
+        print(f"done {i} {json.dumps(result)}", file=out, flush=True)
