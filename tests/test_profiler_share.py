@@ -81,6 +81,11 @@ def test_without_unprofiled_steps_or_a_share_the_loops_costs_stay():
     assert calibrate_on_steps(trace, [0.3]) == pytest.approx(
         {"in_step_ms": 0.215, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.215 / 0.515}
     )
-    # a trace without the figures (a TF trace, an older one) takes the loops' costs as they are
+    # ... and recorded steps faster than the unprofiled ones, with no loops' share, change nothing
+    # (a Horovod rank whose calibration found no per-event cost once divided by that 0 here)
+    assert calibrate_on_steps(trace, [0.9]) == pytest.approx(
+        {"in_step_ms": -0.385, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.0}
+    )
+    # a trace without the figures (an older one) takes the loops' costs as they are
     trace = _recorded([1], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
     assert (trace.own_us(trace.ops[0]), trace.gap_overhead_us(trace.ops[0])) == (490.0, 5.0)
