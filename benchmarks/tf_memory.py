@@ -141,7 +141,7 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         loops = [r["loops_only_error_pct"] for r in group if r.get("loops_only_error_pct") is not None]
         step_line = (
             f" Step time: |error| median {statistics.median(steps):.1f}% (calibrated on the run's own "
-            "timed calls, so close to 0 by construction)"
+            "timed calls: what recording added to the recorded ones is taken off)"
             + (
                 f"; with the calibration loops' per-event costs alone |error| median "
                 f"{statistics.median(abs(e) for e in loops):.1f}%, "
