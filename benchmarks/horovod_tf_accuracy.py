@@ -105,7 +105,8 @@ def read_row(
     measured, predicted = report["measured"]["step_ms"], report["predicted"]["step_ms"]
     steps = len(traces[0].steps)
     charged = [sum(op.overhead_us + op.gap_overhead_us for op in t.ops) / steps / 1e3 for t in traces]
-    for trace in traces:  # the same traces with no profiler overhead subtracted
+    for trace in traces:  # the same traces with no profiler overhead subtracted, nor calibrated
+        trace.measured.pop("profiler_share", None)
         for op in trace.ops:
             op.overhead_us = op.gap_overhead_us = 0.0
     uncorrected = predict(traces).step_ms

@@ -394,7 +394,7 @@ class TFRecorder:
 
 
 class ProfilerCalibration:
-    """What the TF profiler adds per recorded event on this machine, from two small ``tf.function``
+    """What the TF profiler adds per recorded event on this machine, from three small ``tf.function``
     loops, each timed as its best of `REPEATS` calls: outside a profiler session, both right before
     it starts and right after it stops (`time_plain`, the better of the two: the machine drifts), and
     inside it (`time_profiled`, each loop's calls in a ``qsync::calibration::<loop>`` range); `costs`
@@ -412,12 +412,11 @@ class ProfilerCalibration:
     three costs, solved by least squares with none negative (`overhead_per_event`). Each loop is
     dominated by the events of one kind, so each cost rests mostly on one loop. The loops run on the
     process's TF thread pools, as the step does; they are traced and warmed up when the calibration
-    is made. On the project's 2-core VM, over the 12 runs of session 7's
-    `benchmarks/horovod_tf_accuracy.py` table: an op event 0 to 2.3 us, another 1.4 to 8.5 us (the
-    two loops tell them apart poorly on a drifting machine); what they add up to per step is
-    steadier: 0.21 to 0.59 ms. An executor event costs about a tenth of a call's events (0.2-0.5 us
-    against 2.4-3.7 us, session 15): charged at the calls' cost, the GRU's 6,300 of them a step took
-    24 ms out of a 16 ms step.
+    is made. On the project's 2-core VM, over the 24 runs of session 15's
+    `benchmarks/horovod_tf_accuracy.py` table: an op event 0 to 4.4 us (median 1.7), an executor
+    event 0 to 0.71 us (median 0.39), a call's event 0 to 15.7 us (median 2.0); the loops tell the
+    kinds apart poorly on a drifting machine. Charged at a call's event's cost, as they were before
+    they had a kind of their own, a GRU's 6,300 executor events a step took 24 ms off a 16 ms step.
     """
 
     CHAIN = 32
