@@ -221,6 +221,27 @@ def test_steps_run_after_one_another_and_each_starts_holding_what_it_frees():
     assert allocator_peaks(step0 + step1, "mklcpu", 0) == {0: 11 * MiB, 1: 2 * MiB}
 
 
+def test_every_step_of_a_long_window_runs_after_another_and_each_frees_what_it_did_not_make():
+    """41 recorded steps (more than `ALLOCATOR_STEPS`): two rounds, so that the step drawn first runs
+    again after another; each frees two tensors no step kept: both held from its start, apart."""
+    lives = []
+    for step in range(41):
+        t = 100.0 * step
+        lives += [_life(step, 1, None, t + 5), _life(step, 1, None, t + 6), _life(step, 4, t + 1, t + 4)]
+    assert allocator_peaks(lives, "GPU_0_bfc", MiB) == dict.fromkeys(range(41), MiB + 4 * MiB)
+
+
+def test_two_tensors_a_step_frees_and_no_step_kept_are_held_apart_from_its_start():
+    """Step 1 frees a 2 MiB and a 1.5 MiB tensor no step kept: both are allocated as its run starts,
+    each under a key of its own; its 1.5 MiB request then reads 2.5 MiB over the start (1.5 MiB when
+    both went under one key and the first one's chunk stayed held, out of the step's reach)."""
+    lives = [
+        _life(0, 3, None, 25.0), _life(0, 3, None, 2.0), _life(0, 3, 17.0, 24.0), _life(0, 2, 30.0, 38.0),
+        _life(1, 2, None, 119.0), _life(1, 1.5, None, 117.0), _life(1, 1.5, 110.0, 112.0),
+    ]  # fmt: skip
+    assert allocator_peaks(lives, "mklcpu", 0) == {0: 0, 1: int(2.5 * MiB)}
+
+
 # ----------------------------------------------------------------------------- plans under a budget
 
 

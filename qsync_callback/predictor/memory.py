@@ -313,9 +313,9 @@ def allocator_peaks(lives: Sequence[TensorLife], allocator: str, in_use_bytes: i
 
     A step's peak is ``in_use_bytes`` plus the largest rise over its start among its runs after
     the first: the largest of the steps' peaks is the largest of `ALLOCATOR_STEPS` steps, as the
-    measured peak is the largest of the timed steps. On the 22 runs of `benchmarks/tf_memory.py`
-    of session 15, within 5% of TF's largest step in 19 (one recorded order per step repeated, as
-    before: 17)."""
+    measured peak is the largest of the timed steps. On 22 saved runs of `benchmarks/tf_memory.py`
+    (sessions 14 and 15), within 5% of TF's largest step in 19; each step's own order repeated and
+    the median taken, as before, 17."""
     by_step: dict[int, list[TensorLife]] = defaultdict(list)
     for life in lives:
         by_step[life.step].append(life)
@@ -341,7 +341,7 @@ def allocator_peaks(lives: Sequence[TensorLife], allocator: str, in_use_bytes: i
             if life.birth_us is None:
                 made_before[k] = kept[life.bytes].pop(0) if kept[life.bytes] else None
         for leftover in (key for keys in kept.values() for key in keys):
-            sim.free(leftover)  # kept by the run before, not freed in this step: freed at its end
+            sim.free(leftover)  # kept by the run before, not freed by this step: gone before it
         for k, key in made_before.items():
             if key is None:  # this step frees it, the run before did not keep one of its size
                 made_before[k] = (run, k)
@@ -359,7 +359,7 @@ def allocator_peaks(lives: Sequence[TensorLife], allocator: str, in_use_bytes: i
                 kept[life.bytes].append((run, k))
         if run:
             rises[step] = max(rises.get(step, 0), sim.peak_bytes_in_use - start)
-    return {step: in_use_bytes + rises.get(step, 0) for step in steps}
+    return {step: in_use_bytes + rises[step] for step in steps}  # each ran after the first run
 
 
 def unpredictable_peak(trace: Trace) -> str | None:
