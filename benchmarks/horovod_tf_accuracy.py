@@ -194,13 +194,13 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
     return "\n".join(lines)
 
 
-def horovod_arguments(description: str) -> argparse.ArgumentParser:
-    """The options every Horovod + TF benchmark takes (models, process counts, repeats, batch, out,
-    quick)."""
+def horovod_arguments(description: str, models: str = "mlp,cnn") -> argparse.ArgumentParser:
+    """The options every Horovod + TF benchmark takes (models, by default ``models``; process
+    counts, repeats, batch, out, quick)."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="mlp,cnn,gru,resnet")
+    parser.add_argument("--models", default=models)
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -277,7 +277,7 @@ def finish(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = horovod_arguments(__doc__)
+    parser = horovod_arguments(__doc__, models="mlp,cnn,gru,resnet")
     parser.add_argument(
         "--settings",
         default=EXAMPLE_DEFAULTS,
