@@ -105,8 +105,8 @@ def read_row(
     measured, predicted = report["measured"]["step_ms"], report["predicted"]["step_ms"]
     steps = len(traces[0].steps)
     charged = [sum(op.overhead_us + op.gap_overhead_us for op in t.ops) / steps / 1e3 for t in traces]
-    for trace in traces:  # the same traces with no profiler overhead subtracted, nor calibrated
-        trace.measured.pop("profiler_share", None)
+    share = profiler_share(traces, measured)  # takes the run's calibration out of the traces
+    for trace in traces:  # the same traces with no profiler overhead subtracted either
         for op in trace.ops:
             op.overhead_us = op.gap_overhead_us = 0.0
     uncorrected = predict(traces).step_ms
@@ -124,7 +124,7 @@ def read_row(
         "uncorrected_ms": uncorrected,
         "signed_error_pct": change_pct(predicted, measured),
         "uncorrected_error_pct": change_pct(uncorrected, measured),
-        **profiler_share(qsync / "trace", measured),
+        **share,
         "profiler_us_per_event": report["profiler_overhead_us"],
         "profiler_ms_per_step": max(charged),
     }

@@ -32,6 +32,7 @@ from runs import (
 )
 
 from qsync_callback.recorder.torch_recorder import window_close_step
+from qsync_callback.recorder.trace import load_trace_dir
 
 WARMUP_STEPS = 10
 PROFILE_STEPS = 5
@@ -131,7 +132,7 @@ def read_row(model: str, procs: int, repeat: int, run_dir: Path, wall_s: float) 
     keys = ("recorder_overhead_s", "profiled_extra_s", "warmup_extra_s", "total_cost_s", "pre_window_step_ms")
     costs = {key: max_present([c[key] for c in per_rank]) for key in keys}
     return {
-        **profiler_share(run_dir / "trace", measured.get("step_ms")),
+        **profiler_share(load_trace_dir(run_dir / "trace"), measured.get("step_ms")),
         "model": model,
         "procs": procs,
         "repeat": repeat,

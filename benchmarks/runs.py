@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.predictor.predict import predict
-from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.recorder.trace import Trace
 
 REPO = Path(__file__).resolve().parent.parent
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -223,12 +223,12 @@ def max_present(values: list[float | None]) -> float | None:
     return max(present) if present else None
 
 
-def profiler_share(trace_dir: Path, measured_ms: float | None) -> dict[str, float | None]:
+def profiler_share(traces: list[Trace], measured_ms: float | None) -> dict[str, float | None]:
     """What recording added to a recorded step (slowest rank's figures,
     `event_costs.calibrate_on_steps`) and the prediction with the calibration loops' per-event costs
-    alone (the share measured on the run's steps left out): its signed error shows the lean that the
-    run's own steps remove, and it is the recorded configuration's prediction out of sample."""
-    traces = load_trace_dir(trace_dir)
+    alone (the share measured on the run's steps left out, and taken out of ``traces``): its signed
+    error shows the lean that the run's own steps remove, and it is the recorded configuration's
+    prediction out of sample."""
     shares = [t.measured.get("profiler_share") or {} for t in traces]
     for trace in traces:
         trace.measured.pop("profiler_share", None)

@@ -36,6 +36,7 @@ from horovod_tf_accuracy import TIMEOUT_S, example_command
 from runs import bench_environment, profiler_share, range_noise_pct, stderr_tail, write_results
 
 from qsync_callback.jsonio import read_json
+from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import change_pct
 from qsync_callback.units import format_bytes
 
@@ -69,7 +70,7 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
         "peak_median_error_pct": change_pct(predicted["peak_bytes"], measured["peak_bytes_median"]),
         "step_ms": measured["step_ms"],
         "step_error_pct": change_pct(predicted["step_ms"], measured["step_ms"]),
-        **profiler_share(qsync / "trace", measured["step_ms"]),
+        **profiler_share(load_trace_dir(qsync / "trace"), measured["step_ms"]),
         "plan": None,
     }
     if (qsync / "verification.json").exists():
@@ -90,6 +91,24 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.1f}%"
+
+
+def _step_sentence(group: list[dict[str, Any]]) -> str:
+    """The step-time figures of a group of rows: calibrated on each run, and with the loops' costs alone."""
+    steps = [abs(r["step_error_pct"]) for r in group if r["step_error_pct"] is not None]
+    loops = [r["loops_only_error_pct"] for r in group if r.get("loops_only_error_pct") is not None]
+    if not steps:
+        return ""
+    sentence = (
+        f" Step time: |error| median {statistics.median(steps):.1f}% (calibrated on the run's own "
+        "timed calls: what recording added to the recorded ones is taken off)"
+    )
+    if loops:
+        sentence += (
+            f"; with the calibration loops' per-event costs alone |error| median "
+            f"{statistics.median(abs(e) for e in loops):.1f}%, signed mean {statistics.fmean(loops):+.1f}%"
+        )
+    return sentence + "."
 
 
 def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -> str:
@@ -137,28 +156,14 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         planned = (
             f"; plans' |peak error| median {statistics.median(plans):.1f}% over {len(plans)}" if plans else ""
         )
-        steps = [abs(r["step_error_pct"]) for r in group if r["step_error_pct"] is not None]
-        loops = [r["loops_only_error_pct"] for r in group if r.get("loops_only_error_pct") is not None]
-        step_line = (
-            f" Step time: |error| median {statistics.median(steps):.1f}% (calibrated on the run's own "
-            "timed calls: what recording added to the recorded ones is taken off)"
-            + (
-                f"; with the calibration loops' per-event costs alone |error| median "
-                f"{statistics.median(abs(e) for e in loops):.1f}%, "
-                f"signed mean {statistics.fmean(loops):+.1f}%."
-                if loops
-                else "."
-            )
-            if steps
-            else ""
-        )
         lines.append(
             f"\n{procs} process(es), {len(group)} runs: recorded configuration, |peak error| against the "
             f"largest step median {statistics.median(largest):.1f}% ({within} of {len(largest)} within "
             f"{TARGET_PCT:g}%), against the median step {statistics.median(median):.1f}%{planned}; "
             "step-to-step spread of the measured peak (largest - smallest over median): median "
             f"{spread:.1f}%; "
-            f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%." + step_line
+            f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%."
+            + _step_sentence(group)
         )
     lines += [f"\nFailed: {f}" for f in failures]
     return "\n".join(lines) + "\n"

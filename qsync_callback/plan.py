@@ -457,15 +457,11 @@ def buckets_around_regions(
     compiled region's parameters merged into one, so that no bucket boundary falls inside a region
     (`regions_split_by_buckets`)."""
     merged = [list(bucket) for bucket in buckets]
-    while True:
-        spans = [
-            [k for k, bucket in enumerate(merged) if any(_region_of(p, [[r]]) for p in bucket)]
-            for r in regions_split_by_buckets(merged, regions)
-        ]
-        if not spans:
-            return merged
-        first, last = min(spans[0]), max(spans[0])
+    while split := regions_split_by_buckets(merged, regions):
+        holding = [k for k, bucket in enumerate(merged) if any(p.startswith(split[0] + ".") for p in bucket)]
+        first, last = holding[0], holding[-1]
         merged[first : last + 1] = [[p for bucket in merged[first : last + 1] for p in bucket]]
+    return merged
 
 
 def _describe(value: Any) -> str:

@@ -80,8 +80,8 @@ OPTIMIZER_SCOPES = (
     "LossScaleOptimizer",
 )
 # what one recorded event costs, by kind: "op" an op's execution (a TF op event, an async op's
-# launch or completion), "other" the runtime around them (the executor's and the eager runtime's
-# events, a function call's, allocations, Python-level marks)
+# launch or completion), "executor" the executor's own bookkeeping (`EXECUTOR_EVENTS`), "other" the
+# runtime around them (the eager runtime's events, a function call's, allocations, Python-level marks)
 EVENT_KINDS = ("op", "executor", "other")
 # the executor's own bookkeeping events, fixed names: one per batch of ready ops it runs, inline ones
 # (cheap ops, which get no event of their own) included, and one per parallel loop inside an op. A
