@@ -47,6 +47,7 @@ from qsync_callback.predictor.compiled_regions import (
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.replay import replay
+from qsync_callback.predictor.tensor_fusion import collective_tensors
 
 from tracebuilder import op, trace
 
@@ -655,6 +656,88 @@ def test_choose_regions_searches_exhaustively_up_to_the_limit_then_by_mcmc():
     search = RegionSearch(predictor.graphs[0], predictor.fusion_costs, 10**6)
     assert over.search["value_s"] == pytest.approx(search.value([region.module for region in over.chosen]))
     assert over.search["value_s"] > 0 and over.plan is not None
+
+
+# Two DDP ranks of `model_trace`'s two blocks after a 53 ms matmul: each block's fc gradients go in a
+# bucket of their own, all-reduced (100 us) once its AccumulateGrad is done; the optimizer waits for
+# both. The op ids: 0 the matmul, 1-10 the forwards, 11-16 b1's backward (15 its fc's AccumulateGrad,
+# 16 its layer norm's backward, the block's last), 17-22 b0's (21 and 22).
+DDP_REGION_GRADIENTS = {"b1.fc.weight": 4000, "b1.fc.bias": 400, "b0.fc.weight": 4000, "b0.fc.bias": 400}
+
+
+def _ddp_region_rank(rank: int):
+    forward, backward = [], []
+    for name in ("b0", "b1"):
+        f, b = block_specs(name, SLOW)
+        forward += f
+        backward = b + backward
+    ops, end = _ops([("aten::mm", "forward", 53000.0, 1.0, None, X), *forward, *backward])
+    for o in ops:
+        o.layer = o.module if o.module and o.module.count(".") == 1 else None  # b0.fc, b0.ln: layers
+
+    def bucket(names):
+        tensors = [
+            {"name": n, "variable": n, "bytes": DDP_REGION_GRADIENTS[n], "dtype": "float32", "layer": n[:5]}
+            for n in names
+        ]
+        return {"op": "all_reduce", "bytes": sum(t["bytes"] for t in tensors), "tensors": tensors}
+
+    buckets = [["b1.fc.weight", "b1.fc.bias"], ["b0.fc.weight", "b0.fc.bias"]]
+    launches = [15, 21]
+    for k, (names, launch) in enumerate(zip(buckets, launches, strict=True)):
+        start = ops[launch].start_us + ops[launch].dur_us
+        ops.append(
+            op(
+                23 + k,
+                "gloo:all_reduce",
+                "comm",
+                f"comm:{k}",
+                start,
+                100.0,
+                deps=[launch],
+                collective=bucket(names),
+            )
+        )
+    ops.append(op(25, "Optimizer.step", "update", "main", end + 110.0, 40.0, deps=[23, 24]))
+    communication = {
+        "library": "ddp",
+        "buckets": [bucket(names)["tensors"] for names in buckets],
+        "allreduce_us": {"bytes": [0, 1000], "us": [50.0, 150.0]},
+    }
+    recorded = {"compiled_regions": {"steps_left": 10**6}} if rank == 0 else {}
+    return trace(ops, end + 160.0, rank=rank, world_size=2, host="h", communication=communication, **recorded)
+
+
+def test_a_compiled_regions_gradients_are_ready_when_its_backward_ends():
+    graph = build_global_graph([_ddp_region_rank(0), _ddp_region_rank(1)], 0)
+
+    def launches(g):
+        return {t.name: t.launch for t in collective_tensors(g, replay(g).end)}
+
+    eager = launches(graph)
+    assert eager["b1.fc.weight"] == eager["b1.fc.bias"] == ("r0/15", "r1/15")  # fc's AccumulateGrad
+    assert eager["b0.fc.weight"] == ("r0/21", "r1/21")
+    compiled = launches(apply_regions(graph, ["b1"], FITTED))
+    # b1's region: its backward ends with its layer norm's (16), after its fc's AccumulateGrad
+    assert compiled["b1.fc.weight"] == compiled["b1.fc.bias"] == ("r0/16", "r1/16")
+    assert compiled["b0.fc.weight"] == compiled["b0.fc.bias"] == ("r0/21", "r1/21")  # not compiled
+    both = launches(apply_regions(graph, ["b1", "b0"], FITTED))
+    assert both["b0.fc.weight"] == ("r0/22", "r1/22") and both["b1.fc.bias"] == ("r0/16", "r1/16")
+
+
+def test_regions_on_a_bucket_plan_merge_the_buckets_they_would_split(short_walks):
+    predictor = Predictor([_ddp_region_rank(0), _ddp_region_rank(1)])
+    base = Plan(buckets=[["b1.fc.weight"], ["b1.fc.bias", "b0.fc.weight", "b0.fc.bias"]])
+    choice = choose_regions(predictor, base)
+    assert [region.module for region in choice.chosen] == ["b0", "b1"]
+    # b1's gradients come out of its compiled backward together: one bucket from b1's to b0's
+    assert choice.plan.buckets == [["b1.fc.weight", "b1.fc.bias", "b0.fc.weight", "b0.fc.bias"]]
+    assert choice.plan.fused_regions == [["b0"], ["b1"]]
+    assert choice.prediction == predictor.predict(choice.plan)
+    assert base.buckets == [["b1.fc.weight"], ["b1.fc.bias", "b0.fc.weight", "b0.fc.bias"]]  # left alone
+    # on the recorded buckets, which split no block, the plan keeps them
+    recorded = Plan(buckets=[["b1.fc.weight", "b1.fc.bias"], ["b0.fc.weight", "b0.fc.bias"]])
+    assert choose_regions(predictor, recorded).plan.buckets == recorded.buckets
 
 
 def test_probe_errors_compare_the_model_with_each_probe_that_measured_both_times(short_walks):

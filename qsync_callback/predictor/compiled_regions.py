@@ -491,11 +491,14 @@ def apply_regions(graph: nx.DiGraph, regions: Sequence[str], costs: FusionCosts)
     take none, each fused chain's time goes to its first op (the rest take none), the gaps between the
     region's ops go, and the region's own cost goes to its first op in each direction; the parts of
     a region with the ops of a module compiled during the warm-up (`measured_parts`) have their ops
-    and gaps scaled by that one's measured ratio instead."""
+    and gaps scaled by that one's measured ratio instead. Each backward op of a region is marked with
+    its ``region`` (its gradients are ready when the region's backward ends: `tensor_fusion.py`)."""
     out = graph.copy()
     measured = measured_ratios(graph, costs)
     for module in regions:
         for forward, backward in region_nodes(graph, module).values():
+            for n in backward:
+                out.nodes[n]["region"] = module
             parts = measured_parts(graph, module, forward, measured)
             measured_fwd, rest_fwd = _split_measured(graph, parts, forward)
             measured_bwd, rest_bwd = _split_measured(graph, parts, backward)

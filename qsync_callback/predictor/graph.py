@@ -15,7 +15,9 @@ Node attributes:
 - ``gap``: microseconds the queue sat idle before the op once everything it waits for was done
   (host work between ops: Python, the dispatcher), less the profiler's share;
 - ``kind``, ``name``, ``layer``, ``module`` (the innermost module that ran it: `Op`), ``rank``,
-  ``bytes``, ``collective``, ``op_id``, and ``shapes`` and ``dtypes`` (its inputs', as recorded).
+  ``bytes``, ``collective``, ``op_id``, and ``shapes`` and ``dtypes`` (its inputs', as recorded);
+- ``region``, on a plan's graph only: the compiled region a backward op is part of
+  (`compiled_regions.apply_regions`).
 
 Edges: queue order (``kind="order"``) and waits across queues (``kind="dep"``): a collective waits
 for the op that launched it, the op that consumes a collective waits for it, and a rank's step end

@@ -160,13 +160,28 @@ def _tensors(graph: nx.DiGraph) -> list[CollectiveTensor]:
 
 
 def _last_backward(graph: nx.DiGraph) -> dict[tuple[str, int], str]:
-    """The last recorded backward op of each (layer, rank)."""
+    """The op after which each (layer, rank)'s gradients are ready: its last recorded backward op or,
+    for a layer inside a compiled region (the ops `compiled_regions.apply_regions` marks with their
+    ``region``), the region's last backward op where that is later. A compiled region's backward is
+    one graph: its parameters' gradients all come out at its end."""
+
+    def later(node: str, than: str | None) -> bool:
+        return than is None or graph.nodes[node]["recorded_start"] > graph.nodes[than]["recorded_start"]
+
     out: dict[tuple[str, int], str] = {}
+    region_ends: dict[tuple[str, int], str] = {}
     for node, attrs in graph.nodes(data=True):
-        if attrs["kind"] == "backward" and attrs["layer"] is not None:
-            key = (attrs["layer"], attrs["rank"])
-            if key not in out or attrs["recorded_start"] > graph.nodes[out[key]]["recorded_start"]:
-                out[key] = node
+        if attrs["kind"] != "backward":
+            continue
+        layer, region, rank = attrs["layer"], attrs.get("region"), attrs["rank"]
+        if layer is not None and later(node, out.get((layer, rank))):
+            out[layer, rank] = node
+        if region is not None and later(node, region_ends.get((region, rank))):
+            region_ends[region, rank] = node
+    for (layer, rank), node in out.items():
+        for (region, r), end in region_ends.items():
+            if r == rank and (layer == region or layer.startswith(region + ".")) and later(end, node):
+                out[layer, rank] = end
     return out
 
 
