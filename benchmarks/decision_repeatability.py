@@ -3,21 +3,24 @@ step time against the step time measured under it, and whether the launches deci
 
 Each launch is a fresh process running a real one-process ``Trainer.fit`` of a model from
 ``models.py`` with ``QSyncCallback(mode="apply", plan_cache=False)`` (its default target: the
-fastest plan within 5%; ``--memory-budget 85%`` adds a budget, with ``best_effort=True``), the way a
-user adds it: the callback records, plans, applies the plan,
-records again and keeps the plan or rolls it back (`verify.py`). From each launch's
-``verification.json`` the script takes the plan (its layers' precisions), the predicted and the
-measured step time under it (the verified error: a real prediction, made before the plan ran), the
-change against the baseline between the two windows and, decided on, the change measured with the
-baseline and the plan run in turns (`alternation.py`), each with its noise, the change predicted
-(against the recorded configuration's prediction: the drift between the windows does not enter
-it), and the decision with its reason. The
-decision is one of: faster (kept), slower (rolled back), could not tell (then the cheaper
-configuration is kept), needed for the memory budget, loss not finite; or nothing to apply (the
-planner kept the recorded configuration). Launches of one model agree when they reach the same one.
+fastest plan within 5%; ``--memory-budget 85%`` adds a budget, with ``best_effort=True``; ``--levers
+activation`` limits what it may change), the way a user adds it: the callback records, plans,
+applies the plan, records again and keeps the plan or rolls it back (`verify.py`). From each
+launch's ``verification.json`` the script takes the plan (its layers' precisions and its modules'
+activation policies), the predicted and the measured step time under it (the verified error: a real
+prediction, made before the plan ran), the change against the baseline between the two windows and,
+decided on, the change measured with the baseline and the plan run in turns (`alternation.py`), each
+with its noise, the change predicted (against the recorded configuration's prediction: the drift
+between the windows does not enter it), and the decision with its reason. The decision is one of:
+faster (kept), slower (rolled back), could not tell (then the cheaper configuration is kept), needed
+for the memory budget, loss not finite; or nothing to apply (the planner kept the recorded
+configuration). Launches of one model agree when they reach the same one.
+A plan with activation policies (recompute, offload) costs step time: its predicted change against
+the change measured in turns is that cost predicted against measured, with no drift between
+processes or windows in it.
 
     python benchmarks/decision_repeatability.py [--models resnet,gru,attention] [--launches 3]
-        [--memory-budget 85%] [--quick] [--out benchmarks/results]
+        [--memory-budget 85%] [--levers activation] [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ MAX_STEPS = 150
 NOTHING_TO_APPLY = "nothing to apply"
 
 
-def run_worker(model: str, run_dir: Path, memory_budget: str) -> None:
+def run_worker(model: str, run_dir: Path, memory_budget: str, levers: str) -> None:
     """One launch (in a subprocess)."""
     from qsync_callback.integrations.lightning import QSyncCallback
 
-    budget = {"memory_budget": memory_budget, "best_effort": True} if memory_budget else {}
-    callback = QSyncCallback(mode="apply", plan_cache=False, output_dir=run_dir, **budget)
+    options: dict[str, Any] = {"memory_budget": memory_budget, "best_effort": True} if memory_budget else {}
+    if levers:
+        options["levers"] = tuple(levers.split(","))
+    callback = QSyncCallback(mode="apply", plan_cache=False, output_dir=run_dir, **options)
     timed_fit(get_model(model), MAX_STEPS, [callback])
 
 
@@ -77,7 +82,8 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
         "launch": launch_no,
         "verified": True,
         "planned": True,
-        "plan": precision_counts(v["plan"].get("precision") or {}),
+        "plan": describe(v["plan"]),
+        "activation": v["plan"].get("activation") or {},
         "predicted_step_ms": predicted,
         "measured_step_ms": measured,
         "measured_noise_pct": v["measured"].get("step_ms_noise_pct"),
@@ -93,6 +99,19 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
         "outcome": outcome(v["reason"]),
         "reason": v["reason"],
     }
+
+
+def describe(plan: dict[str, Any]) -> str:
+    """A plan's layers by precision and its modules' activation policies, in a few words."""
+    policies = [f"{module} {policy}" for module, policy in sorted((plan.get("activation") or {}).items())]
+    precision = precision_counts(plan.get("precision") or {}) if plan.get("precision") or not policies else ""
+    return ", ".join(filter(None, [precision, *policies]))
+
+
+def cost_error_pct(row: dict[str, Any]) -> float:
+    """A plan's step-time cost predicted against measured in turns (both changes against the
+    recorded configuration), in percent of the measured cost."""
+    return 100.0 * (row["predicted_change_pct"] / row["change_pct"] - 1)
 
 
 def turns_error_pct(row: dict[str, Any]) -> float:
@@ -149,6 +168,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"the same round): median |error| {statistics.median(map(abs, errors)):.1f}%, mean "
             f"{statistics.fmean(errors):+.1f}%."
         )
+    costs = [r for r in in_turns if r.get("activation") and r["change_pct"] > 0]
+    if costs:
+        errors = [cost_error_pct(r) for r in costs]
+        noise = [100 * r["noise_pct"] / r["change_pct"] for r in costs]
+        lines.append(
+            f"Plans with activation policies: their cost (the change in turns) predicted against measured: "
+            f"median |error| {statistics.median(map(abs, errors)):.0f}% over {len(errors)} launches, range "
+            f"{min(errors):+.0f}% to {max(errors):+.0f}%; the measured cost's own noise: median "
+            f"+-{statistics.median(noise):.0f}% of it."
+        )
     lines.append(
         f"Launches of one model that reach the same outcome: {len(agree)} of {len(models)} models"
         + (f" ({', '.join(agree)})" if agree else "")
@@ -162,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="resnet,gru,attention")
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--memory-budget", default="", help="e.g. 85%% (with best effort); default none")
+    parser.add_argument("--levers", default="", help="e.g. activation; default every lever")
     parser.add_argument("--quick", action="store_true", help="smoke run: resnet, 2 launches")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
@@ -169,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        run_worker(args.worker, args.worker_dir, args.memory_budget)
+        run_worker(args.worker, args.worker_dir, args.memory_budget, args.levers)
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     launches = args.launches
@@ -178,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         get_model(name)  # fail fast on a bad name
     say_allocator()
-    env = bench_environment(memory_budget=args.memory_budget or None, launches=launches)
+    env = bench_environment(
+        memory_budget=args.memory_budget or None, levers=args.levers or None, launches=launches
+    )
     script = Path(__file__).resolve()
     rows = []
     for launch_no in range(1, launches + 1):  # interleaved: launch 1 of every model, then launch 2...
@@ -186,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.out / "decision_runs" / f"{model}-l{launch_no}"
             print(f"[benchmark] {model} launch {launch_no} ...", file=sys.stderr, flush=True)
             worker_args = ["--worker", model, "--worker-dir", str(run_dir.resolve())]
-            launch(script, [*worker_args, f"--memory-budget={args.memory_budget}"], run_dir, args.timeout)
+            options = [f"--memory-budget={args.memory_budget}", f"--levers={args.levers}"]
+            launch(script, [*worker_args, *options], run_dir, args.timeout)
             rows.append(read_launch(model, launch_no, run_dir))
     rows.sort(key=lambda r: (models.index(r["model"]), r["launch"]))
     write_results(args.out, "decision_repeatability", markdown(rows), {"environment": env, "rows": rows})

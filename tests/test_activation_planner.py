@@ -1,7 +1,8 @@
 """The activation planner against enumeration on hand-written steps of several residual blocks of
 random sizes: the MILP's plan is the fastest that fits, a budget nothing meets gets the least peak,
 the greedy keeps only what lowers the peak, in its order of bytes freed per microsecond; plans on
-top of a precision plan (no policy for a lowered layer's module, every plan priced at the precision);
+top of a precision plan (a lowered layer's saved bytes away with its module's, every plan priced at the
+precision);
 and the planner's small pieces (`_at`, `_chains`, `_solve`, `_moments`: the moments it leaves out
 never decide whether a plan fits)."""
 
@@ -383,40 +384,61 @@ def test_the_greedy_passes_over_a_modules_second_policy_and_goes_on_to_the_next_
     assert [(o.module, o.policy) for o in choice.options] == [(o.module, o.policy) for o in options]
 
 
-def _probed_blocks(lowered):
-    """Two blocks whose ``lowered`` layers have a bf16 probe (faster, with half the saved bytes)."""
-    step = _blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30])
+def _probed_blocks(lowered, offload=False):
+    """Two blocks whose ``lowered`` layers have a bf16 probe (faster, saving 75 units: 25 more than
+    the 50 the recording freed in their backward)."""
+    step = _blocks_step([(100, 200, 50), (150, 100, 80)], [10, 30], offload=offload)
     probe = _layer({"fp32": _probe(30, 8, 150 * KIB), "bf16": _probe(10, 4, 75 * KIB)})
     step.precision_costs = {"casts": {}, "layers": dict.fromkeys(lowered, probe)}
     return Predictor([step])
 
 
-def test_no_policy_for_a_module_with_a_lowered_layer_and_every_plan_priced_at_its_precision():
-    predictor = _probed_blocks(["b1.l1"])
-    modules = {o.module for o in activation_options(predictor, {})[0]}
-    assert modules == {"b0", "b1"}
-    assert {o.module for o in activation_options(predictor, {"b1.l1": "fp32"})[0]} == modules
+def _alive(predictor, precision, activation, at_us):
+    """Units alive right after ``at_us`` in the plan's memory curve."""
+    times, level = predictor.curves[0].levels(predictor.extra_lives(precision, activation)[0])[0]
+    return _at((times, level), np.array([at_us]))[0] / KIB
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_a_policy_on_a_module_with_a_lowered_layer_prices_what_it_saves_at_the_precision(policy):
+    """b1.l1 at bf16 saves 25 units more than recorded, from its forward's end (52) until its
+    backward lets them go (115). With a policy on b1 what it saves is away from b1's forward start
+    (22) until b1's backward begins (99): the 25 go with it and come back then. b1's own A (150)
+    and B (100) are gone after their consumers (82, 84) and back at 99; C0 (50, b1's input) stays."""
+    predictor = _probed_blocks(["b1.l1"], offload=policy == "offload")
     precision = {"b1.l1": "bf16"}
-    assert {o.module for o in activation_options(predictor, precision)[0]} == {"b0"}
-    lowered = predictor.predict(Plan(precision=precision))
-    assert lowered != predictor.predict()  # the precision changes the figures
-    for budget in (lowered.peak_bytes - 1, 1):  # met by the MILP's first plan; nothing meets it
-        for plan in (exact_activation, greedy_activation):
-            choice = plan(predictor, precision, budget)
-            assert choice.activation == {"b0": "recompute"} and choice.feasible == (budget > 1)
-            assert choice.prediction == predictor.predict(
-                Plan(precision=precision, activation=choice.activation)
-            )
-            assert choice.prediction != predictor.predict(Plan(activation=choice.activation))
+    # offloading b1.l1 alone writes out what it saves at bf16: the 25 over the recording
+    single = {"b1.l1"} if policy == "offload" else set()
+    assert {o.module for o in activation_options(predictor, precision)[0]} == {"b0", "b1"} | single
+    both = {"b1": policy}
+    # 60: the recording's 600 (A0 100, B0 200, C0 50, A1 150, B1 100), +25 at bf16 without a policy
+    assert _alive(predictor, precision, {}, 60) == 625 and _alive(predictor, precision, both, 60) == 600
+    # 90: C1 (80) made, A1 and B1 gone with the policy: 680 - 250, the 25 away too
+    assert _alive(predictor, precision, {}, 90) == 705 and _alive(predictor, precision, both, 90) == 430
+    # 100: C1 freed (98), A1 and B1 back, and the 25 with them
+    assert _alive(predictor, precision, both, 100) == 625 == _alive(predictor, {}, both, 100) + 25
+    assert predictor.predict(Plan(precision=precision, activation=both)).peak_bytes == 625 * KIB
+    assert predictor.predict(Plan(precision=precision)).peak_bytes == 705 * KIB
 
 
-def test_with_every_block_lowered_the_least_peak_is_the_precision_plan_alone():
-    predictor = _probed_blocks(["b0.l1", "b1.l1"])
+def test_on_a_precision_plan_the_milp_sees_each_option_as_the_predictor_prices_it():
+    """Every block lowered: each option's memory rows on top of the precision plan peak where the
+    predictor's estimate of the plan with that option does, and the MILP's plan meets a budget
+    below the precision plan's peak, priced at its precision."""
+    predictor = _probed_blocks(["b0.l1", "b1.l1"], offload=True)
     precision = {"b0.l1": "bf16", "b1.l1": "bf16"}
-    assert activation_options(predictor, precision)[0] == []
-    choice = exact_activation(predictor, precision, 1)
-    assert not choice.feasible and choice.activation == {}
-    assert choice.prediction == predictor.predict(Plan(precision=precision)) != predictor.predict()
+    options, _ = activation_options(predictor, precision)
+    blocks = {(m, p) for m in ("b0", "b1") for p in ("recompute", "offload")}
+    assert {(o.module, o.policy) for o in options} == blocks | {("b1.l1", "offload")}  # b0.l1 holds nothing
+    for option in options:
+        rows, room = _moments(predictor, precision, [option], 0)
+        alone = predictor.estimate(precision, {option.module: option.policy})
+        assert (rows[:, 0] - room).max() == alone.peak_bytes
+    lowered = predictor.predict(Plan(precision=precision))
+    choice = exact_activation(predictor, precision, lowered.peak_bytes - 100 * KIB)
+    assert choice.feasible and choice.activation
+    assert choice.prediction == predictor.predict(Plan(precision=precision, activation=choice.activation))
+    assert choice.prediction.peak_bytes <= lowered.peak_bytes - 100 * KIB
 
 
 def test_an_offload_whose_copies_have_time_to_move_costs_under_a_microsecond_unrounded():

@@ -4,10 +4,10 @@ for the least predicted step time: G10's "offload what has time to move, recompu
 Every module that holds recorded layers is a candidate (`predictor.activation.module_layers`),
 except those the recorder refused (with the reason: `Trace.activation_costs["refused"]`), those
 that saved nothing either policy frees, and one that holds another with a policy (a policy covers
-what is inside it). Offload is a candidate only where the trace carries the store's fitted copy cost,
-and no policy for a module with a layer the precision plan lowers (the pricing takes the tensors it
-saves from the fp32 recording; at another precision they differ, and the benchmark measured such
-plans over their budget).
+what is inside it). Offload is a candidate only where the trace carries the store's fitted copy cost.
+A module with a layer the precision plan lowers takes a policy too: its memory is priced at the
+plan's precision (`Predictor.activation_lives`), its recompute at the plan's op times; its copies
+are priced at the recorded bytes, which a lower precision halves or quarters (the price errs high).
 
 - **Costs**, per (module, policy), from one replay of the plan they are added to: a recompute costs
   its forward's time again (`ActivationPricing.recompute_us`); an offload costs the wait of its
@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from qsync_callback.plan import FULL_PRECISION, OFFLOAD, RECOMPUTE, Plan, module_layers
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan
 from qsync_callback.predictor.activation import nested_pairs
+from qsync_callback.predictor.memory import merged_events
 from qsync_callback.predictor.predict import Prediction, Predictor
 
 NOTHING_TO_FREE = "saves nothing either policy could free"
@@ -74,17 +75,18 @@ class ActivationChoice:
 
 
 def _changes(
-    predictor: Predictor, activation: Mapping[str, str], joined: bool = False
+    predictor: Predictor, precision: Mapping[str, str], activation: Mapping[str, str], joined: bool = False
 ) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """Per rank position and step: the times of ``activation``'s synthetic tensors' events and the
-    change of the bytes alive right after each; ``joined``: an offload as if the module after it
-    were offloaded too (what it frees in any plan it joins, `ActivationPricing.lives`)."""
+    """Per rank position and step: the times of ``activation``'s synthetic tensors' events on top of
+    ``precision`` and the change of the bytes alive right after each; ``joined``: an offload as if
+    the module after it were offloaded too (what it frees in any plan it joins,
+    `ActivationPricing.lives`)."""
     out = []
-    for rank_events in predictor.activation.lives(activation, neighbours_offloaded=joined):
+    for rank_events in predictor.activation_lives(precision, activation, neighbours_offloaded=joined):
         steps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for events in rank_events:
-            for step, (times, deltas, _) in events.items():
-                steps[step] = (times, np.add.accumulate(deltas))
+        for step in sorted(set().union(*rank_events)):
+            times, deltas, _ = merged_events(None, [events[step] for events in rank_events if step in events])
+            steps[step] = (times, np.add.accumulate(deltas))
         out.append(steps)
     return out
 
@@ -104,7 +106,6 @@ def activation_options(
     left out with the reason."""
     trace = predictor.traces[0]
     refused = dict(trace.activation_costs.get("refused", {}))
-    members = module_layers(layer["name"] for layer in trace.layers)
     policies = [RECOMPUTE] + (
         [OFFLOAD] if all("copy" in t.activation_costs for t in predictor.traces) else []
     )
@@ -122,18 +123,17 @@ def activation_options(
         if not any(span.inside or span.held for span in saved):
             refused[name] = NOTHING_TO_FREE
             continue
-        lowered = any(precision.get(layer, FULL_PRECISION) != FULL_PRECISION for layer in members[name])
         for policy in policies:
             if policy == RECOMPUTE and not any(span.inside for span in saved):
                 continue
-            if lowered:  # what it saves at that precision is not priced with a policy on top
-                continue
-            changes = _changes(predictor, {name: policy})
+            changes = _changes(predictor, precision, {name: policy})
             freed = -min((float(c[1].min()) for steps in changes for c in steps.values()), default=0.0)
             if freed <= 0:
                 continue
             cost = predictor.estimate(precision, {name: policy}).step_ms - base.step_ms
-            joined = _changes(predictor, {name: policy}, joined=True) if policy == OFFLOAD else changes
+            joined = (
+                _changes(predictor, precision, {name: policy}, joined=True) if policy == OFFLOAD else changes
+            )
             options.append(Option(name, policy, max(0.0, cost * 1e3), changes, joined, int(freed)))
     return options, refused
 

@@ -415,6 +415,34 @@ class ActivationPricing:
             out.append(rank_events)
         return out
 
+    def away(
+        self, activation: Mapping[str, str], k: int, neighbours_offloaded: bool = False
+    ) -> dict[tuple[int, str], tuple[float, float]]:
+        """Per (step, module) of ``activation`` at rank position ``k``: from the start of the
+        module's forward, whose saved tensors are dropped (recompute) or written out (offload) as
+        they are saved, until they are back (the recompute makes them again, or their copy back is
+        asked for; ``neighbours_offloaded`` as in `lives`). On CUDA a copy out ends a little later."""
+        out: dict[tuple[int, str], tuple[float, float]] = {}
+        steps = sorted({step for step, _ in self._spans[k]})
+        for step in steps:
+            offloaded = self._offloaded(activation, k, step)
+            asked: dict[str, float] = {}
+            if offloaded:
+                followers = self._followers(k, step, offloaded) if neighbours_offloaded else None
+                _, asked = self._copy_requests(
+                    offloaded,
+                    self._traces[k].activation_costs["copy"],
+                    lambda op, start: op.start_us if start else op.end_us,
+                    followers,
+                )
+            for name, policy in activation.items():
+                span = self._spans[k].get((step, name))
+                if span is None or policy not in (RECOMPUTE, OFFLOAD):
+                    continue
+                back = span.first_backward.start_us - _REMADE_US if policy == RECOMPUTE else asked[name]
+                out[(step, name)] = (span.forward[0].start_us, back)
+        return out
+
     def _followers(
         self, k: int, step: int, offloaded: Sequence[tuple[str, ModuleSpan]]
     ) -> dict[str, ModuleSpan]:

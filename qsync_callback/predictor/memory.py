@@ -234,7 +234,9 @@ class MemoryCurve:
         step_peaks: dict[int, int] = {}
         peak, peak_step, peak_at = resident, None, None
         for step in sorted(set(self._steps).union(*extra)):
-            _, deltas, categories = _merged(self._steps.get(step), [e[step] for e in extra if step in e])
+            _, deltas, categories = merged_events(
+                self._steps.get(step), [e[step] for e in extra if step in e]
+            )
             level = np.add.accumulate(np.concatenate(([resident], deltas)))[1:]
             candidates = np.where(deltas > 0, level, -np.inf)
             top = int(np.argmax(candidates))
@@ -257,7 +259,7 @@ class MemoryCurve:
         included), with the tensors of ``extra`` merged in as `predict` merges them."""
         out = {}
         for step in sorted(set(self._steps).union(*extra)):
-            times, deltas, _ = _merged(self._steps.get(step), [e[step] for e in extra if step in e])
+            times, deltas, _ = merged_events(self._steps.get(step), [e[step] for e in extra if step in e])
             out[step] = (times, self._resident + np.add.accumulate(deltas))
         return out
 
@@ -283,7 +285,7 @@ def lifetime_events(lives: Sequence[TensorLife]) -> dict[int, Events]:
     return events
 
 
-def _merged(base: Events | None, extra: Sequence[Events]) -> Events:
+def merged_events(base: Events | None, extra: Sequence[Events]) -> Events:
     """The events of ``base`` and ``extra`` in one list sorted by time, then change; at equal time
     and change, ``base`` first."""
     parts = [base, *extra] if base is not None else list(extra)

@@ -427,6 +427,16 @@ class PrecisionLives:
             out.append(self._events[move])
         return out
 
+    def saved(self, precision: Mapping[str, str]) -> list[TensorLife]:
+        """The synthetic tensors of ``precision`` that stand for the change in what its layers save
+        for backward (category ``activations``, each with its ``layer``)."""
+        return [
+            life
+            for move in plan_moves(self.trace, precision)
+            for life in self._lives(move)
+            if life.category == "activations"
+        ]
+
     def _lives(self, move: LayerMove) -> list[TensorLife]:
         """The synthetic tensors of ``move`` (see the class docstring)."""
         layer = move.layer

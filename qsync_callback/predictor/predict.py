@@ -37,7 +37,7 @@ from qsync_callback.predictor.compiled_regions import (
     fit_fusion_costs,
 )
 from qsync_callback.predictor.graph import build_global_graph
-from qsync_callback.predictor.memory import MemoryCurve, tensor_lifetimes
+from qsync_callback.predictor.memory import MemoryCurve, TensorLife, lifetime_events, tensor_lifetimes
 from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan, op_type_lives
 from qsync_callback.predictor.precision import (
     PrecisionDurations,
@@ -239,11 +239,38 @@ class Predictor:
     def extra_lives(self, precision: Mapping[str, str], activation: Mapping[str, str]) -> list[list[dict]]:
         """Per rank: the synthetic tensors of a precision and activation plan (`MemoryCurve.predict`'s
         ``extra``)."""
-        acting = _acting(activation)
-        extras = self.activation.lives(acting) if acting else [[] for _ in self._precision_lives]
+        extras = self.activation_lives(precision, activation)
         return [
             [*lives(precision), *extra] for lives, extra in zip(self._precision_lives, extras, strict=True)
         ]
+
+    def activation_lives(
+        self, precision: Mapping[str, str], activation: Mapping[str, str], neighbours_offloaded: bool = False
+    ) -> list[list[dict]]:
+        """Per rank: the synthetic tensors ``activation`` adds on top of ``precision``
+        (`ActivationPricing.lives`, ``neighbours_offloaded`` as there). A layer ``precision``
+        changes inside a module with a policy saves the precision's bytes, not the recorded ones
+        (`PrecisionLives.saved`); while the module's tensors are away (`ActivationPricing.away`) it
+        saves nothing, so that change is taken away then too."""
+        acting = _acting(activation)
+        if not acting:
+            return [[] for _ in self._precision_lives]
+        out = []
+        for k, rank_events in enumerate(self.activation.lives(acting, neighbours_offloaded)):
+            away = self.activation.away(acting, k, neighbours_offloaded)
+            taken = []
+            for life in self._precision_lives[k].saved(precision):
+                for (step, module), (gone, back) in away.items():
+                    inside = life.layer == module or life.layer.startswith(module + ".")
+                    start, end = max(life.birth_us, gone), min(life.death_us, back)
+                    if step == life.step and inside and start < end:
+                        taken.append(
+                            TensorLife(
+                                -1, -life.bytes, step, start, end, None, None, life.category, life.layer
+                            )
+                        )
+            out.append([*rank_events, lifetime_events(taken)] if taken else rank_events)
+        return out
 
     def _price(
         self,
