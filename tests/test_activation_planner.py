@@ -411,6 +411,8 @@ def test_a_policy_on_a_module_with_a_lowered_layer_prices_what_it_saves_at_the_p
     single = {"b1.l1"} if policy == "offload" else set()
     assert {o.module for o in activation_options(predictor, precision)[0]} == {"b0", "b1"} | single
     both = {"b1": policy}
+    # 40: b1's forward has begun, b1.l1's has not ended: nothing of the bf16 change yet, either way
+    assert _alive(predictor, precision, both, 40) == 500 == _alive(predictor, precision, {}, 40)
     # 60: the recording's 600 (A0 100, B0 200, C0 50, A1 150, B1 100), +25 at bf16 without a policy
     assert _alive(predictor, precision, {}, 60) == 625 and _alive(predictor, precision, both, 60) == 600
     # 90: C1 (80) made, A1 and B1 gone with the policy: 680 - 250, the 25 away too
