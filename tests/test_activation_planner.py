@@ -423,6 +423,25 @@ def test_a_policy_on_a_module_with_a_lowered_layer_prices_what_it_saves_at_the_p
     assert predictor.predict(Plan(precision=precision)).peak_bytes == 705 * KIB
 
 
+def test_a_lowered_layers_change_is_away_until_its_modules_tensors_are_asked_back():
+    """b0.l1 at bf16 saves 75 units over the recording (10 to 133), b1.l1 25 (52 to 115). Offloaded,
+    b1's tensors are asked back when the backward reaches b1 (99, its AddBackward's start); as an
+    option in any plan it joins (the module after it offloaded too: the head, whose backward starts
+    at 94), then; b0's, with b1 offloaded too, when the backward reaches b1, not b0 (116)."""
+    predictor = _probed_blocks(["b0.l1", "b1.l1"], offload=True)
+    precision = {"b0.l1": "bf16", "b1.l1": "bf16"}
+
+    def taken(activation, joined=False):
+        """The lowered layers' change taken away: (time, units) of its events."""
+        times, deltas, _ = predictor.activation_lives(precision, activation, joined)[0][-1][0]
+        return [(float(t), float(d) / KIB) for t, d in zip(times, deltas, strict=True)]
+
+    assert taken({"b1": "offload"}) == [(52, -25), (99, 25)]
+    assert taken({"b1": "offload"}, joined=True) == [(52, -25), (94, 25)]
+    assert taken({"b0": "offload", "b1": "offload"}) == [(10, -75), (52, -25), (99, 25), (99, 75)]
+    assert taken({"b0": "recompute"}) == [(10, -75), (pytest.approx(116 - 1e-3), 75)]  # made again
+
+
 def test_on_a_precision_plan_the_milp_sees_each_option_as_the_predictor_prices_it():
     """Every block lowered: each option's memory rows on top of the precision plan peak where the
     predictor's estimate of the plan with that option does, and the MILP's plan meets a budget
