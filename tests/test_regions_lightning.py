@@ -34,7 +34,10 @@ class Block(nn.Module):
         self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
 
     def forward(self, x):
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+        h = nn.functional.gelu(self.fc1(self.ln(x)))
+        for _ in range(4):  # a pointwise chain a compile fuses: saving more than a region's own cost
+            h = torch.sin(h) * 1.01  # at the uncalibrated constants, however fast the ops run here
+        return x + self.fc2(h)
 
 
 class Net(pl.LightningModule):
