@@ -61,6 +61,12 @@ LEVER_FIELDS = {
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
 
+def holds(module: str, name: str) -> bool:
+    """Whether ``module`` is the module, layer or parameter ``name`` or holds it (its name is a dotted
+    prefix of ``name``)."""
+    return name == module or name.startswith(module + ".")
+
+
 def module_layers(layers: Iterable[str]) -> dict[str, frozenset[str]]:
     """Every module that holds recorded layers, by name (each layer, and each dotted prefix of a
     layer's name): the layers it holds."""
@@ -429,7 +435,7 @@ def _region_of(parameter: str, regions: Sequence[Sequence[str]]) -> str | None:
     """The compiled region (a torch region names one module) that holds ``parameter``, or None."""
     for region in regions:
         for module in region:
-            if parameter.startswith(module + "."):
+            if holds(module, parameter):
                 return module
     return None
 
@@ -458,7 +464,7 @@ def buckets_around_regions(
     (`regions_split_by_buckets`)."""
     merged = [list(bucket) for bucket in buckets]
     while split := regions_split_by_buckets(merged, regions):
-        holding = [k for k, bucket in enumerate(merged) if any(p.startswith(split[0] + ".") for p in bucket)]
+        holding = [k for k, bucket in enumerate(merged) if any(holds(split[0], p) for p in bucket)]
         first, last = holding[0], holding[-1]
         merged[first : last + 1] = [[p for bucket in merged[first : last + 1] for p in bucket]]
     return merged

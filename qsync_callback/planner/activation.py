@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, holds
 from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.memory import merged_events
 from qsync_callback.predictor.predict import Prediction, Predictor
@@ -179,7 +179,7 @@ def _chains(options: Sequence[Option]) -> np.ndarray:
     rows = np.zeros((len(names), len(options)))
     for r, name in enumerate(names):
         for i, option in enumerate(options):
-            if option.module == name or name.startswith(option.module + "."):
+            if holds(option.module, name):
                 rows[r, i] = 1
     return rows
 

@@ -46,7 +46,7 @@ from itertools import combinations
 
 import networkx as nx
 
-from qsync_callback.plan import Plan, buckets_around_regions
+from qsync_callback.plan import Plan, buckets_around_regions, holds
 from qsync_callback.predictor.compiled_regions import (
     REUSE_COMPILE_S,
     FusionCosts,
@@ -79,10 +79,6 @@ class RegionChoice:
     compile_s: float
     search: dict[str, float | int | str] = field(default_factory=dict)
     probe_errors: dict[str, float] = field(default_factory=dict)  # per probe: predicted vs measured, %
-
-
-def _inside(inner: str, outer: str) -> bool:
-    return inner.startswith(outer + ".")
 
 
 def _prefixes(module: str) -> list[str]:
@@ -147,7 +143,7 @@ class RegionSearch:
         return saving_us * self.steps_left / 1e6 - self.compile_s(chosen)
 
     def nested_free(self, chosen: Sequence[str]) -> bool:
-        return not any(_inside(a, b) or _inside(b, a) for a, b in combinations(chosen, 2))
+        return not any(holds(a, b) or holds(b, a) for a, b in combinations(chosen, 2))
 
     def exhaustive(self) -> tuple[list[str], float, int]:
         """The best set, its value and the sets tried (every nested-free set)."""
@@ -162,7 +158,7 @@ class RegionSearch:
                 best = (list(chosen), value)
             for i in range(start, len(self.names)):
                 name = self.names[i]
-                if all(not _inside(name, c) and not _inside(c, name) for c in chosen):
+                if all(not holds(c, name) and not holds(name, c) for c in chosen):
                     chosen.append(name)
                     extend(i + 1, chosen)
                     chosen.pop()

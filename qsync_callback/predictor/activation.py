@@ -62,7 +62,7 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import KEEP, MIN_OFFLOAD_BYTES, OFFLOAD, RECOMPUTE, module_layers
+from qsync_callback.plan import KEEP, MIN_OFFLOAD_BYTES, OFFLOAD, RECOMPUTE, holds, module_layers
 from qsync_callback.predictor.graph import op_node
 from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
 from qsync_callback.predictor.replay import CompiledGraph
@@ -73,7 +73,7 @@ _REMADE_US = 1e-3  # the recompute's tensors are made this long before the first
 
 def nested_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
     """The (outer, inner) pairs of ``names`` where one module holds the other."""
-    return [(a, b) for a in names for b in names if a != b and b.startswith(a + ".")]
+    return [(a, b) for a in names for b in names if a != b and holds(a, b)]
 
 
 @dataclass
@@ -196,6 +196,11 @@ def _attach_lives(spans: dict[tuple[int, str], ModuleSpan], lives: Sequence[Tens
         ]
         temporaries.sort()
         span.forward_temporaries = int(max(np.cumsum([b for _, b in temporaries]), default=0))
+
+
+def _remade_at(span: ModuleSpan) -> float:
+    """When a recompute makes the module's tensors again: just before its first backward op."""
+    return span.first_backward.start_us - _REMADE_US
 
 
 def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
@@ -423,25 +428,29 @@ class ActivationPricing:
         they are saved, until they are back (the recompute makes them again, or their copy back is
         asked for; ``neighbours_offloaded`` as in `lives`). On CUDA a copy out ends a little later."""
         out: dict[tuple[int, str], tuple[float, float]] = {}
-        steps = sorted({step for step, _ in self._spans[k]})
-        for step in steps:
+        for step in sorted({step for step, _ in self._spans[k]}):
             offloaded = self._offloaded(activation, k, step)
-            asked: dict[str, float] = {}
-            if offloaded:
-                followers = self._followers(k, step, offloaded) if neighbours_offloaded else None
-                _, asked = self._copy_requests(
-                    offloaded,
-                    self._traces[k].activation_costs["copy"],
-                    lambda op, start: op.start_us if start else op.end_us,
-                    followers,
-                )
+            _, asked = self._recorded_requests(k, step, offloaded, neighbours_offloaded)
             for name, policy in activation.items():
                 span = self._spans[k].get((step, name))
-                if span is None or policy not in (RECOMPUTE, OFFLOAD):
-                    continue
-                back = span.first_backward.start_us - _REMADE_US if policy == RECOMPUTE else asked[name]
-                out[(step, name)] = (span.forward[0].start_us, back)
+                if span is not None:
+                    back = _remade_at(span) if policy == RECOMPUTE else asked[name]
+                    out[(step, name)] = (span.forward[0].start_us, back)
         return out
+
+    def _recorded_requests(
+        self, k: int, step: int, offloaded: Sequence[tuple[str, ModuleSpan]], neighbours_offloaded: bool
+    ) -> tuple[list[tuple[float, float, object]], dict[str, float]]:
+        """`_copy_requests` of ``offloaded`` at rank position ``k`` in ``step``, on the recorded
+        clock (``neighbours_offloaded`` as in `lives`)."""
+        if not offloaded:
+            return [], {}
+        return self._copy_requests(
+            offloaded,
+            self._traces[k].activation_costs["copy"],
+            lambda op, start: op.start_us if start else op.end_us,
+            self._followers(k, step, offloaded) if neighbours_offloaded else None,
+        )
 
     def _followers(
         self, k: int, step: int, offloaded: Sequence[tuple[str, ModuleSpan]]
@@ -467,7 +476,7 @@ class ActivationPricing:
         for (step, module), span in self._spans[k].items():
             if module != name:
                 continue
-            remade = span.first_backward.start_us - _REMADE_US
+            remade = _remade_at(span)
             for life in span.inside:
                 gone = span.freed_at[id(life)]
                 if gone < remade:
@@ -501,13 +510,7 @@ class ActivationPricing:
             offloaded = self._offloaded(activation, k, step)
             if not offloaded:
                 continue
-            followers = self._followers(k, step, offloaded) if neighbours_offloaded else None
-            requests, asked = self._copy_requests(
-                offloaded,
-                trace.activation_costs["copy"],
-                lambda op, start: op.start_us if start else op.end_us,
-                followers,
-            )
+            requests, asked = self._recorded_requests(k, step, offloaded, neighbours_offloaded)
             lane = _lane(requests)
             serial = not overlaps(trace.activation_costs["copy"])
             for name, span in offloaded:

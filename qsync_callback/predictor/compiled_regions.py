@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import holds
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.recorder.kineto import ACCUMULATE_GRAD, BACKWARD_PREFIX, DTYPE_BYTES
 from qsync_callback.recorder.trace import Trace
@@ -277,7 +278,7 @@ def measured_parts(
             inner.setdefault(".".join(parts[:k]), []).append(n)
     found: list[tuple[str, float]] = []
     for name in sorted(inner, key=lambda m: m.count(".")):
-        if any(name == p or name.startswith(p + ".") for p, _ in found):
+        if any(holds(p, name) for p, _ in found):
             continue
         signature = tuple((graph.nodes[n]["name"], repr(graph.nodes[n].get("shapes"))) for n in inner[name])
         if signature in measured:
@@ -293,7 +294,7 @@ def _split_measured(
     rest = []
     for n in nodes:
         owner = graph.nodes[n]["module"]
-        k = next((i for i, (p, _) in enumerate(parts) if owner == p or owner.startswith(p + ".")), None)
+        k = next((i for i, (p, _) in enumerate(parts) if holds(p, owner)), None)
         (owned[k][0] if k is not None else rest).append(n)
     return owned, rest
 

@@ -413,6 +413,7 @@ class PrecisionLives:
         self._spans: dict[str, list[tuple[int, str, float, float]]] = {}
         for (step, layer, kind), (start, end) in sorted(spans.items()):
             self._spans.setdefault(layer, []).append((step, kind, start, end))
+        self._move_lives: dict[LayerMove, list[TensorLife]] = {}
         self._events: dict[LayerMove, dict[int, Events]] = {}
         self._backward_end = {
             (step, layer): end for (step, layer, kind), (_, end) in spans.items() if kind == "backward"
@@ -423,7 +424,7 @@ class PrecisionLives:
         out = []
         for move in plan_moves(self.trace, precision):
             if move not in self._events:
-                self._events[move] = lifetime_events(self._lives(move))
+                self._events[move] = lifetime_events(self._kept_lives(move))
             out.append(self._events[move])
         return out
 
@@ -433,9 +434,15 @@ class PrecisionLives:
         return [
             life
             for move in plan_moves(self.trace, precision)
-            for life in self._lives(move)
+            for life in self._kept_lives(move)
             if life.category == "activations"
         ]
+
+    def _kept_lives(self, move: LayerMove) -> list[TensorLife]:
+        """`_lives` of ``move``, made once."""
+        if move not in self._move_lives:
+            self._move_lives[move] = self._lives(move)
+        return self._move_lives[move]
 
     def _lives(self, move: LayerMove) -> list[TensorLife]:
         """The synthetic tensors of ``move`` (see the class docstring)."""

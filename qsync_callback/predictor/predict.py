@@ -28,7 +28,7 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import KEEP, Plan
+from qsync_callback.plan import KEEP, Plan, holds
 from qsync_callback.predictor.activation import ActivationPricing, check_activation_plan
 from qsync_callback.predictor.compiled_regions import (
     FusionCosts,
@@ -257,13 +257,17 @@ class Predictor:
             return [[] for _ in self._precision_lives]
         out = []
         for k, rank_events in enumerate(self.activation.lives(acting, neighbours_offloaded)):
-            away = self.activation.away(acting, k, neighbours_offloaded)
+            saved = [
+                life
+                for life in self._precision_lives[k].saved(precision)
+                if any(holds(m, life.layer) for m in acting)
+            ]
+            away = self.activation.away(acting, k, neighbours_offloaded) if saved else {}
             taken = []
-            for life in self._precision_lives[k].saved(precision):
+            for life in saved:
                 for (step, module), (gone, back) in away.items():
-                    inside = life.layer == module or life.layer.startswith(module + ".")
                     start, end = max(life.birth_us, gone), min(life.death_us, back)
-                    if step == life.step and inside and start < end:
+                    if step == life.step and holds(module, life.layer) and start < end:
                         taken.append(
                             TensorLife(
                                 -1, -life.bytes, step, start, end, None, None, life.category, life.layer

@@ -65,6 +65,7 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import holds
 from qsync_callback.predictor.graph import ALL_REDUCE, is_all_reduce
 from qsync_callback.predictor.replay import CompiledGraph, replay
 from qsync_callback.recorder.trace import Trace
@@ -180,7 +181,7 @@ def _last_backward(graph: nx.DiGraph) -> dict[tuple[str, int], str]:
             region_ends[region, rank] = node
     for (layer, rank), node in out.items():
         for (region, r), end in region_ends.items():
-            if r == rank and (layer == region or layer.startswith(region + ".")) and later(end, node):
+            if r == rank and holds(region, layer) and later(end, node):
                 out[layer, rank] = end
     return out
 
