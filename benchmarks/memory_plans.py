@@ -2,8 +2,9 @@
 Lightning runs; beside torch's own selective-activation-checkpointing solver and the other plans of
 small instances.
 
-For each model: one recording with ``QSyncCallback(mode="apply")`` that plans nothing (it probes
-every layer's precisions, counts each module's calls and fits the offload store's copy cost). Then,
+For each model: one recording with ``QSyncCallback(mode="apply")`` that plans nothing to keep (it
+probes every layer's precisions, counts each module's calls, fits the offload store's copy cost and,
+under its 100% budget, measures offload's cost in the steps: `recorder/offload_trial.py`). Then,
 for each budget (a share of the recorded configuration's predicted peak), from its traces:
 
 - **ours**: `planner.memory_plan.plan_memory` with the precision and activation levers, and with
@@ -40,11 +41,13 @@ from models import get_model, timed_fit
 from runs import bench_environment, na, range_noise_pct, run_report, say_allocator, write_results
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
+from qsync_callback.alternation import BLOCK_STEPS, SETTLE_STEPS
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.offload_trial import TRIAL_ROUNDS
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import change_pct
@@ -52,6 +55,8 @@ from qsync_callback.units import format_bytes
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
+# the recording runs the offload trial after its measured steps (`recorder/offload_trial.py`)
+RECORDING_STEPS = MAX_STEPS + 2 * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
 PRECISIONS = ("fp32", "bf16", "int8")
 OTHER_OPTIONS = 4  # the small instance: plans of one or two of this many options
 BATCHES = 8  # a data set of 8 batches, gone through again each epoch: the activations dominate the
@@ -71,10 +76,14 @@ def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None) -> None:
         precisions=PRECISIONS,
         levers=("precision", "activation"),
         max_step_time=1e6 if mode == "apply" else None,  # plan nothing: this run only records
+        # a budget, as a user's run has, so that the recording measures offload's cost in its steps
+        memory_budget="100%" if mode == "apply" else None,
+        best_effort=True,
         plan=plan,
         plan_cache=False,
     )
-    timed_fit(get_model(model), MAX_STEPS, [callback], 1, batches=BATCHES)
+    steps = RECORDING_STEPS if mode == "apply" else MAX_STEPS
+    timed_fit(get_model(model), steps, [callback], 1, batches=BATCHES)
 
 
 def _sac_plans(model: str, budgets: dict[float, int], measured_peak: int) -> dict[float, dict[str, Any]]:

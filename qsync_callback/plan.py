@@ -124,6 +124,11 @@ class Constraints:
             raise ValueError(f"best_effort: must be True or False, not {best_effort!r}")
         return cls(budget, share, max_ms, wanted, levers, best_effort)
 
+    @property
+    def budgeted(self) -> bool:
+        """A memory budget is given, in bytes or as a share."""
+        return self.memory_budget is not None or self.memory_budget_share is not None
+
     def resolved(self, recorded_peak_bytes: int | None) -> Constraints:
         """The same constraints with a budget share turned into bytes of ``recorded_peak_bytes``."""
         if self.memory_budget_share is None or recorded_peak_bytes is None:

@@ -50,7 +50,11 @@ def main() -> None:
     activation = len(sys.argv) > 4 and sys.argv[4] == "activation"
     pl.seed_everything(0, verbose=False)
     model = ResidualMLP() if activation else GeluNet()
-    callback = _callback(out, output_dir=out) if activation else _apply_callback(out, plan_cache=cache)
+    callback = (
+        _callback(out, output_dir=out, offload_trial_rounds=1)
+        if activation
+        else _apply_callback(out, plan_cache=cache)
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

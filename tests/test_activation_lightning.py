@@ -6,6 +6,7 @@ import logging
 import os
 import tempfile
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from test_precision_apply import _apply_callback
@@ -16,6 +17,7 @@ from qsync_callback import QSyncCallback
 from qsync_callback.offload_store import DIRECTORY_PREFIX
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import format_offload_trial
 
 
 class Block(nn.Module):
@@ -82,14 +84,29 @@ def _offload_dirs() -> set[str]:
 
 def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     before = _offload_dirs()
-    callback = _callback(tmp_path)
+    callback = _callback(tmp_path, offload_trial_rounds=2)
     with caplog.at_level(logging.INFO):
-        model = _fit(callback)
+        model = _fit(callback, max_steps=60)
     out = tmp_path / "q"
     trace = load_trace_dir(out / "trace")[0]
     # the recording counted every module's calls and fitted the store's copy cost
     assert trace.activation_costs["copy"]["tier"] == "disk"
     assert trace.activation_costs["refused"].get("blocks.0.act") is None
+    # ... and tried offloading the outermost modules in its last steps, in turns with the recorded
+    # configuration: what the store moved each step, and the step's change over the fit's price
+    trial = trace.activation_costs["copy"]["in_step"]
+    assert trial["modules"] == ["blocks", "head", "stem"] and trial["rounds"] == 2
+    # each step moved what the blocks and the head save, each way; the stem saves its input, the
+    # batch, which the offload leaves where it is (the caller holds it)
+    saved = trace.saved_activation_bytes
+    moved = sum(saved[name] for name in saved if name.startswith(("blocks.", "head")))
+    assert trial["bytes_per_step"] == {"to_store": moved, "from_store": moved}
+    assert trial["priced_ms"] > 0
+    assert trial["factor"] is None or trial["factor"] == pytest.approx(
+        trial["change_ms"] / trial["priced_ms"]
+    )
+    assert ("note" in trial) == (trial["factor"] is None)
+    assert format_offload_trial(trial) in caplog.text  # printed with the plan's table
     assert "qsync memory plan (meets the constraints; chosen: activation)" in caplog.text
     verification = json.loads((out / "verification.json").read_text())
     kept = Plan.load(out / "plan.json")
@@ -100,8 +117,22 @@ def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     # measured (live storages and the allocator's counter, not the predictor) within the budget
     assert verification["measured"]["peak_bytes"] <= budget
     assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
-    assert len(model.losses) == 40 and all(torch.isfinite(torch.tensor(model.losses)))
+    assert len(model.losses) == 60 and all(torch.isfinite(torch.tensor(model.losses)))
     assert _offload_dirs() <= before  # the store's files went with the end of training
+
+
+def test_training_that_ends_during_the_offload_trial_says_so_and_leaves_nothing_offloaded(tmp_path):
+    before = _offload_dirs()
+    callback = _callback(tmp_path, offload_trial_rounds=6)  # 60 steps after the measured ones
+    model = _fit(callback, max_steps=20)
+    trial = load_trace_dir(tmp_path / "q" / "trace")[0].activation_costs["copy"]["in_step"]
+    assert trial == {
+        "modules": ["blocks", "head", "stem"],
+        "factor": None,
+        "note": "training ended before the trial's last round",
+    }
+    assert not [name for name, module in model.named_modules() if "forward" in module.__dict__]
+    assert _offload_dirs() <= before
 
 
 def test_a_recompute_only_plan_trains_bit_identically(tmp_path):
@@ -153,7 +184,7 @@ def test_an_offload_store_that_fails_rolls_the_plan_back_and_training_goes_on(tm
 def test_two_ddp_processes_apply_verify_and_keep_the_same_activation_plan(tmp_path):
     from apply_script import run_two_ranks
 
-    result = run_two_ranks(tmp_path, steps=40, activation=True)
+    result = run_two_ranks(tmp_path, steps=50, activation=True)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     verification = json.loads((tmp_path / "verification.json").read_text())
@@ -164,4 +195,8 @@ def test_two_ddp_processes_apply_verify_and_keep_the_same_activation_plan(tmp_pa
     in_force = [] if offloads else sorted(kept.activation)
     assert verification["decision"] != "keep" or kept.activation
     assert ranks[0]["wrapped"] == ranks[1]["wrapped"] == in_force
-    assert all(r["losses_finite"] and r["steps"] == 40 for r in ranks)
+    assert all(r["losses_finite"] and r["steps"] == 50 for r in ranks)
+    # each rank ran its own offload trial, on the same modules, over the same steps
+    trials = [t.activation_costs["copy"]["in_step"] for t in load_trace_dir(tmp_path / "trace")]
+    assert [t["modules"] for t in trials] == [["blocks", "head", "stem"]] * 2
+    assert trials[0]["bytes_per_step"] == trials[1]["bytes_per_step"]

@@ -206,6 +206,16 @@ def test_on_the_disk_tier_the_training_thread_pays_every_copy_and_frees_after_th
     assert planned.peak_bytes == 300 * KIB
 
 
+@pytest.mark.parametrize(("in_step", "step_us"), [({"factor": 2.5}, 80 + 2.5 * 10), ({"factor": None}, 90)])
+def test_an_offload_trials_factor_scales_every_copy_and_none_leaves_the_fit(in_step, step_us):
+    # the copies of the test above (10 us in all) cost what the trial measured the steps paid over
+    # the fit's price; a trial that could not tell (factor None) leaves the fit's price
+    disk = {"copy": {**COPY, "tier": "disk", "in_step": {"modules": ["b"], **in_step}}}
+    planned = Predictor([_step(disk)]).predict(Plan(activation={"b": "offload"}))
+    assert planned.step_ms * 1e3 == pytest.approx(step_us)
+    assert planned.peak_bytes == 300 * KIB
+
+
 def test_the_recompute_makes_the_blocks_tensors_again_beside_its_forwards_temporaries():
     predictor = Predictor([_step(temporary=30)])
     assert predictor.activation.spans(0)[(0, "b")].forward_temporaries == 30 * KIB

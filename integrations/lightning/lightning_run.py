@@ -61,6 +61,7 @@ class LightningRun:
         precisions: tuple[str, ...],
         activation: bool = True,
         regions: bool = True,
+        offload_trial_rounds: int = 0,
     ):
         self.trainer = trainer
         self.pl_module = pl_module
@@ -69,6 +70,7 @@ class LightningRun:
         self.precisions = precisions
         self.activation = activation  # the activation lever is allowed: record what it needs
         self.regions = regions  # the regions lever is allowed: compile modules to calibrate on
+        self.offload_trial_rounds = offload_trial_rounds  # measure offload's cost (`offload_trial.py`)
         self._recorder: TorchRecorder | None = None
         self._batch_shapes = batch_shapes_of(batch)
         self._fingerprint: dict[str, Any] = {}
@@ -120,6 +122,8 @@ class LightningRun:
             layer_statistics=planning,
             activation_costs=planning and self.activation,
             offload_stats=self._appliers["activation"].step_stats,
+            offload_trial=self._appliers["activation"] if planning and self.offload_trial_rounds else None,
+            offload_trial_rounds=self.offload_trial_rounds,
             compiled_regions=payback_gate if planning and self.regions else None,
             steps_left=self._steps_left(),
             partial_last_batch=self._partial_last_batch(),

@@ -85,7 +85,7 @@ def has_tf_candidates(traces: Sequence[Trace]) -> bool:
 def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanChoice:
     """The best plan for ``traces`` under ``constraints`` (a memory budget in bytes by now), see
     the module docstring. Raises QSyncInputError when no candidate can be proposed, saying why."""
-    budgeted = constraints.memory_budget is not None or constraints.memory_budget_share is not None
+    budgeted = constraints.budgeted
     why_not = next((why for why in map(unpredictable_peak, traces) if why), None)
     if budgeted and why_not:
         raise QSyncInputError(f"a memory budget cannot be honoured: {why_not}")

@@ -15,7 +15,10 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
 - at the boundary after the last recorded step the sessions' Kineto traces are merged into
   ``<trace_dir>/rank<k>/kineto.json`` and converted to the normalized ``trace.json``;
 - steps after the window are timed again: the median of the unprofiled steps is the measured
-  step time.
+  step time;
+- where asked for (``offload_trial``, the activation applier), the steps after those run an offload
+  of the model's outermost modules in turns with the recorded configuration (`offload_trial.py`):
+  what offload costs this run's steps over the copy-cost fit's price; they are not timed as steps.
 
 On request the recorder also gathers the precision indicator's layer statistics over the first
 ``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
@@ -89,6 +92,7 @@ from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
 from qsync_callback.recorder.module_calls import CallProbe, activation_refusals
+from qsync_callback.recorder.offload_trial import TRIAL_ROUNDS, OffloadApplier, OffloadTrial, trial_modules
 from qsync_callback.recorder.op_dataset import add_to_dataset
 from qsync_callback.recorder.op_samples import op_samples, samples_document
 from qsync_callback.recorder.overhead import (
@@ -244,6 +248,8 @@ class TorchRecorder:
         measure_steps: int = 0,
         activation_costs: bool = False,
         offload_stats: Callable[[], Mapping[str, Any]] | None = None,
+        offload_trial: OffloadApplier | None = None,
+        offload_trial_rounds: int = TRIAL_ROUNDS,
         compiled_regions: RegionGate | None = None,
         steps_left: int | None = None,
         partial_last_batch: bool | None = None,
@@ -268,6 +274,9 @@ class TorchRecorder:
         self.module_calls: dict[str, int] | None = None  # per module, in the warm-up step
         self.call_problems: dict[str, str] = {}
         self._offload_stats = offload_stats
+        self._offload_applier = offload_trial  # measure offload's cost in the steps after the window
+        self._offload_trial_rounds = offload_trial_rounds
+        self._trial: OffloadTrial | None = None
         self._region_gate = compiled_regions  # compile modules to calibrate on, where it says so
         self._steps_left = steps_left  # from this recorder's first step to the end of the run
         self._partial_last_batch = partial_last_batch
@@ -326,9 +335,15 @@ class TorchRecorder:
         return {self.warmup_steps - 2, *self.session_end_steps}
 
     @property
-    def done_step(self) -> int:
-        """The boundary at which the window is complete: ``measure_steps`` after it closes."""
+    def trial_start(self) -> int:
+        """The boundary at which an offload trial starts: after the measured steps."""
         return self.close_step + self.measure_steps
+
+    @property
+    def done_step(self) -> int:
+        """The boundary at which the window is complete: ``measure_steps`` after it closes, and the
+        offload trial's steps after them where one runs."""
+        return self.trial_start + (self._trial.steps if self._trial is not None else 0)
 
     def step_end(self) -> None:
         """The step returned (steps are timed boundary to boundary): one more step in the offload
@@ -346,7 +361,12 @@ class TorchRecorder:
         faults = _minor_page_faults()
         step = self._steps_started
         settling = step - 1 == self.warmup_steps
-        if self._last_boundary is not None and not self.recording and step > COLD_STEPS and not settling:
+        trial = self._trial is not None and step > self.trial_start  # the step that ended was the trial's
+        if (
+            self._last_boundary is not None
+            and not (self.recording or settling or trial)
+            and step > COLD_STEPS
+        ):
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
             self.unprofiled_page_faults.append(faults - self._last_faults)
         if self._statistics is not None and step in (0, COLD_STEPS):
@@ -376,6 +396,8 @@ class TorchRecorder:
             self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
         if self.warmup_steps - 1 <= step <= self.close_step:
             self.overhead_s += time.perf_counter() - work
+        if self._trial is not None and self.trial_start <= step <= self.done_step:
+            self._trial_step(step - self.trial_start)
         self._steps_started += 1
         self._last_boundary = time.perf_counter()
         self._last_faults = _minor_page_faults()
@@ -496,6 +518,7 @@ class TorchRecorder:
             self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
         if self._activation_costs:
             self.trace.activation_costs = self._activation_costs_of(self.trace)
+            self._trial = self._offload_trial_of(self.trace)
         if self._region_gate is not None:
             steps_left = None if self._steps_left is None else max(self._steps_left - self.close_step, 0)
             inputs = self._region_inputs.inputs if self._region_inputs is not None else {}
@@ -583,12 +606,14 @@ class TorchRecorder:
         if (
             self.trace is not None
             and self._offload_stats is not None
+            and self._trial is None  # a trial's moves are its own (`_end_trial`)
             and "offload" not in self.trace.measured
         ):
             moved = {device: stats for device, stats in self._offload_stats().items() if stats}
             steps = self._offload_steps
             if moved and steps:  # what the offload store moved over the steps since the window closed
                 self.trace.measured["offload"] = {"steps": steps, "stores": moved}
+        self._end_trial()
         self._write()
 
     def _activation_costs_of(self, trace: Trace) -> dict[str, Any]:
@@ -599,6 +624,37 @@ class TorchRecorder:
         refused = activation_refusals(self.model, modules, self.module_calls, self.call_problems)
         device = "cuda" if self.device.startswith("cuda") else self.device
         return {"copy": copy_costs(device), "refused": refused}
+
+    def _offload_trial_of(self, trace: Trace) -> OffloadTrial | None:
+        """The offload trial to run after the measured steps (`offload_trial.py`): where asked for, on
+        the CPU's disk tier, of the outermost modules that may take a policy; None where none runs."""
+        copy = trace.activation_costs["copy"]
+        if self._offload_applier is None or copy.get("tier") != "disk":
+            return None
+        modules = trial_modules([layer["name"] for layer in trace.layers], trace.activation_costs["refused"])
+        if not modules:
+            copy["in_step"] = {"modules": [], "factor": None, "note": "no module can take a policy"}
+            return None
+        return OffloadTrial(self._offload_applier, modules, copy, self._offload_trial_rounds)
+
+    def _trial_step(self, step: int) -> None:
+        """Boundary ``step`` of the offload trial; at its last, its result goes with the copy costs."""
+        self._trial.boundary(step)
+        if step == self._trial.steps:
+            self.trace.activation_costs["copy"]["in_step"] = self._trial.result()
+
+    def _end_trial(self) -> None:
+        """Undo an offload trial in force; one that training ended before its last round says so."""
+        if self._trial is None:
+            return
+        self._trial.close()
+        copy = self.trace.activation_costs["copy"]
+        if "in_step" not in copy:
+            copy["in_step"] = {
+                "modules": self._trial.modules,
+                "factor": None,
+                "note": "training ended before the trial's last round",
+            }
 
     def _write(self) -> None:
         if self.trace is not None:
@@ -626,7 +682,9 @@ class TorchRecorder:
         self._parts.clear()
 
     def _stop(self) -> None:
-        """Stop profiling and watching storages, and remove the hooks."""
+        """Stop profiling and watching storages, remove the hooks, and undo an offload trial in force."""
+        if self._trial is not None:
+            self._trial.close()
         self._stop_watch()
         self._stop_saved_activations()
         if self._statistics is not None:

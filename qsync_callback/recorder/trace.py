@@ -33,7 +33,10 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                         # "op_types" (below)
       "layer_statistics": {...},        # per-layer value statistics for the precision indicator
       "activation_costs": {"copy": {"tier": "disk", "to_store": {"alpha_us": .., "us_per_byte": ..},
-                                    "from_store": {...}, ...},   # the offload store's fitted copies
+                                    "from_store": {...},   # the offload store's fitted copies
+                                    "in_step": {"modules": ["net"], "factor": 1.6, ...}, ...},
+                                        # what the steps paid over the fit's price, measured in an
+                                        # offload trial (`recorder/offload_trial.py`)
                            "refused": {"net.2": "called twice per step", ...}},
                                         # modules that cannot take an activation policy, and why
       "compiled_regions": {"steps_left": 980,   # training steps after the window (null: unknown)
@@ -402,7 +405,13 @@ _PRECISION_COSTS = Fields(
 _COPY_FIT = Fields(required={"alpha_us": FINITE, "us_per_byte": FINITE}, rest=ANY)
 _ACTIVATION_COSTS = Fields(
     optional={
-        "copy": Fields(required={"to_store": _COPY_FIT, "from_store": _COPY_FIT}, rest=ANY),
+        "copy": Fields(
+            required={"to_store": _COPY_FIT, "from_store": _COPY_FIT},
+            optional={
+                "in_step": Fields(required={"modules": ListOf(STRING), "factor": Nullable(AMOUNT)}, rest=ANY)
+            },
+            rest=ANY,
+        ),
         "refused": MapOf(STRING),
     }
 )

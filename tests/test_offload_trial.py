@@ -1,0 +1,151 @@
+"""The offload trial (`recorder/offload_trial.py`): which modules it offloads, what it counts and how
+it prices them, and what it leaves behind, on a real model, applier and disk store in a plain loop."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from qsync_callback.appliers.torch_activation import ActivationApplier
+from qsync_callback.offload_store import DIRECTORY_PREFIX
+from qsync_callback.plan import module_layers
+from qsync_callback.recorder.copy_costs import copy_costs
+from qsync_callback.recorder.offload_trial import OffloadTrial, copies_priced_ms, trial_modules
+from qsync_callback.report import format_offload_trial
+
+BATCH, WIDTH = 256, 512  # a hidden activation of 512 KiB: over the store's least size
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 64))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _offload_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(DIRECTORY_PREFIX)}
+
+
+def _run_trial(model: nn.Module, trial: OffloadTrial) -> None:
+    """The trial's boundaries around real training steps of ``model``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(0))
+    for step in range(trial.steps + 1):
+        trial.boundary(step)
+        if step < trial.steps:
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+
+
+LAYERS = ["body.0", "body.1", "body.2", "head", "blocks.0.attn.q", "blocks.0.mlp", "blocks.1.attn.q", "x"]
+
+
+def test_the_trial_takes_the_outermost_modules_a_policy_can_reach():
+    assert trial_modules(LAYERS, {}) == ["blocks", "body", "head", "x"]
+    refused = {"blocks": "not called", "blocks.0": "inplace", "blocks.0.attn": "called twice per step"}
+    assert trial_modules(LAYERS, refused) == [
+        "blocks.0.attn.q",
+        "blocks.0.mlp",
+        "blocks.1",
+        "body",
+        "head",
+        "x",
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.sampled_from(sorted(module_layers(LAYERS)))))
+def test_every_module_that_may_take_a_policy_is_chosen_or_inside_one_chosen_and_none_nest(refused):
+    chosen = trial_modules(LAYERS, dict.fromkeys(refused, "refused"))
+    assert not set(chosen) & refused
+    for name in set(module_layers(LAYERS)) - refused:
+        assert sum(name == c or name.startswith(c + ".") for c in chosen) == 1
+
+
+def test_copies_are_priced_by_the_fit_each_way():
+    fit = {
+        "to_store": {"alpha_us": 100.0, "us_per_byte": 0.001},
+        "from_store": {"alpha_us": 50.0, "us_per_byte": 0.0005},
+    }
+    copies, nbytes = {"to_store": 2, "from_store": 2}, {"to_store": 10**6, "from_store": 10**6}
+    assert copies_priced_ms(fit, copies, nbytes) == pytest.approx((200 + 1000 + 100 + 500) / 1e3)
+
+
+def test_a_trial_counts_the_bytes_moved_prices_them_and_leaves_nothing_behind():
+    before = _offload_dirs()
+    model = Net()
+    fit = copy_costs("cpu")
+    trial = OffloadTrial(ActivationApplier(model), ["body", "head"], fit, rounds=2)
+    assert trial.steps == 2 * 2 * 5
+    _run_trial(model, trial)
+    result = trial.result()
+    # body saves its first Linear's input (the batch: its caller holds it, so it stays), the ReLU's
+    # output (which the second Linear saves too: one storage, moved once); head saves body's output,
+    # 64 KiB: the least size the store moves
+    hidden, out = BATCH * WIDTH * 4, BATCH * 64 * 4
+    assert result["bytes_per_step"] == {"to_store": hidden + out, "from_store": hidden + out}
+    assert result["copies_per_step"] == {"to_store": 2, "from_store": 2}
+    assert result["priced_ms"] == pytest.approx(
+        copies_priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
+    )
+    assert result["modules"] == ["body", "head"] and result["rounds"] == 2
+    if result["factor"] is None:  # the change was within its noise on this machine at this moment
+        assert "within its noise" in result["note"]
+    else:
+        assert result["factor"] == pytest.approx(result["change_ms"] / result["priced_ms"])
+        assert result["change_ms"] > result["noise_ms"]
+    assert "forward" not in model.body.__dict__ and "forward" not in model.head.__dict__
+    assert _offload_dirs() <= before
+
+
+def test_a_trial_that_moves_nothing_calibrates_nothing():
+    model = Net(width=16)  # every saved tensor under the store's least size
+    trial = OffloadTrial(ActivationApplier(model), ["body"], copy_costs("cpu"), rounds=1)
+    _run_trial(model, trial)
+    result = trial.result()
+    assert result["factor"] is None and result["note"] == "the trial's offload moved nothing"
+    assert result["bytes_per_step"] == {"to_store": 0, "from_store": 0}
+
+
+def test_a_module_the_applier_refuses_stops_the_trial_with_the_reason_and_changes_nothing():
+    model = Net()
+    trial = OffloadTrial(ActivationApplier(model), ["body", "nowhere"], copy_costs("cpu"), rounds=1)
+    _run_trial(model, trial)
+    result = trial.result()
+    assert result["factor"] is None
+    assert result["note"].startswith("the trial's offload could not be applied: activation: 'nowhere'")
+    assert "forward" not in model.body.__dict__
+
+
+def test_a_store_that_cannot_write_stops_the_trial_and_undoes_it(tmp_path):
+    model = Net()
+    applier = ActivationApplier(model, directory=str(tmp_path / "missing"))
+    trial = OffloadTrial(applier, ["body"], copy_costs("cpu"), rounds=2)
+    _run_trial(model, trial)
+    result = trial.result()
+    assert result["factor"] is None
+    assert result["note"].startswith("the trial's offload failed: cannot make the offload store of cpu")
+    assert "forward" not in model.body.__dict__
+
+
+def test_the_plan_table_says_what_the_trial_measured_or_why_it_calibrated_nothing():
+    measured = {"modules": ["a", "b", "c", "d", "e"], "rounds": 6, "factor": 1.5, "change_ms": 3.0}
+    line = format_offload_trial({**measured, "noise_ms": 0.5, "priced_ms": 2.0})
+    assert line == (
+        "  offload priced at 1.50 x the copy-cost fit: offloading a, b, c, d, ... in 6 rounds of turns "
+        "cost the step +3.00 ms (+-0.50) where the fit prices its copies at 2.00 ms"
+    )
+    line = format_offload_trial({"modules": [], "factor": None, "note": "no module can take a policy"})
+    assert line == (
+        "  offload priced by the copy-cost fit alone: the offload trial (no module): "
+        "no module can take a policy"
+    )
