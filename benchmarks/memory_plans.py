@@ -41,7 +41,7 @@ from models import get_model, timed_fit
 from runs import bench_environment, na, range_noise_pct, run_report, say_allocator, write_results
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
-from qsync_callback.alternation import BLOCK_STEPS, SETTLE_STEPS
+from qsync_callback.alternation import BLOCK_STEPS, LOOKS, SETTLE_STEPS
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
@@ -56,7 +56,7 @@ from qsync_callback.units import format_bytes
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 # the recording runs the offload trial after its measured steps (`recorder/offload_trial.py`)
-RECORDING_STEPS = MAX_STEPS + 2 * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
+RECORDING_STEPS = MAX_STEPS + 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
 PRECISIONS = ("fp32", "bf16", "int8")
 OTHER_OPTIONS = 4  # the small instance: plans of one or two of this many options
 BATCHES = 8  # a data set of 8 batches, gone through again each epoch: the activations dominate the

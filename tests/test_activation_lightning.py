@@ -86,7 +86,7 @@ def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     before = _offload_dirs()
     callback = _callback(tmp_path, offload_trial_rounds=2)
     with caplog.at_level(logging.INFO):
-        model = _fit(callback, max_steps=60)
+        model = _fit(callback, max_steps=100)  # the trial: 2 rounds, up to 6 while too noisy
     out = tmp_path / "q"
     trace = load_trace_dir(out / "trace")[0]
     # the recording counted every module's calls and fitted the store's copy cost
@@ -95,7 +95,7 @@ def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     # ... and tried offloading the outermost modules in its last steps, in turns with the recorded
     # configuration: what the store moved each step, and the step's change over the fit's price
     trial = trace.activation_costs["copy"]["in_step"]
-    assert trial["modules"] == ["blocks", "head", "stem"] and trial["rounds"] == 2
+    assert trial["modules"] == ["blocks", "head", "stem"] and trial["rounds"] in (2, 4, 6)
     # each step moved what the blocks and the head save, each way; the stem saves its input, the
     # batch, which the offload leaves where it is (the caller holds it)
     saved = trace.saved_activation_bytes
@@ -117,7 +117,7 @@ def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     # measured (live storages and the allocator's counter, not the predictor) within the budget
     assert verification["measured"]["peak_bytes"] <= budget
     assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
-    assert len(model.losses) == 60 and all(torch.isfinite(torch.tensor(model.losses)))
+    assert len(model.losses) == 100 and all(torch.isfinite(torch.tensor(model.losses)))
     assert _offload_dirs() <= before  # the store's files went with the end of training
 
 

@@ -52,7 +52,8 @@ class QSyncCallback(pl.Callback):
             while they cannot tell the plan from the baseline, as many more, up to 3 times as many.
         offload_trial_rounds: mode "apply" with ``memory_budget`` and the "activation" lever: after
             the measured steps, rounds of the recorded configuration and an offload of the model's
-            modules in turns (each a block of 1 + 4 steps of each), to measure what offload costs
+            modules in turns (each a block of 1 + 4 steps of each; on one process, as many more
+            while the change is too noisy, up to 3 times as many), to measure what offload costs
             this run's steps over the copy-cost fit's price (`recorder/offload_trial.py`); 0: none,
             the fit alone prices offload.
         best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply

@@ -31,21 +31,21 @@ policy frees them; an offload still copies them.
   `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane of its own (one queue for both
   directions, in request order; each copy takes ``alpha + beta * bytes`` of that direction,
   `Trace.activation_costs["copy"]`, times what an offload trial measured the run's steps to pay
-  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `recorder.offload_trial`): a copy to the store is requested when the op that made the
-  tensor ends (for ``held``: the module's first forward op), and the tensor is freed when both its
-  copy is done and its consumer has run. The copies back are requested when the
-  backward reaches the next offloaded module in forward order (its first backward op starts; the
-  last one offloaded: its own first backward op), and the tensor is alive again from then. The
-  module's first backward op waits until its tensors are back: only a late copy costs time. That
-  is the CUDA tier (copies on a side stream); on the CPU's disk tier (`overlaps`) each copy to the
-  store is waited for by the op that made the tensor, and each copy back by the module's first
-  backward op, whole: the copies run on the cores the step runs on, and the tensor is freed when
-  its consumer has run. What it ``held`` (its input) is copied too but counted as still alive: its
-  caller may hold it for longer than the record shows (a residual block's input, used again by the
-  add after the block's first op, was measured not to come down at the peak in some runs), so the
-  predicted peak errs high rather than low. An input that a backward outside the module frees last
-  (a ReLU's output, which the ReLU saved) is not the module's: the applier leaves it where it is,
-  and it is neither copied nor freed here.
+  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `recorder.offload_trial`): a
+  copy to the store is requested when the op that made the tensor ends (for ``held``: the module's
+  first forward op), and the tensor is freed when both its copy is done and its consumer has run.
+  The copies back are requested when the backward reaches the next offloaded module in forward
+  order (its first backward op starts; the last one offloaded: its own first backward op), and the
+  tensor is alive again from then. The module's first backward op waits until its tensors are
+  back: only a late copy costs time. That is the CUDA tier (copies on a side stream); on the CPU's
+  disk tier (`overlaps`) each copy to the store is waited for by the op that made the tensor, and
+  each copy back by the module's first backward op, whole: the copies run on the cores the step
+  runs on, and the tensor is freed when its consumer has run. What it ``held`` (its input) is
+  copied too but counted as still alive: its caller may hold it for longer than the record shows
+  (a residual block's input, used again by the add after the block's first op, was measured not to
+  come down at the peak in some runs), so the predicted peak errs high rather than low. An input
+  that a backward outside the module frees last (a ReLU's output, which the ReLU saved) is not the
+  module's: the applier leaves it where it is, and it is neither copied nor freed here.
 
 Time is priced on the compiled graphs (`replay.CompiledGraph`), on top of the precision plan's op
 durations: the recompute's time is added to the module's first backward op; an offload's wait is

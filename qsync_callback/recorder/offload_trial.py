@@ -16,7 +16,10 @@ configuration and an offload of `trial_modules` (every module a policy can reach
 ones: the most bytes, so the change stands well above the step's noise) run in turns, each block
 `alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
 (the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels
-in each round). The factor is the step-time change over what the fit prices for the copies the
+in each round). While the change's noise is over `PRECISE_ENOUGH` of it, the trial goes on by as
+many rounds again, up to `alternation.LOOKS` times as many (a 2-core VM measured a residual CNN's
+factor at 1.26, 2.27 and 2.20 in three launches of 6 rounds, the first two with noise of a third of
+the change). The factor is the step-time change over what the fit prices for the copies the
 store made in the trial's timed steps (``copies * alpha + bytes * beta`` each way, by the store's
 own counts). The pricing multiplies each copy by it (`predictor.activation`). Where the change is
 within its noise the trial calibrates nothing and says so; a trial that fails (a module refused, a
@@ -42,6 +45,7 @@ from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, 
 from qsync_callback.plan import OFFLOAD, Plan, module_layers
 
 TRIAL_ROUNDS = 6
+PRECISE_ENOUGH = 0.2  # the change's noise, as a share of it, under which the trial stops
 DIRECTIONS = ("to_store", "from_store")
 
 Undo = Callable[[], None]
@@ -80,49 +84,75 @@ def copies_priced_ms(
 class OffloadTrial:
     """One rank's trial (see the module docstring) of offloading ``modules`` through ``applier``,
     whose stores' counts (`OffloadStore.step_stats`) give what moved; ``fit`` is the copy-cost fit
-    the factor is taken against."""
+    the factor is taken against. ``looks``: the trial may go on while its change is too noisy;
+    never under several ranks, whose windows must end at one step (each would look at its own)."""
 
     def __init__(
-        self, applier: OffloadApplier, modules: list[str], fit: Mapping[str, Any], rounds: int = TRIAL_ROUNDS
+        self,
+        applier: OffloadApplier,
+        modules: list[str],
+        fit: Mapping[str, Any],
+        rounds: int = TRIAL_ROUNDS,
+        looks: bool = True,
     ):
         self.modules = modules
+        self._looks = looks  # may go on while too noisy: one process (ranks would part ways)
         self._applier = applier
         self._fit = fit
-        self._rounds = rounds
+        self._rounds = rounds  # run so far, or to be run: one look's worth more while too noisy
         self._times = BlockTimes(Alternation(rounds))
         self._undo: Undo | None = None
         self._moved = {"copies": dict.fromkeys(DIRECTIONS, 0.0), "bytes": dict.fromkeys(DIRECTIONS, 0.0)}
         self._timed_plan_steps = 0
         self._note: str | None = None
+        self.finished = False
 
     @property
     def steps(self) -> int:
-        """The boundaries the trial takes: its rounds' blocks, then the one that ends the last."""
+        """The boundaries the trial takes so far: its rounds' blocks, then the one that ends the last
+        (more at a look that finds the change too noisy)."""
         return 2 * self._rounds * self._times.alternation.block_length
 
     def boundary(self, step: int) -> None:
         """Boundary ``step`` of the trial (0 starts it, `steps` ends it): time the step that ended,
-        count what its copies moved, and switch where a block starts."""
-        if self._note is not None:
+        count what its copies moved, and switch where a block starts. A trial stopped short (its
+        offload refused or failed) is undone at once and idles to its planned end."""
+        if self.finished:
             return
-        self._times.boundary(step)
-        moved = self._applier.step_stats()
-        block = self._times.alternation.timed_block(step)
-        if block is not None and block[1] == PLAN:
-            self._count(moved)
-            fault = self._applier.failure()
-            if fault is not None:
-                self._note = f"the trial's offload failed: {fault}"
-        switch = self._times.alternation.switch_at(step) if step < self.steps else None
-        if switch == BASELINE or step == self.steps or self._note is not None:
+        if self._note is None:
+            self._times.boundary(step)
+            moved = self._applier.step_stats()
+            block = self._times.alternation.timed_block(step)
+            if block is not None and block[1] == PLAN:
+                self._count(moved)
+                fault = self._applier.failure()
+                if fault is not None:
+                    self._note = f"the trial's offload failed: {fault}"
+        if step == self.steps:
+            self._look()
+        switch = self._times.alternation.switch_at(step)
+        if self.finished or self._note is not None or switch == BASELINE:
             self.close()
         elif switch == PLAN:
             try:
                 self._undo = self._applier(Plan(activation=dict.fromkeys(self.modules, OFFLOAD)))
             except Exception as error:  # noqa: BLE001 - refused or failed: the trial calibrates nothing
                 self._note = f"the trial's offload could not be applied: {error}"
-                return
         self._times.restart()
+
+    def _look(self) -> None:
+        """At the end of the rounds planned: finished; or, where looks are allowed, as many rounds
+        again while the change's noise is over `PRECISE_ENOUGH` of it and the schedule has rounds
+        left."""
+        first = self._times.alternation.rounds
+        if self._looks and self._note is None and self._rounds + first <= self._times.alternation.most_rounds:
+            change = paired_change([self._times.times])
+            if change["change_pct"] is not None and change["noise_pct"] > PRECISE_ENOUGH * abs(
+                change["change_pct"]
+            ):
+                self._rounds += first
+                return
+        self.finished = True
 
     def _count(self, moved: Mapping[str, Mapping[str, Any]]) -> None:
         self._timed_plan_steps += 1

@@ -635,12 +635,14 @@ class TorchRecorder:
         if not modules:
             copy["in_step"] = {"modules": [], "factor": None, "note": "no module can take a policy"}
             return None
-        return OffloadTrial(self._offload_applier, modules, copy, self._offload_trial_rounds)
+        return OffloadTrial(
+            self._offload_applier, modules, copy, self._offload_trial_rounds, looks=self.world_size == 1
+        )
 
     def _trial_step(self, step: int) -> None:
         """Boundary ``step`` of the offload trial; at its last, its result goes with the copy costs."""
         self._trial.boundary(step)
-        if step == self._trial.steps:
+        if self._trial.finished:
             self.trace.activation_costs["copy"]["in_step"] = self._trial.result()
 
     def _end_trial(self) -> None:
