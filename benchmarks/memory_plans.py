@@ -4,7 +4,7 @@ small instances.
 
 For each model: one recording with ``QSyncCallback(mode="apply")`` that plans nothing to keep (it
 probes every layer's precisions, counts each module's calls, fits the offload store's copy cost and,
-under its 100% budget, measures offload's cost in the steps: `recorder/offload_trial.py`). Then,
+under its 100% budget, measures offload's cost in the steps: `offload_trial.py`). Then,
 for each budget (a share of the recorded configuration's predicted peak), from its traces:
 
 - **ours**: `planner.memory_plan.plan_memory` with the precision and activation levers, and with
@@ -45,12 +45,12 @@ from runs import bench_environment, na, range_noise_pct, run_report, say_allocat
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
 from qsync_callback.alternation import BLOCK_STEPS, LOOKS, SETTLE_STEPS
+from qsync_callback.offload_trial import TRIAL_ROUNDS
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Predictor
-from qsync_callback.recorder.offload_trial import TRIAL_ROUNDS
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import change_pct
@@ -58,7 +58,7 @@ from qsync_callback.units import format_bytes
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
-# the recording runs the offload trial after its measured steps (`recorder/offload_trial.py`)
+# the recording runs the offload trial after its measured steps (`offload_trial.py`)
 RECORDING_STEPS = MAX_STEPS + 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
 # a plan's run goes on after the callback finished: the steps the rest of training runs, away from
 # the window's disturbance (the offload store's writes ran at a third of their rate during and right

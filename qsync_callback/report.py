@@ -307,7 +307,7 @@ def format_memory_plan(
     module it changes, with its precision, its activation policy (keep / recompute / offload), the
     bytes that policy frees at once and the time it costs (each priced alone on the plan's precision:
     `planner.activation.Option`); then every candidate priced, the modules left out, why, and what
-    the offload trial measured (`recorder.offload_trial`), where one ran."""
+    the offload trial measured (`offload_trial`), where one ran."""
     chosen, prediction = choice.chosen, choice.chosen.prediction
     limit = "none" if choice.max_step_ms is None else _ms(choice.max_step_ms)
     lines = [

@@ -1,4 +1,4 @@
-"""The offload trial (`recorder/offload_trial.py`): which modules it offloads, what it counts and how
+"""The offload trial (`offload_trial.py`): which modules it offloads, what it counts and how
 it prices them, and what it leaves behind, on a real model, applier and disk store in a plain loop."""
 
 import os
@@ -12,15 +12,18 @@ from torch import nn
 
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.offload_store import DIRECTORY_PREFIX
-from qsync_callback.plan import module_layers
-from qsync_callback.recorder.copy_costs import copy_costs
-from qsync_callback.recorder.offload_trial import (
+from qsync_callback.offload_trial import (
     PRECISE_ENOUGH,
     OffloadTrial,
     copies_priced_ms,
+    offload_trial_for,
     trial_modules,
 )
+from qsync_callback.plan import module_layers
+from qsync_callback.recorder.copy_costs import copy_costs
 from qsync_callback.report import format_offload_trial
+
+from tracebuilder import trace
 
 BATCH, WIDTH = 256, 512  # a hidden activation of 512 KiB: over the store's least size
 
@@ -78,6 +81,30 @@ def test_every_module_that_may_take_a_policy_is_chosen_or_inside_one_chosen_and_
     assert not set(chosen) & refused
     for name in set(module_layers(LAYERS)) - refused:
         assert sum(name == c or name.startswith(c + ".") for c in chosen) == 1
+
+
+def test_a_recorders_trial_is_of_its_traces_outermost_modules_on_the_disk_tier_only():
+    fit = copy_costs("cpu")
+    layers = [{"name": name, "type": "Linear"} for name in ("body.0", "body.2", "head")]
+    applier = ActivationApplier(Net())
+    disk = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": {"head": "called twice"}})
+    trial = offload_trial_for(applier, rounds=3, looks=False)(disk)
+    assert trial.modules == ["body"] and trial.steps == 30 and not trial.finished
+    pinned = trace(
+        [], 1.0, layers=layers, activation_costs={"copy": {**fit, "tier": "pinned"}, "refused": {}}
+    )
+    assert offload_trial_for(applier)(pinned) is None  # CUDA: its copies overlap, the fit prices them
+    refused = {"body": "inplace", "body.0": "inplace", "body.2": "inplace", "head": "called twice"}
+    none = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": refused})
+    nothing = offload_trial_for(applier)(none)
+    # over before it starts, in no step, and says why
+    assert nothing.finished and nothing.steps == 0
+    assert nothing.result() == {
+        "modules": [],
+        "rounds": 0,
+        "factor": None,
+        "note": "no module can take a policy",
+    }
 
 
 def test_copies_are_priced_by_the_fit_each_way():

@@ -19,8 +19,8 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from qsync_callback.fit_check import DoesNotFit, FitCheck, check_fit
 from qsync_callback.integrations.lightning.lightning_run import LightningRun
+from qsync_callback.offload_trial import TRIAL_ROUNDS
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
-from qsync_callback.recorder.offload_trial import TRIAL_ROUNDS
 from qsync_callback.tuning_loop import LoopSettings, TuningLoop
 from qsync_callback.units import check_count
 
@@ -54,7 +54,7 @@ class QSyncCallback(pl.Callback):
             the measured steps, rounds of the recorded configuration and an offload of the model's
             modules in turns (each a block of 1 + 4 steps of each; on one process, as many more
             while the change is too noisy, up to 3 times as many), to measure what offload costs
-            this run's steps over the copy-cost fit's price (`recorder/offload_trial.py`); 0: none,
+            this run's steps over the copy-cost fit's price (`offload_trial.py`); 0: none,
             the fit alone prices offload.
         best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply
             the closest one (the least-memory plan, or the least-violating) instead of none.

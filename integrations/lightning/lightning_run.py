@@ -16,6 +16,7 @@ from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_ddp_buckets import DDPBucketApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.appliers.torch_regions import RegionApplier
+from qsync_callback.offload_trial import offload_trial_for
 from qsync_callback.predictor.compiled_regions import payback_gate
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.tuning_loop import Applier
@@ -122,8 +123,11 @@ class LightningRun:
             layer_statistics=planning,
             activation_costs=planning and self.activation,
             offload_stats=self._appliers["activation"].step_stats,
-            offload_trial=self._appliers["activation"] if planning and self.offload_trial_rounds else None,
-            offload_trial_rounds=self.offload_trial_rounds,
+            offload_trial=offload_trial_for(
+                self._appliers["activation"], self.offload_trial_rounds, looks=self.trainer.world_size == 1
+            )
+            if planning and self.offload_trial_rounds
+            else None,
             compiled_regions=payback_gate if planning and self.regions else None,
             steps_left=self._steps_left(),
             partial_last_batch=self._partial_last_batch(),

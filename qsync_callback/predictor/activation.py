@@ -31,7 +31,7 @@ policy frees them; an offload still copies them.
   `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane of its own (one queue for both
   directions, in request order; each copy takes ``alpha + beta * bytes`` of that direction,
   `Trace.activation_costs["copy"]`, times what an offload trial measured the run's steps to pay
-  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `recorder.offload_trial`): a
+  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `offload_trial`): a
   copy to the store is requested when the op that made the tensor ends (for ``held``: the module's
   first forward op), and the tensor is freed when both its copy is done and its consumer has run.
   The copies back are requested when the backward reaches the next offloaded module in forward
@@ -206,7 +206,7 @@ def _remade_at(span: ModuleSpan) -> float:
 
 def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
     """The copy's time by the fit, times what the step was measured to pay over the fit's price where
-    an offload trial measured it (`recorder.offload_trial`)."""
+    an offload trial measured it (`offload_trial`)."""
     fit = costs[direction]
     factor = (costs.get("in_step") or {}).get("factor") or 1.0
     return float(fit["alpha_us"] + fit["us_per_byte"] * nbytes) * factor

@@ -16,9 +16,10 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
   ``<trace_dir>/rank<k>/kineto.json`` and converted to the normalized ``trace.json``;
 - steps after the window are timed again: the median of the unprofiled steps is the measured
   step time;
-- where asked for (``offload_trial``, the activation applier), the steps after those run an offload
-  of the model's outermost modules in turns with the recorded configuration (`offload_trial.py`):
-  what offload costs this run's steps over the copy-cost fit's price; they are not timed as steps.
+- where asked for (``offload_trial``: given the closed window's trace, the trial to run, from
+  `offload_trial.offload_trial_for`), the steps after those run an offload of the model's outermost
+  modules in turns with the recorded configuration: what offload costs this run's steps over the
+  copy-cost fit's price; they are not timed as steps.
 
 On request the recorder also gathers the precision indicator's layer statistics over the first
 ``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
@@ -59,7 +60,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 try:
     import resource
@@ -92,7 +93,6 @@ from qsync_callback.recorder.layer_ranges import LayerRanges
 from qsync_callback.recorder.layer_statistics import LayerStatistics
 from qsync_callback.recorder.live_memory import StorageWatch, live_storages, step_peak
 from qsync_callback.recorder.module_calls import CallProbe, activation_refusals
-from qsync_callback.recorder.offload_trial import TRIAL_ROUNDS, OffloadApplier, OffloadTrial, trial_modules
 from qsync_callback.recorder.op_dataset import add_to_dataset
 from qsync_callback.recorder.op_samples import op_samples, samples_document
 from qsync_callback.recorder.overhead import (
@@ -223,6 +223,23 @@ def window_close_step(warmup_steps: int, profile_steps: int) -> int:
     return recorded_steps(warmup_steps, profile_steps)[-1] + 1
 
 
+class WindowTrial(Protocol):
+    """A trial the recorder runs in the steps after its measured ones (`offload_trial.OffloadTrial`):
+    its boundaries counted from 0, until it has finished; its result goes with the copy costs."""
+
+    modules: list[str]
+    finished: bool
+
+    @property
+    def steps(self) -> int: ...
+
+    def boundary(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+    def result(self) -> dict[str, Any]: ...
+
+
 class TorchRecorder:
     """Profile ``profile_steps`` steps of a live training loop, every other step from ``warmup_steps``.
 
@@ -248,8 +265,7 @@ class TorchRecorder:
         measure_steps: int = 0,
         activation_costs: bool = False,
         offload_stats: Callable[[], Mapping[str, Any]] | None = None,
-        offload_trial: OffloadApplier | None = None,
-        offload_trial_rounds: int = TRIAL_ROUNDS,
+        offload_trial: Callable[[Trace], WindowTrial | None] | None = None,
         compiled_regions: RegionGate | None = None,
         steps_left: int | None = None,
         partial_last_batch: bool | None = None,
@@ -274,9 +290,8 @@ class TorchRecorder:
         self.module_calls: dict[str, int] | None = None  # per module, in the warm-up step
         self.call_problems: dict[str, str] = {}
         self._offload_stats = offload_stats
-        self._offload_applier = offload_trial  # measure offload's cost in the steps after the window
-        self._offload_trial_rounds = offload_trial_rounds
-        self._trial: OffloadTrial | None = None
+        self._trial_of = offload_trial  # what offload costs the steps after the window, where asked
+        self._trial: WindowTrial | None = None
         self._region_gate = compiled_regions  # compile modules to calibrate on, where it says so
         self._steps_left = steps_left  # from this recorder's first step to the end of the run
         self._partial_last_batch = partial_last_batch
@@ -518,7 +533,7 @@ class TorchRecorder:
             self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
         if self._activation_costs:
             self.trace.activation_costs = self._activation_costs_of(self.trace)
-            self._trial = self._offload_trial_of(self.trace)
+            self._trial = self._trial_of(self.trace) if self._trial_of is not None else None
         if self._region_gate is not None:
             steps_left = None if self._steps_left is None else max(self._steps_left - self.close_step, 0)
             inputs = self._region_inputs.inputs if self._region_inputs is not None else {}
@@ -624,20 +639,6 @@ class TorchRecorder:
         refused = activation_refusals(self.model, modules, self.module_calls, self.call_problems)
         device = "cuda" if self.device.startswith("cuda") else self.device
         return {"copy": copy_costs(device), "refused": refused}
-
-    def _offload_trial_of(self, trace: Trace) -> OffloadTrial | None:
-        """The offload trial to run after the measured steps (`offload_trial.py`): where asked for, on
-        the CPU's disk tier, of the outermost modules that may take a policy; None where none runs."""
-        copy = trace.activation_costs["copy"]
-        if self._offload_applier is None or copy.get("tier") != "disk":
-            return None
-        modules = trial_modules([layer["name"] for layer in trace.layers], trace.activation_costs["refused"])
-        if not modules:
-            copy["in_step"] = {"modules": [], "factor": None, "note": "no module can take a policy"}
-            return None
-        return OffloadTrial(
-            self._offload_applier, modules, copy, self._offload_trial_rounds, looks=self.world_size == 1
-        )
 
     def _trial_step(self, step: int) -> None:
         """Boundary ``step`` of the offload trial; at its last, its result goes with the copy costs."""

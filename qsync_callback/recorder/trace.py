@@ -36,7 +36,7 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                     "from_store": {...},   # the offload store's fitted copies
                                     "in_step": {"modules": ["net"], "factor": 1.6, ...}, ...},
                                         # what the steps paid over the fit's price, measured in an
-                                        # offload trial (`recorder/offload_trial.py`)
+                                        # offload trial (`offload_trial.py`)
                            "refused": {"net.2": "called twice per step", ...}},
                                         # modules that cannot take an activation policy, and why
       "compiled_regions": {"steps_left": 980,   # training steps after the window (null: unknown)

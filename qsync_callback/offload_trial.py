@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
 from qsync_callback.plan import OFFLOAD, Plan, module_layers
+from qsync_callback.recorder.trace import Trace
 
 TRIAL_ROUNDS = 6
 PRECISE_ENOUGH = 0.2  # the change's noise, as a share of it, under which the trial stops
@@ -73,6 +74,24 @@ def trial_modules(layers: Iterable[str], refused: Mapping[str, str]) -> list[str
     return sorted(name for name in candidates if not enclosed(name))
 
 
+def offload_trial_for(
+    applier: OffloadApplier, rounds: int = TRIAL_ROUNDS, looks: bool = True
+) -> Callable[[Trace], OffloadTrial | None]:
+    """What a recorder asks for the trial of its window once it has closed (``TorchRecorder``'s
+    ``offload_trial``): of ``trace``'s outermost modules that may take a policy, through
+    ``applier``, against the trace's copy-cost fit; None on a tier other than the CPU's disk."""
+
+    def trial_of(trace: Trace) -> OffloadTrial | None:
+        copy = trace.activation_costs.get("copy") or {}
+        if copy.get("tier") != "disk":
+            return None
+        refused = trace.activation_costs.get("refused", {})
+        modules = trial_modules([layer["name"] for layer in trace.layers], refused)
+        return OffloadTrial(applier, modules, copy, rounds, looks)
+
+    return trial_of
+
+
 def copies_priced_ms(
     fit: Mapping[str, Any], copies: Mapping[str, float], nbytes: Mapping[str, float]
 ) -> float:
@@ -97,15 +116,16 @@ class OffloadTrial:
     ):
         self.modules = modules
         self._looks = looks  # may go on while too noisy: one process (ranks would part ways)
+        self._note: str | None = None if modules else "no module can take a policy"
+        self.finished = not modules  # nothing to try: over before it starts, in no step
         self._applier = applier
         self._fit = fit
-        self._rounds = rounds  # run so far, or to be run: one look's worth more while too noisy
+        # run so far, or to be run (one look's worth more while too noisy); none without a module
+        self._rounds = rounds if modules else 0
         self._times = BlockTimes(Alternation(rounds))
         self._undo: Undo | None = None
         self._moved = {"copies": dict.fromkeys(DIRECTIONS, 0.0), "bytes": dict.fromkeys(DIRECTIONS, 0.0)}
         self._timed_plan_steps = 0
-        self._note: str | None = None
-        self.finished = False
 
     @property
     def steps(self) -> int:
