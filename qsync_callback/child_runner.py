@@ -6,8 +6,11 @@ The parent (`run_in_children`) starts ``python -m <module>`` with the request as
 ``{"items": [...], **extra}``; the child (`serve`, called from that module's ``__main__``) handles the
 items in order and writes one ``start i`` line before each and one ``done i <result as JSON>`` (or
 ``failed i``, when the handler raised) after it. A child that dies leaves a ``start`` without its end:
-that item is reported as None and a new child takes the items after it. At the deadline the child is
-killed and what is left is not reported.
+that item is reported as None and a new child takes the items after it; one that dies between two
+items (a kernel that corrupted memory may crash the child later) loses none. So does a child that writes
+no line for ``item_seconds``: it is killed as hung (a native kernel given made-up values may loop or
+wait forever instead of crashing; without the limit one such item spent the whole budget and every
+item after it went unreported). At the deadline the child is killed and what is left is not reported.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ def run_in_children(
     deadline: float,
     report: Callable[[int, Any | None], None],
     extra: Mapping[str, Any] | None = None,
+    item_seconds: float = 60.0,
 ) -> None:
     """Hand ``items`` to children running ``module`` until each is done or ``deadline`` (a
     ``time.monotonic()`` time) passes; ``report(i, result)`` for each item done, ``report(i, None)``
-    for one that failed or took its child down."""
+    for one that failed, took its child down or hung it (no line for ``item_seconds``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     first = 0
     while first < len(items) and time.monotonic() < deadline:
@@ -40,26 +44,53 @@ def run_in_children(
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
-        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), child.kill)
-        timer.start()
+        last_line = [time.monotonic()]
+        done = threading.Event()
+        watchdog = threading.Thread(
+            target=_watch, args=(child, deadline, item_seconds, last_line, done), daemon=True
+        )
+        watchdog.start()
         try:
             child.stdin.write(json.dumps({**(extra or {}), "items": list(items[first:])}))
             child.stdin.close()
         except BrokenPipeError:
             pass
         started = None  # the item the child is on
+        after = first  # the first item not ended
         for line in child.stdout:
+            last_line[0] = time.monotonic()
             word, index, *rest = line.split(maxsplit=2)
             started = first + int(index)
             if word in ("done", "failed"):
                 report(started, json.loads(rest[0]) if word == "done" else None)
-                started = None
+                started, after = None, started + 1
         child.wait()
-        timer.cancel()
-        if started is None or time.monotonic() >= deadline:
-            return  # all done, or the child did not start; or the time ran out (not a failure)
-        report(started, None)  # the child died on it
-        first = started + 1
+        done.set()
+        watchdog.join()
+        if time.monotonic() >= deadline:
+            return  # the time ran out (not a failure)
+        if started is not None:
+            report(started, None)  # the child died on it
+            after = started + 1
+        elif child.returncode == 0 or after == first:
+            return  # all done; or the child died before its first item, and would again
+        first = after  # died between two items (a kernel that corrupted memory crashes later)
+
+
+def _watch(
+    child: subprocess.Popen,
+    deadline: float,
+    item_seconds: float,
+    last_line: list[float],
+    done: threading.Event,
+) -> None:
+    """Kill ``child`` at ``deadline``, or once no line came for ``item_seconds`` (``last_line[0]``:
+    when the last one did), unless ``done`` is set first."""
+    while not done.wait(0.05):
+        now = time.monotonic()
+        if now >= deadline or now - last_line[0] > item_seconds:
+            child.kill()
+            return
 
 
 def serve(handle: Callable[[Any, Mapping[str, Any]], Any]) -> None:

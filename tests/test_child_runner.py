@@ -6,9 +6,10 @@ import time
 from qsync_callback.child_runner import run_in_children
 
 
-def _run(items, seconds=60.0):
+def _run(items, seconds=60.0, item_seconds=60.0):
     reported = {}
-    run_in_children("child_items", items, time.monotonic() + seconds, reported.__setitem__, {"factor": 2})
+    deadline = time.monotonic() + seconds
+    run_in_children("child_items", items, deadline, reported.__setitem__, {"factor": 2}, item_seconds)
     return reported
 
 
@@ -24,6 +25,25 @@ def test_at_the_deadline_the_child_is_killed_and_the_rest_is_not_reported():
     start = time.monotonic()
     assert _run([1, "hang", 2], seconds=3.0) == {0: 2}
     assert time.monotonic() - start < 30
+
+
+def test_an_item_that_hangs_its_child_loses_only_itself_and_a_new_child_takes_the_rest():
+    start = time.monotonic()
+    assert _run([1, "hang", 2, "hang", 3], seconds=60.0, item_seconds=3.0) == {
+        0: 2,
+        1: None,
+        2: 4,
+        3: None,
+        4: 6,
+    }
+    assert time.monotonic() - start < 30  # two hangs of 3 s, not the minute the deadline allows
+
+
+def test_a_child_that_dies_between_two_items_loses_neither_and_a_new_child_takes_the_rest():
+    reported = {}
+    items = [1, "exit after", 2, "exit after", 3]
+    run_in_children("child_lines", items, time.monotonic() + 60, reported.__setitem__)
+    assert reported == dict(enumerate(items))
 
 
 def test_no_items_start_no_child():

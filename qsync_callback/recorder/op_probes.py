@@ -8,8 +8,9 @@ name and its arguments as JSON, each tensor kept as its shape, strides and dtype
 a child Python process (made-up values can crash a native kernel: an RNN's backward reads its
 forward's workspace, which a made-up tensor is not), which makes real tensors of those (random
 floats; zeros for integers and booleans, valid indices and masks), runs each op once to warm it
-and then `REPEATS` times, and keeps the least time. A crash loses only the op that crashed: the
-child is started again after it (`child_runner.py`). Each result is an `OpSample` of the same
+and then `REPEATS` times, and keeps the least time. A crash loses only the op that crashed, and
+so does a hang (`ITEM_SECONDS` without a word from the child): the child is started again after it
+(`child_runner.py`). Each result is an `OpSample` of the same
 schema as a recorded op's, so probes join the device's data set (`op_dataset.py`). Ops whose
 inputs exceed `MAX_PROBE_BYTES`, whose arguments JSON cannot hold, that fail on made-up values, or
 beyond the time allowed are left to the model.
@@ -31,6 +32,7 @@ from qsync_callback.child_runner import run_in_children, serve
 from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample, call_overload, call_values
 
 REPEATS = 3
+ITEM_SECONDS = 20.0  # an op whose child writes nothing for this long is taken as hung (`child_runner`)
 MAX_PROBE_BYTES = 256 << 20  # a probe's tensor inputs together at most
 
 
@@ -97,7 +99,8 @@ def probe(samples: Iterable[OpSample], device: str = "cpu", seconds: float = 5.0
             timed[i] = us
 
     calls = [s.call for s in todo]
-    run_in_children(__name__, calls, time.monotonic() + seconds, report, {"device": device})
+    deadline = time.monotonic() + seconds
+    run_in_children(__name__, calls, deadline, report, {"device": device}, ITEM_SECONDS)
     return [dataclasses.replace(s, us=timed[i]) for i, s in enumerate(todo) if i in timed]
 
 
