@@ -85,7 +85,7 @@ def offload_trial_for(
         copy = trace.activation_costs.get("copy") or {}
         if copy.get("tier") != "disk":
             return None
-        refused = trace.activation_costs.get("refused", {})
+        refused = trace.activation_costs["refused"]  # recorded with the copy costs
         modules = trial_modules([layer["name"] for layer in trace.layers], refused)
         return OffloadTrial(applier, modules, copy, rounds, looks)
 

@@ -90,6 +90,13 @@ def test_a_recorders_trial_is_of_its_traces_outermost_modules_on_the_disk_tier_o
     disk = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": {"head": "called twice"}})
     trial = offload_trial_for(applier, rounds=3, looks=False)(disk)
     assert trial.modules == ["body"] and trial.steps == 30 and not trial.finished
+    # it offloads through the applier given and prices against the trace's fit, for the rounds asked
+    assert _run_trial(applier.model, trial) == 30
+    result = trial.result()
+    assert result["bytes_per_step"]["to_store"] == BATCH * WIDTH * 4
+    assert result["priced_ms"] == pytest.approx(
+        copies_priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
+    )
     pinned = trace(
         [], 1.0, layers=layers, activation_costs={"copy": {**fit, "tier": "pinned"}, "refused": {}}
     )
