@@ -3,7 +3,7 @@
 The copy-cost fit (`copy_costs.py`) times the store's copies alone: a tensor put in the store and
 got back in a loop of nothing else. Inside a training step the same copies cost more on the CPU's
 disk tier. Measured on a 2-core VM (Lightning, offload in turns with the recorded configuration, 8
-rounds): the step paid 1.6-2.3 times the fit's price on a residual CNN (35-43 MiB of 4 MiB tensors)
+rounds): the step paid 1.6-2.7 times the fit's price on a residual CNN (35-43 MiB of 4 MiB tensors)
 and 1.4-1.5 times on a decoder (24 MiB of 1 MiB tensors), so the fit alone priced offload at half
 its cost and the planner chose it where a recompute ran faster. Part of it is glibc's: in a plain
 loop of the CNN the steps with offload took 2,000-4,000 more page faults each (memory the allocator
@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
 from qsync_callback.plan import OFFLOAD, Plan, module_layers
+from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
 
 TRIAL_ROUNDS = 6
@@ -90,14 +91,6 @@ def offload_trial_for(
         return OffloadTrial(applier, modules, copy, rounds, looks)
 
     return trial_of
-
-
-def copies_priced_ms(
-    fit: Mapping[str, Any], copies: Mapping[str, float], nbytes: Mapping[str, float]
-) -> float:
-    """What the copy-cost ``fit`` prices ``copies`` copies of ``nbytes`` bytes in all, each way, in
-    ms (the fit is linear: the sizes of the copies need not be known one by one)."""
-    return sum(copies[d] * fit[d]["alpha_us"] + nbytes[d] * fit[d]["us_per_byte"] for d in DIRECTIONS) / 1e3
 
 
 class OffloadTrial:
@@ -181,6 +174,13 @@ class OffloadTrial:
                 self._moved["copies"][direction] += stats[direction]["copies"]
                 self._moved["bytes"][direction] += stats[direction]["bytes"]
 
+    def stop(self, why: str) -> None:
+        """End the trial short (training ended before its last round): undone, ``why`` its note."""
+        if not self.finished:
+            self._note = self._note or why
+            self.finished = True
+        self.close()
+
     def close(self) -> None:
         """Undo the trial's offload, if it is in force (the trial is over, or the window ends early)."""
         undo, self._undo = self._undo, None
@@ -202,7 +202,7 @@ class OffloadTrial:
         baseline_ms = statistics.median(change["baseline_ms"])
         change_ms = change["change_pct"] / 100 * baseline_ms
         noise_ms = change["noise_pct"] / 100 * baseline_ms
-        priced_ms = copies_priced_ms(self._fit, copies, nbytes)
+        priced_ms = sum(copies_us(self._fit, d, nbytes[d], copies[d]) for d in DIRECTIONS) / 1e3
         out.update(baseline_ms=baseline_ms, change_ms=change_ms, noise_ms=noise_ms, priced_ms=priced_ms)
         if priced_ms <= 0:
             return {**out, "note": "the trial's offload moved nothing"}

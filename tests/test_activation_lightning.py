@@ -128,6 +128,7 @@ def test_training_that_ends_during_the_offload_trial_says_so_and_leaves_nothing_
     trial = load_trace_dir(tmp_path / "q" / "trace")[0].activation_costs["copy"]["in_step"]
     assert trial == {
         "modules": ["blocks", "head", "stem"],
+        "rounds": 6,
         "factor": None,
         "note": "training ended before the trial's last round",
     }

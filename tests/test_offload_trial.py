@@ -15,12 +15,11 @@ from qsync_callback.offload_store import DIRECTORY_PREFIX
 from qsync_callback.offload_trial import (
     PRECISE_ENOUGH,
     OffloadTrial,
-    copies_priced_ms,
     offload_trial_for,
     trial_modules,
 )
 from qsync_callback.plan import module_layers
-from qsync_callback.recorder.copy_costs import copy_costs
+from qsync_callback.recorder.copy_costs import copies_us, copy_costs
 from qsync_callback.report import format_offload_trial
 
 from tracebuilder import trace
@@ -40,6 +39,11 @@ class Net(nn.Module):
 
 def _offload_dirs() -> set[str]:
     return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(DIRECTORY_PREFIX)}
+
+
+def _priced_ms(fit, copies, nbytes):
+    """What the fit prices a trial's copies each way, in ms, as the trial's result does."""
+    return sum(copies_us(fit, d, nbytes[d], copies[d]) for d in ("to_store", "from_store")) / 1e3
 
 
 def _run_trial(model: nn.Module, trial: OffloadTrial) -> int:
@@ -95,7 +99,7 @@ def test_a_recorders_trial_is_of_its_traces_outermost_modules_on_the_disk_tier_o
     result = trial.result()
     assert result["bytes_per_step"]["to_store"] == BATCH * WIDTH * 4
     assert result["priced_ms"] == pytest.approx(
-        copies_priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
+        _priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
     )
     pinned = trace(
         [], 1.0, layers=layers, activation_costs={"copy": {**fit, "tier": "pinned"}, "refused": {}}
@@ -120,7 +124,9 @@ def test_copies_are_priced_by_the_fit_each_way():
         "from_store": {"alpha_us": 50.0, "us_per_byte": 0.0005},
     }
     copies, nbytes = {"to_store": 2, "from_store": 2}, {"to_store": 10**6, "from_store": 10**6}
-    assert copies_priced_ms(fit, copies, nbytes) == pytest.approx((200 + 1000 + 100 + 500) / 1e3)
+    assert copies_us(fit, "to_store", 10**6, copies=2) == pytest.approx(200 + 1000)
+    assert copies_us(fit, "from_store", 10**6) == pytest.approx(50 + 500)
+    assert _priced_ms(fit, copies, nbytes) == pytest.approx((200 + 1000 + 100 + 500) / 1e3)
 
 
 def test_a_trial_counts_the_bytes_moved_prices_them_and_leaves_nothing_behind():
@@ -142,7 +148,7 @@ def test_a_trial_counts_the_bytes_moved_prices_them_and_leaves_nothing_behind():
     assert result["bytes_per_step"] == {"to_store": hidden + out, "from_store": hidden + out}
     assert result["copies_per_step"] == {"to_store": 2, "from_store": 2}
     assert result["priced_ms"] == pytest.approx(
-        copies_priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
+        _priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
     )
     assert result["modules"] == ["body", "head"]
     if result["factor"] is None:  # the change was within its noise on this machine at this moment

@@ -67,6 +67,7 @@ from qsync_callback.plan import KEEP, MIN_OFFLOAD_BYTES, OFFLOAD, RECOMPUTE, hol
 from qsync_callback.predictor.graph import op_node
 from qsync_callback.predictor.memory import Events, TensorLife, lifetime_events
 from qsync_callback.predictor.replay import CompiledGraph
+from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Op, Trace
 
 _REMADE_US = 1e-3  # the recompute's tensors are made this long before the first backward op
@@ -207,9 +208,8 @@ def _remade_at(span: ModuleSpan) -> float:
 def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
     """The copy's time by the fit, times what the step was measured to pay over the fit's price where
     an offload trial measured it (`offload_trial`)."""
-    fit = costs[direction]
     factor = (costs.get("in_step") or {}).get("factor") or 1.0
-    return float(fit["alpha_us"] + fit["us_per_byte"] * nbytes) * factor
+    return copies_us(costs, direction, nbytes) * factor
 
 
 def overlaps(costs: Mapping) -> bool:

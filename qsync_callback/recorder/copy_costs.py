@@ -33,6 +33,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -107,6 +108,14 @@ def fit_copy_costs(
         }
     out["source"] = "measured"
     return out
+
+
+def copies_us(costs: Mapping[str, Any], direction: str, nbytes: float, copies: float = 1) -> float:
+    """What the fit ``costs`` (`fit_copy_costs`' result) prices ``copies`` copies of ``nbytes`` bytes
+    in all, in ``direction`` ("to_store" or "from_store"), in us; the fit is linear, so the sizes
+    need not be known one by one."""
+    fit = costs[direction]
+    return float(copies * fit["alpha_us"] + fit["us_per_byte"] * nbytes)
 
 
 def _costs_problem(costs: Any, tier: str) -> str | None:

@@ -237,6 +237,8 @@ class WindowTrial(Protocol):
 
     def close(self) -> None: ...
 
+    def stop(self, why: str) -> None: ...
+
     def result(self) -> dict[str, Any]: ...
 
 
@@ -412,7 +414,7 @@ class TorchRecorder:
         if self.warmup_steps - 1 <= step <= self.close_step:
             self.overhead_s += time.perf_counter() - work
         if self._trial is not None and self.trial_start <= step <= self.done_step:
-            self._trial_step(step - self.trial_start)
+            self._trial.boundary(step - self.trial_start)  # its result: at `save`
         self._steps_started += 1
         self._last_boundary = time.perf_counter()
         self._last_faults = _minor_page_faults()
@@ -640,24 +642,11 @@ class TorchRecorder:
         device = "cuda" if self.device.startswith("cuda") else self.device
         return {"copy": copy_costs(device), "refused": refused}
 
-    def _trial_step(self, step: int) -> None:
-        """Boundary ``step`` of the offload trial; at its last, its result goes with the copy costs."""
-        self._trial.boundary(step)
-        if self._trial.finished:
-            self.trace.activation_costs["copy"]["in_step"] = self._trial.result()
-
     def _end_trial(self) -> None:
         """Undo an offload trial in force; one that training ended before its last round says so."""
-        if self._trial is None:
-            return
-        self._trial.close()
-        copy = self.trace.activation_costs["copy"]
-        if "in_step" not in copy:
-            copy["in_step"] = {
-                "modules": self._trial.modules,
-                "factor": None,
-                "note": "training ended before the trial's last round",
-            }
+        if self._trial is not None:
+            self._trial.stop("training ended before the trial's last round")
+            self.trace.activation_costs["copy"]["in_step"] = self._trial.result()
 
     def _write(self) -> None:
         if self.trace is not None:
