@@ -3,7 +3,7 @@
 The copy-cost fit (`copy_costs.py`) times the store's copies alone: a tensor put in the store and
 got back in a loop of nothing else. Inside a training step the same copies cost more on the CPU's
 disk tier. Measured on a 2-core VM (Lightning, offload in turns with the recorded configuration, 8
-rounds): the step paid 1.6-2.7 times the fit's price on a residual CNN (35-43 MiB of 4 MiB tensors)
+rounds): the step paid 1.6-2.7 times the fit's price on a residual CNN (10-43 MiB of 4 MiB tensors)
 and 1.4-1.5 times on a decoder (24 MiB of 1 MiB tensors), so the fit alone priced offload at half
 its cost and the planner chose it where a recompute ran faster. Part of it is glibc's: in a plain
 loop of the CNN the steps with offload took 2,000-4,000 more page faults each (memory the allocator
