@@ -35,10 +35,10 @@ from typing import Any
 from models import get_model, timed_fit
 from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
 
-# the baseline window ends at 30 (90 to 210 with a memory budget and the activation lever: the
-# offload trial), the verify window 20 steps later, the turns (3 rounds of two blocks of 5 steps, up
-# to 9 while they cannot tell) 30 to 90 after that
-MAX_STEPS = 330
+# the baseline window ends at 30 (150 to 390 with a memory budget and the activation lever: the
+# offload and recompute trials, 60 to 180 steps each), the verify window 20 steps later, the turns
+# (3 rounds of two blocks of 5 steps, up to 9 while they cannot tell) 30 to 90 after that
+MAX_STEPS = 510
 NOTHING_TO_APPLY = "nothing to apply"
 
 

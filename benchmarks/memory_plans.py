@@ -4,7 +4,7 @@ small instances.
 
 For each model: one recording with ``QSyncCallback(mode="apply")`` that plans nothing to keep (it
 probes every layer's precisions, counts each module's calls, fits the offload store's copy cost and,
-under its 100% budget, measures offload's cost in the steps: `offload_trial.py`). Then,
+under its 100% budget, measures offload's and recompute's costs in the steps: `activation_trial.py`). Then,
 for each budget (a share of the recorded configuration's predicted peak), from its traces:
 
 - **ours**: `planner.memory_plan.plan_memory` with the precision and activation levers, and with
@@ -44,8 +44,8 @@ from models import get_model, timed_fit
 from runs import bench_environment, na, range_noise_pct, run_report, say_allocator, write_results
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
+from qsync_callback.activation_trial import TRIAL_ROUNDS
 from qsync_callback.alternation import BLOCK_STEPS, LOOKS, SETTLE_STEPS
-from qsync_callback.offload_trial import TRIAL_ROUNDS
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
@@ -58,8 +58,9 @@ from qsync_callback.units import format_bytes
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
-# the recording runs the offload trial after its measured steps (`offload_trial.py`)
-RECORDING_STEPS = MAX_STEPS + 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
+# the recording runs the offload trial, then the recompute trial, after its measured steps
+# (`activation_trial.py`)
+RECORDING_STEPS = MAX_STEPS + 2 * 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
 # a plan's run goes on after the callback finished: the steps the rest of training runs, away from
 # the window's disturbance (the offload store's writes ran at a third of their rate during and right
 # after a recorded window); the first few of them settle, the rest are timed
@@ -248,7 +249,24 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
             "after_noise_pct": range_noise_pct(base_after) if base_after else None,
         },
         "rows": rows,
+        "trials": {
+            "offload": predictor.traces[0].activation_costs.get("copy", {}).get("in_step"),
+            "recompute": predictor.activation.recompute_trials[0],
+        },
     }
+
+
+def _trial_figure(policy: str, trial: dict[str, Any] | None) -> str:
+    """What a recording's trial of ``policy`` measured: its factor over the price, and the change
+    against the price; or why it calibrated nothing."""
+    if trial is None:
+        return f"{policy}: no trial"
+    if trial["factor"] is None:
+        return f"{policy}: none ({trial['note']}, {trial['rounds']} rounds)"
+    return (
+        f"{policy} {trial['factor']:.2f} ({trial['change_ms']:+.1f} +- {trial['noise_ms']:.1f} ms against "
+        f"{trial['priced_ms']:.1f} priced, {trial['rounds']} rounds)"
+    )
 
 
 def _cost(plan_ms: list[float], base_ms: list[float]) -> tuple[float, float]:
@@ -361,6 +379,16 @@ def markdown(results: list[dict[str, Any]]) -> str:
         ]
         if reruns:
             lines.append(f"The recorded configuration rerun in fresh processes: {', '.join(reruns)}.")
+        trials = [
+            f"{r['model']}: " + ", ".join(_trial_figure(policy, t) for policy, t in r["trials"].items())
+            for r in results
+            if "trials" in r
+        ]
+        lines.append(
+            "The recordings' trials, each policy's factor over its price (`activation_trial.py`): "
+            + "; ".join(trials)
+            + "."
+        )
     return "\n".join(lines)
 
 

@@ -301,13 +301,12 @@ def format_memory_plan(
     choice: MemoryChoice,
     baseline: Mapping[str, Any],
     noise_pct: float | None = None,
-    offload_trial: Mapping[str, Any] | None = None,
 ) -> str:
     """The plan chosen to meet a memory budget with every lever allowed, as a table: each layer or
     module it changes, with its precision, its activation policy (keep / recompute / offload), the
     bytes that policy frees at once and the time it costs (each priced alone on the plan's precision:
     `planner.activation.Option`); then every candidate priced, the modules left out, why, and what
-    the offload trial measured (`offload_trial`), where one ran."""
+    the activation trials measured (`activation_trial`), where they ran."""
     chosen, prediction = choice.chosen, choice.chosen.prediction
     limit = "none" if choice.max_step_ms is None else _ms(choice.max_step_ms)
     lines = [
@@ -351,24 +350,30 @@ def format_memory_plan(
     lines.extend(
         f"  left out: {name}: {why}" for name, why in sorted(refused.items()) if why != NOTHING_TO_FREE
     )
-    if offload_trial is not None:
-        lines.append(format_offload_trial(offload_trial))
+    lines.extend(format_activation_trial(policy, trial) for policy, trial in choice.trials.items())
     return "\n".join(lines)
 
 
-def format_offload_trial(trial: Mapping[str, Any]) -> str:
-    """One line: what offloading the trial's modules cost the step, against the copy-cost fit's
-    price, and the factor offload is priced at; or why the fit's price stands alone."""
+_TRIAL_PRICE = {  # per policy: what its trial's factor multiplies, and what it is measured against
+    "offload": ("the copy-cost fit", "the fit prices its copies at"),
+    "recompute": ("the recorded forward", "the recorded forward prices it at"),
+}
+
+
+def format_activation_trial(policy: str, trial: Mapping[str, Any]) -> str:
+    """One line: what the ``policy`` trial's modules cost the step (`activation_trial`), against its
+    price, and the factor the policy is priced at; or why its price stands alone."""
+    price, priced_at = _TRIAL_PRICE[policy]
     modules = ", ".join(trial["modules"][:4]) + ", ..." * (len(trial["modules"]) > 4)
     if trial["factor"] is None:
         return (
-            f"  offload priced by the copy-cost fit alone: the offload trial "
-            f"({modules or 'no module'}): {trial['note']}"
+            f"  {policy} priced by {price} alone: the {policy} trial ({modules or 'no module'}): "
+            + trial["note"]
         )
     return (
-        f"  offload priced at {trial['factor']:.2f} x the copy-cost fit: offloading {modules} in "
+        f"  {policy} priced at {trial['factor']:.2f} x {price}: {policy} of {modules} in "
         f"{trial['rounds']} rounds of turns cost the step {trial['change_ms']:+.2f} ms "
-        f"(+-{trial['noise_ms']:.2f}) where the fit prices its copies at {trial['priced_ms']:.2f} ms"
+        f"(+-{trial['noise_ms']:.2f}) where {priced_at} {trial['priced_ms']:.2f} ms"
     )
 
 

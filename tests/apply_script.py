@@ -51,7 +51,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     model = ResidualMLP() if activation else GeluNet()
     callback = (
-        _callback(out, output_dir=out, offload_trial_rounds=1)
+        _callback(out, output_dir=out, activation_trial_rounds=1)
         if activation
         else _apply_callback(out, plan_cache=cache)
     )

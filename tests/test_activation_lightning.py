@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from qsync_callback import QSyncCallback
 from qsync_callback.offload_store import DIRECTORY_PREFIX
 from qsync_callback.plan import Plan
+from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import format_offload_trial
+from qsync_callback.report import format_activation_trial
 
 
 class Block(nn.Module):
@@ -84,9 +85,9 @@ def _offload_dirs() -> set[str]:
 
 def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     before = _offload_dirs()
-    callback = _callback(tmp_path, offload_trial_rounds=2)
+    callback = _callback(tmp_path, activation_trial_rounds=2)
     with caplog.at_level(logging.INFO):
-        model = _fit(callback, max_steps=100)  # the trial: 2 rounds, up to 6 while too noisy
+        model = _fit(callback, max_steps=160)  # the trials: 2 rounds each, up to 6 while too noisy
     out = tmp_path / "q"
     trace = load_trace_dir(out / "trace")[0]
     # the recording counted every module's calls and fitted the store's copy cost
@@ -106,7 +107,17 @@ def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
         trial["change_ms"] / trial["priced_ms"]
     )
     assert ("note" in trial) == (trial["factor"] is None)
-    assert format_offload_trial(trial) in caplog.text  # printed with the plan's table
+    assert format_activation_trial("offload", trial) in caplog.text  # printed with the plan's table
+    # ... then recomputing them, in turns too: the step's change, which the predictor takes its
+    # factor on (against the same recompute priced on the recorded steps), printed with the table
+    measured = trace.activation_costs["recompute"]["in_step"]
+    assert measured["modules"] == ["blocks", "head", "stem"] and measured["rounds"] in (2, 4, 6)
+    assert ("note" in measured) == (
+        "change_ms" not in measured or measured["change_ms"] <= measured["noise_ms"]
+    )
+    priced = Predictor([trace]).activation.recompute_trials[0]
+    assert priced["priced_ms"] > 0
+    assert format_activation_trial("recompute", priced) in caplog.text
     assert "qsync memory plan (meets the constraints; chosen: activation)" in caplog.text
     verification = json.loads((out / "verification.json").read_text())
     kept = Plan.load(out / "plan.json")
@@ -117,21 +128,22 @@ def test_an_activation_plan_meets_the_budget_live_and_is_kept(tmp_path, caplog):
     # measured (live storages and the allocator's counter, not the predictor) within the budget
     assert verification["measured"]["peak_bytes"] <= budget
     assert verification["measured"]["peak_bytes"] < verification["baseline_peak_bytes"]
-    assert len(model.losses) == 100 and all(torch.isfinite(torch.tensor(model.losses)))
+    assert len(model.losses) == 160 and all(torch.isfinite(torch.tensor(model.losses)))
     assert _offload_dirs() <= before  # the store's files went with the end of training
 
 
-def test_training_that_ends_during_the_offload_trial_says_so_and_leaves_nothing_offloaded(tmp_path):
+def test_training_that_ends_during_the_trials_says_so_and_leaves_nothing_offloaded(tmp_path):
     before = _offload_dirs()
-    callback = _callback(tmp_path, offload_trial_rounds=6)  # 60 steps after the measured ones
+    callback = _callback(tmp_path, activation_trial_rounds=6)  # 120 steps after the measured ones
     model = _fit(callback, max_steps=20)
-    trial = load_trace_dir(tmp_path / "q" / "trace")[0].activation_costs["copy"]["in_step"]
-    assert trial == {
+    costs = load_trace_dir(tmp_path / "q" / "trace")[0].activation_costs
+    ended = {
         "modules": ["blocks", "head", "stem"],
         "rounds": 6,
-        "factor": None,
         "note": "training ended before the trial's last round",
     }
+    assert costs["copy"]["in_step"] == {**ended, "factor": None}
+    assert costs["recompute"]["in_step"] == ended
     assert not [name for name, module in model.named_modules() if "forward" in module.__dict__]
     assert _offload_dirs() <= before
 
@@ -185,7 +197,7 @@ def test_an_offload_store_that_fails_rolls_the_plan_back_and_training_goes_on(tm
 def test_two_ddp_processes_apply_verify_and_keep_the_same_activation_plan(tmp_path):
     from apply_script import run_two_ranks
 
-    result = run_two_ranks(tmp_path, steps=50, activation=True)
+    result = run_two_ranks(tmp_path, steps=60, activation=True)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     verification = json.loads((tmp_path / "verification.json").read_text())
@@ -196,8 +208,11 @@ def test_two_ddp_processes_apply_verify_and_keep_the_same_activation_plan(tmp_pa
     in_force = [] if offloads else sorted(kept.activation)
     assert verification["decision"] != "keep" or kept.activation
     assert ranks[0]["wrapped"] == ranks[1]["wrapped"] == in_force
-    assert all(r["losses_finite"] and r["steps"] == 50 for r in ranks)
-    # each rank ran its own offload trial, on the same modules, over the same steps
-    trials = [t.activation_costs["copy"]["in_step"] for t in load_trace_dir(tmp_path / "trace")]
+    assert all(r["losses_finite"] and r["steps"] == 60 for r in ranks)
+    # each rank ran its own offload and recompute trials, on the same modules, over the same steps
+    traces = load_trace_dir(tmp_path / "trace")
+    trials = [t.activation_costs["copy"]["in_step"] for t in traces]
     assert [t["modules"] for t in trials] == [["blocks", "head", "stem"]] * 2
     assert trials[0]["bytes_per_step"] == trials[1]["bytes_per_step"]
+    recomputed = [t.activation_costs["recompute"]["in_step"] for t in traces]
+    assert [(t["modules"], t["rounds"]) for t in recomputed] == [(["blocks", "head", "stem"], 1)] * 2

@@ -216,6 +216,44 @@ def test_an_offload_trials_factor_scales_every_copy_and_none_leaves_the_fit(in_s
     assert planned.peak_bytes == 300 * KIB
 
 
+@pytest.mark.parametrize(
+    ("measured", "factor", "step_us"),
+    [
+        # recomputing b and head (forwards of 25 and 10 us) cost the steps 70 us: twice the price
+        ({"change_ms": 0.070, "noise_ms": 0.01}, 2.0, 80 + 2.0 * 25),
+        ({"change_ms": 0.0175, "noise_ms": 0.001}, 0.5, 80 + 0.5 * 25),
+        # a trial that could not tell leaves the recorded forward's price
+        ({"note": "the step's change (+0.01 ms) is within its noise (+-0.02 ms)"}, None, 80 + 25),
+    ],
+)
+def test_a_recompute_trials_factor_is_its_change_over_the_recorded_forward_and_scales_every_recompute(
+    measured, factor, step_us
+):
+    trial = {"modules": ["b", "head"], "rounds": 6, "baseline_ms": 0.08, **measured}
+    predictor = Predictor([_step({"copy": COPY, "recompute": {"in_step": trial}})])
+    priced = predictor.activation.recompute_trials[0]
+    assert priced["factor"] == (None if factor is None else pytest.approx(factor))
+    assert priced.get("priced_ms") == (None if factor is None else pytest.approx(0.035))
+    planned = predictor.predict(Plan(activation={"b": "recompute"}))
+    assert planned.step_ms * 1e3 == pytest.approx(step_us)
+    assert planned.peak_bytes == 300 * KIB  # the factor prices time, not memory
+    assert predictor.predict().step_ms * 1e3 == pytest.approx(80.0)  # nor the recorded configuration
+
+
+def test_a_recompute_trial_of_modules_the_steps_do_not_hold_calibrates_nothing(predictor):
+    assert predictor.activation.recompute_trials == [None]  # no trial ran
+    trial = {"modules": ["elsewhere"], "rounds": 6, "baseline_ms": 0.08, "change_ms": 0.05, "noise_ms": 0.01}
+    priced = Predictor([_step({"copy": COPY, "recompute": {"in_step": trial}})]).activation.recompute_trials[
+        0
+    ]
+    assert priced == {
+        **trial,
+        "priced_ms": 0.0,
+        "factor": None,
+        "note": "the trial's modules recompute nothing in the recorded steps",
+    }
+
+
 def test_the_recompute_makes_the_blocks_tensors_again_beside_its_forwards_temporaries():
     predictor = Predictor([_step(temporary=30)])
     assert predictor.activation.spans(0)[(0, "b")].forward_temporaries == 30 * KIB

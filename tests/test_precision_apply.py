@@ -87,7 +87,7 @@ def _apply_callback(tmp_path, out="q", **kwargs):
         max_step_time=60.0,  # seconds: this test is about memory, not this shared CPU's speed
         precisions=("fp32", "bf16", "int8"),
         plan_cache=tmp_path / "cache",
-        offload_trial_rounds=0,  # tests of the trial ask for it (test_activation_lightning.py)
+        activation_trial_rounds=0,  # tests of the trials ask for them (test_activation_lightning.py)
     )
     options.update(kwargs)
     return QSyncCallback(**options)

@@ -17,9 +17,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
+from qsync_callback.activation_trial import TRIAL_ROUNDS
 from qsync_callback.fit_check import DoesNotFit, FitCheck, check_fit
 from qsync_callback.integrations.lightning.lightning_run import LightningRun
-from qsync_callback.offload_trial import TRIAL_ROUNDS
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
 from qsync_callback.tuning_loop import LoopSettings, TuningLoop
 from qsync_callback.units import check_count
@@ -50,12 +50,13 @@ class QSyncCallback(pl.Callback):
             (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided
             (a drift of the machine's speed between the two recorded windows cancels in each round);
             while they cannot tell the plan from the baseline, as many more, up to 3 times as many.
-        offload_trial_rounds: mode "apply" with ``memory_budget`` and the "activation" lever: after
-            the measured steps, rounds of the recorded configuration and an offload of the model's
-            modules in turns (each a block of 1 + 4 steps of each; on one process, as many more
-            while the change is too noisy, up to 3 times as many), to measure what offload costs
-            this run's steps over the copy-cost fit's price (`offload_trial.py`); 0: none,
-            the fit alone prices offload.
+        activation_trial_rounds: mode "apply" with ``memory_budget`` and the "activation" lever:
+            after the measured steps, rounds of the recorded configuration and an offload of the
+            model's outermost modules in turns (on the CPU), then as many of it and a recompute of
+            them (each a block of 1 + 4 steps of each; on one process, as many more while the
+            change is too noisy, up to 3 times as many), to measure what each policy costs this
+            run's steps over its price (`activation_trial.py`); 0: none, the copy-cost fit and the
+            recorded forward alone price them.
         best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply
             the closest one (the least-memory plan, or the least-violating) instead of none.
         plan: a plan file to apply at step 0, without recording or planning.
@@ -81,7 +82,7 @@ class QSyncCallback(pl.Callback):
         levers: Iterable[str] = LEVERS,
         verify_steps: int = 3,
         alternate_rounds: int = 3,
-        offload_trial_rounds: int = TRIAL_ROUNDS,
+        activation_trial_rounds: int = TRIAL_ROUNDS,
         best_effort: bool = False,
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
@@ -102,8 +103,8 @@ class QSyncCallback(pl.Callback):
             plan_cache=plan_cache,
             alternate_rounds=alternate_rounds,
         )
-        check_count(offload_trial_rounds, "offload_trial_rounds", 0)
-        self._offload_trial_rounds = offload_trial_rounds
+        check_count(activation_trial_rounds, "activation_trial_rounds", 0)
+        self._activation_trial_rounds = activation_trial_rounds
         self._loop = TuningLoop(settings, who="QSyncCallback")
         self._run: LightningRun | None = None
         self._fit_unchecked = check_fit
@@ -162,7 +163,7 @@ class QSyncCallback(pl.Callback):
                 "activation" in constraints.levers,
                 "regions" in constraints.levers,
                 # activation policies are chosen only to meet a memory budget
-                self._offload_trial_rounds
+                self._activation_trial_rounds
                 if "activation" in constraints.levers and constraints.budgeted
                 else 0,
             )

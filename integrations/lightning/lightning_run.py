@@ -12,11 +12,11 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
+from qsync_callback.activation_trial import activation_trials_for
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_ddp_buckets import DDPBucketApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.appliers.torch_regions import RegionApplier
-from qsync_callback.offload_trial import offload_trial_for
 from qsync_callback.predictor.compiled_regions import payback_gate
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.tuning_loop import Applier
@@ -62,7 +62,7 @@ class LightningRun:
         precisions: tuple[str, ...],
         activation: bool = True,
         regions: bool = True,
-        offload_trial_rounds: int = 0,
+        activation_trial_rounds: int = 0,
     ):
         self.trainer = trainer
         self.pl_module = pl_module
@@ -71,7 +71,8 @@ class LightningRun:
         self.precisions = precisions
         self.activation = activation  # the activation lever is allowed: record what it needs
         self.regions = regions  # the regions lever is allowed: compile modules to calibrate on
-        self.offload_trial_rounds = offload_trial_rounds  # measure offload's cost (`offload_trial.py`)
+        # measure what the activation policies cost the steps (`activation_trial.py`)
+        self.activation_trial_rounds = activation_trial_rounds
         self._recorder: TorchRecorder | None = None
         self._batch_shapes = batch_shapes_of(batch)
         self._fingerprint: dict[str, Any] = {}
@@ -123,10 +124,10 @@ class LightningRun:
             layer_statistics=planning,
             activation_costs=planning and self.activation,
             offload_stats=self._appliers["activation"].step_stats,
-            offload_trial=offload_trial_for(
-                self._appliers["activation"], self.offload_trial_rounds, looks=self.trainer.world_size == 1
+            trial=activation_trials_for(
+                self._appliers["activation"], self.activation_trial_rounds, looks=self.trainer.world_size == 1
             )
-            if planning and self.offload_trial_rounds
+            if planning and self.activation_trial_rounds
             else None,
             compiled_regions=payback_gate if planning and self.regions else None,
             steps_left=self._steps_left(),

@@ -37,8 +37,7 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
     Raises QSyncInputError when no allowed lever can be planned from these traces."""
     if _plans_memory(traces, constraints):
         choice = plan_memory(traces, constraints)
-        trial = traces[0].activation_costs.get("copy", {}).get("in_step")
-        table = format_memory_plan(choice, recorded, _noise(traces), trial)
+        table = format_memory_plan(choice, recorded, _noise(traces))
         return PlanChoice(choice.chosen.plan, choice.feasible, table)
     chosen: PlanChoice | None = None
     if "precision" in constraints.levers and traces and traces[0].precision_costs.get("layers"):

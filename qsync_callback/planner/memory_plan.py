@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Constraints, Plan
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Constraints, Plan
 from qsync_callback.planner.activation import ActivationChoice, choose_activation
 from qsync_callback.planner.precision import budget_refusal, describe_choice, plan_precision
 from qsync_callback.predictor.predict import Prediction, Predictor
@@ -43,13 +44,17 @@ class MemoryCandidate:
 
 @dataclass
 class MemoryChoice:
-    """The chosen candidate, whether it meets the constraints, and every candidate priced."""
+    """The chosen candidate, whether it meets the constraints, every candidate priced, and the
+    trials that calibrated the activation policies' prices (``trials``: the offload trial's and the
+    recompute trial's results, `activation_trial`, the latter with its factor as the predictor took
+    it; absent: none ran, or the activation lever was not allowed)."""
 
     chosen: MemoryCandidate
     feasible: bool
     memory_budget: int
     max_step_ms: float | None
     candidates: list[MemoryCandidate] = field(default_factory=list)
+    trials: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _meets(candidate: MemoryCandidate, budget: int, max_step_ms: float | None) -> bool:
@@ -88,7 +93,15 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
             traces, constraints.precisions, max_step_ms=constraints.max_step_ms, predictor=predictor
         )
         base_precision = dict(fastest.plan.precision)
+    trials: dict[str, dict[str, Any]] = {}
     if "activation" in constraints.levers:
+        offload_trial = traces[0].activation_costs.get("copy", {}).get("in_step")
+        recompute_trial = predictor.activation.recompute_trials[0]
+        trials = {
+            policy: trial
+            for policy, trial in ((OFFLOAD, offload_trial), (RECOMPUTE, recompute_trial))
+            if trial is not None
+        }
         tops = [("activation", {})]
         if base_precision:
             tops.insert(0, ("precision + activation", base_precision))
@@ -108,7 +121,7 @@ def plan_memory(traces: Sequence[Trace], constraints: Constraints) -> MemoryChoi
     chosen.plan.prediction = chosen.prediction.figures()
     chosen.plan.constraints = constraints.to_dict()
     chosen.plan.fingerprint = dict(traces[0].fingerprint)
-    return MemoryChoice(chosen, bool(meeting), budget, constraints.max_step_ms, candidates)
+    return MemoryChoice(chosen, bool(meeting), budget, constraints.max_step_ms, candidates, trials)
 
 
 def describe_plan(plan: Plan) -> str:

@@ -24,14 +24,16 @@ policy frees them; an offload still copies them.
 - **Recompute.** The forward keeps the module's input and drops what the module saves inside: each
   such tensor dies at the end of the op after the one that made it (its consumer), instead of in
   backward. Right before the module's first backward op, its forward runs again (the forward ops'
-  time and host gaps, at the plan's precision), and the tensors are made again then, all of them,
-  with the largest total of the forward's own temporaries alive at once; they die where they died in
+  time and host gaps, at the plan's precision, times what a recompute trial measured the run's
+  steps to pay over that price, where one did: ``Trace.activation_costs["recompute"]["in_step"]``,
+  `activation_trial`, `recompute_trials`), and the tensors are made again then, all of them, with
+  the largest total of the forward's own temporaries alive at once; they die where they died in
   the recording.
 - **Offload.** Every tensor it saved (``inside``, ``held`` and ``outputs``) of at least
   `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane of its own (one queue for both
   directions, in request order; each copy takes ``alpha + beta * bytes`` of that direction,
   `Trace.activation_costs["copy"]`, times what an offload trial measured the run's steps to pay
-  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `offload_trial`): a
+  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `activation_trial`): a
   copy to the store is requested when the op that made the tensor ends (for ``held``: the module's
   first forward op), and the tensor is freed when both its copy is done and its consumer has run.
   The copies back are requested when the backward reaches the next offloaded module in forward
@@ -56,8 +58,10 @@ the recorded clock as synthetic tensors (`memory.lifetime_events`), merged into 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -207,7 +211,7 @@ def _remade_at(span: ModuleSpan) -> float:
 
 def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
     """The copy's time by the fit, times what the step was measured to pay over the fit's price where
-    an offload trial measured it (`offload_trial`)."""
+    an offload trial measured it (`activation_trial`)."""
     factor = (costs.get("in_step") or {}).get("factor") or 1.0
     return copies_us(costs, direction, nbytes) * factor
 
@@ -263,7 +267,9 @@ def check_activation_plan(traces: Sequence[Trace], activation: Mapping[str, str]
 
 
 class ActivationPricing:
-    """Activation policies priced on the recorded graphs (compiled once) and curves of all ranks."""
+    """Activation policies priced on the recorded graphs (compiled once) and curves of all ranks;
+    ``recorded``: per graph, the recorded configuration's op durations (the recompute trials'
+    factors are taken against the recompute priced on them)."""
 
     def __init__(
         self,
@@ -271,6 +277,7 @@ class ActivationPricing:
         compiled: Sequence[CompiledGraph],
         traces: Sequence[Trace],
         lives: Sequence[Sequence[TensorLife]],
+        recorded: Sequence[np.ndarray],
     ):
         self._traces = list(traces)
         self._compiled = list(compiled)
@@ -281,24 +288,58 @@ class ActivationPricing:
         # per graph: (rank, step) of each rank's step in it
         self._steps_in = [[(t.rank, t.steps[g].index) for t in self._traces] for g in range(len(graphs))]
         self._events: dict[tuple[int, str, str, str | None], dict[int, Events]] = {}
+        self.recompute_trials = [self._recompute_trial(k, recorded) for k in range(len(self._traces))]
 
     def spans(self, rank_position: int) -> dict[tuple[int, str], ModuleSpan]:
         """The `ModuleSpan`s of the trace at ``rank_position``."""
         return self._spans[rank_position]
 
+    def _recompute_trial(self, k: int, recorded: Sequence[np.ndarray]) -> dict[str, Any] | None:
+        """Rank position ``k``'s recompute trial (`activation_trial.RecomputeTrial`) with its
+        ``priced_ms`` (the same recompute priced on the recorded durations, the median over the
+        recorded steps) and ``factor`` (the measured change over that price; None where the trial
+        could not tell, or nothing was priced); None where no trial ran."""
+        trial = self._traces[k].activation_costs.get("recompute", {}).get("in_step")
+        if trial is None:
+            return None
+        out = {**trial, "factor": None}
+        if "note" in trial:
+            return out
+        acting = dict.fromkeys(trial["modules"], RECOMPUTE)
+        priced_us = statistics.median(
+            sum(self._recompute_added(acting, g, dur, k).values()) for g, dur in enumerate(recorded)
+        )
+        out["priced_ms"] = priced_us / 1e3
+        if priced_us <= 0:
+            return {**out, "note": "the trial's modules recompute nothing in the recorded steps"}
+        return {**out, "factor": trial["change_ms"] * 1e3 / priced_us}
+
+    def _recompute_added(
+        self, activation: Mapping[str, str], g: int, dur: np.ndarray, k: int
+    ) -> dict[int, float]:
+        """Per op index of graph ``g``: the recompute time rank position ``k``'s modules add before it
+        (their forward ops' durations ``dur`` and host gaps), as recorded (no trial's factor)."""
+        comp = self._compiled[g]
+        rank, step = self._steps_in[g][k]
+        added: dict[int, float] = {}
+        for name, policy in activation.items():
+            span = self._spans[k].get((step, name))
+            if policy != RECOMPUTE or span is None:
+                continue
+            ids = [comp.index[op_node(rank, op.id)] for op in span.forward]
+            first = comp.index[op_node(rank, span.first_backward.id)]
+            added[first] = added.get(first, 0.0) + float(np.sum(dur[ids]) + np.sum(comp.gap[ids]))
+        return added
+
     def recompute_us(self, activation: Mapping[str, str], g: int, dur: np.ndarray) -> dict[int, float]:
         """Per op index of graph ``g``: the recompute time added before it (its module's forward ops'
-        durations ``dur`` and host gaps)."""
-        comp = self._compiled[g]
+        durations ``dur`` and host gaps, times its rank's recompute trial's factor where it has one)."""
         added: dict[int, float] = {}
-        for k, (rank, step) in enumerate(self._steps_in[g]):
-            for name, policy in activation.items():
-                span = self._spans[k].get((step, name))
-                if policy != RECOMPUTE or span is None:
-                    continue
-                ids = [comp.index[op_node(rank, op.id)] for op in span.forward]
-                first = comp.index[op_node(rank, span.first_backward.id)]
-                added[first] = added.get(first, 0.0) + float(np.sum(dur[ids]) + np.sum(comp.gap[ids]))
+        for k in range(len(self._steps_in[g])):
+            trial = self.recompute_trials[k]
+            factor = (trial or {}).get("factor") or 1.0
+            for index, us in self._recompute_added(activation, g, dur, k).items():
+                added[index] = added.get(index, 0.0) + us * factor
         return added
 
     def durations(

@@ -226,8 +226,9 @@ class Predictor:
         """The activation policies' pricing on the recorded steps (module spans, saved tensors),
         built the first time a plan with activation policies is priced."""
         if self._activation_pricing is None:
+            recorded = [dur for dur, _ in self._durations({})]
             self._activation_pricing = ActivationPricing(
-                self._graphs, self._compiled, self.traces, self._lives
+                self._graphs, self._compiled, self.traces, self._lives, recorded
             )
         return self._activation_pricing
 

@@ -16,10 +16,10 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
   ``<trace_dir>/rank<k>/kineto.json`` and converted to the normalized ``trace.json``;
 - steps after the window are timed again: the median of the unprofiled steps is the measured
   step time;
-- where asked for (``offload_trial``: given the closed window's trace, the trial to run, from
-  `offload_trial.offload_trial_for`), the steps after those run an offload of the model's outermost
-  modules in turns with the recorded configuration: what offload costs this run's steps over the
-  copy-cost fit's price; they are not timed as steps.
+- where asked for (``trial``: given the closed window's trace, the trials to run, from
+  `activation_trial.activation_trials_for`), the steps after those run an offload, then a
+  recompute, of the model's outermost modules in turns with the recorded configuration: what each
+  policy costs this run's steps; they are not timed as steps.
 
 On request the recorder also gathers the precision indicator's layer statistics over the first
 ``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
@@ -224,10 +224,10 @@ def window_close_step(warmup_steps: int, profile_steps: int) -> int:
 
 
 class WindowTrial(Protocol):
-    """A trial the recorder runs in the steps after its measured ones (`offload_trial.OffloadTrial`):
-    its boundaries counted from 0, until it has finished; its result goes with the copy costs."""
+    """Trials the recorder runs in the steps after its measured ones
+    (`activation_trial.TrialSequence`): their boundaries counted from 0, until they have finished;
+    each result goes in the trace's activation costs, under its key."""
 
-    modules: list[str]
     finished: bool
 
     @property
@@ -239,7 +239,7 @@ class WindowTrial(Protocol):
 
     def stop(self, why: str) -> None: ...
 
-    def result(self) -> dict[str, Any]: ...
+    def results(self) -> dict[str, dict[str, Any]]: ...
 
 
 class TorchRecorder:
@@ -267,7 +267,7 @@ class TorchRecorder:
         measure_steps: int = 0,
         activation_costs: bool = False,
         offload_stats: Callable[[], Mapping[str, Any]] | None = None,
-        offload_trial: Callable[[Trace], WindowTrial | None] | None = None,
+        trial: Callable[[Trace], WindowTrial | None] | None = None,
         compiled_regions: RegionGate | None = None,
         steps_left: int | None = None,
         partial_last_batch: bool | None = None,
@@ -292,7 +292,7 @@ class TorchRecorder:
         self.module_calls: dict[str, int] | None = None  # per module, in the warm-up step
         self.call_problems: dict[str, str] = {}
         self._offload_stats = offload_stats
-        self._trial_of = offload_trial  # what offload costs the steps after the window, where asked
+        self._trial_of = trial  # what activation policies cost the steps after the window, where asked
         self._trial: WindowTrial | None = None
         self._region_gate = compiled_regions  # compile modules to calibrate on, where it says so
         self._steps_left = steps_left  # from this recorder's first step to the end of the run
@@ -353,13 +353,13 @@ class TorchRecorder:
 
     @property
     def trial_start(self) -> int:
-        """The boundary at which an offload trial starts: after the measured steps."""
+        """The boundary at which the activation trials start: after the measured steps."""
         return self.close_step + self.measure_steps
 
     @property
     def done_step(self) -> int:
         """The boundary at which the window is complete: ``measure_steps`` after it closes, and the
-        offload trial's steps after them where one runs."""
+        activation trials' steps after them where they run."""
         return self.trial_start + (self._trial.steps if self._trial is not None else 0)
 
     def step_end(self) -> None:
@@ -643,10 +643,11 @@ class TorchRecorder:
         return {"copy": copy_costs(device), "refused": refused}
 
     def _end_trial(self) -> None:
-        """Undo an offload trial in force; one that training ended before its last round says so."""
+        """Undo a trial in force; one that training ended before its last round says so."""
         if self._trial is not None:
             self._trial.stop("training ended before the trial's last round")
-            self.trace.activation_costs["copy"]["in_step"] = self._trial.result()
+            for key, result in self._trial.results().items():
+                self.trace.activation_costs.setdefault(key, {})["in_step"] = result
 
     def _write(self) -> None:
         if self.trace is not None:
@@ -674,7 +675,7 @@ class TorchRecorder:
         self._parts.clear()
 
     def _stop(self) -> None:
-        """Stop profiling and watching storages, remove the hooks, and undo an offload trial in force."""
+        """Stop profiling and watching storages, remove the hooks, and undo a trial in force."""
         if self._trial is not None:
             self._trial.close()
         self._stop_watch()

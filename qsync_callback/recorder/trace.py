@@ -36,7 +36,9 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                     "from_store": {...},   # the offload store's fitted copies
                                     "in_step": {"modules": ["net"], "factor": 1.6, ...}, ...},
                                         # what the steps paid over the fit's price, measured in an
-                                        # offload trial (`offload_trial.py`)
+                                        # offload trial (`activation_trial.py`)
+                           "recompute": {"in_step": {"modules": ["net"], "change_ms": 27.0, ...}},
+                                        # what recomputing them cost the steps (a recompute trial)
                            "refused": {"net.2": "called twice per step", ...}},
                                         # modules that cannot take an activation policy, and why
       "compiled_regions": {"steps_left": 980,   # training steps after the window (null: unknown)
@@ -409,6 +411,16 @@ _ACTIVATION_COSTS = Fields(
             required={"to_store": _COPY_FIT, "from_store": _COPY_FIT},
             optional={
                 "in_step": Fields(required={"modules": ListOf(STRING), "factor": Nullable(AMOUNT)}, rest=ANY)
+            },
+            rest=ANY,
+        ),
+        "recompute": Fields(
+            optional={
+                "in_step": Fields(
+                    required={"modules": ListOf(STRING)},
+                    optional={"change_ms": FINITE, "noise_ms": FINITE},
+                    rest=ANY,
+                )
             },
             rest=ANY,
         ),

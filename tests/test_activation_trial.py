@@ -1,5 +1,6 @@
-"""The offload trial (`offload_trial.py`): which modules it offloads, what it counts and how
-it prices them, and what it leaves behind, on a real model, applier and disk store in a plain loop."""
+"""The activation trials (`activation_trial.py`): which modules they act on, what the offload trial
+counts and how it prices it, what the recompute trial measures, the order they run in, and what they
+leave behind, on a real model, applier and disk store in a plain loop."""
 
 import os
 import tempfile
@@ -10,17 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from qsync_callback.appliers.torch_activation import ActivationApplier
-from qsync_callback.offload_store import DIRECTORY_PREFIX
-from qsync_callback.offload_trial import (
+from qsync_callback.activation_trial import (
     PRECISE_ENOUGH,
     OffloadTrial,
-    offload_trial_for,
+    RecomputeTrial,
+    TrialSequence,
+    activation_trials_for,
     trial_modules,
 )
+from qsync_callback.appliers.torch_activation import ActivationApplier
+from qsync_callback.offload_store import DIRECTORY_PREFIX
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.copy_costs import copies_us, copy_costs
-from qsync_callback.report import format_offload_trial
+from qsync_callback.report import format_activation_trial
 
 from tracebuilder import trace
 
@@ -46,9 +49,10 @@ def _priced_ms(fit, copies, nbytes):
     return sum(copies_us(fit, d, nbytes[d], copies[d]) for d in ("to_store", "from_store")) / 1e3
 
 
-def _run_trial(model: nn.Module, trial: OffloadTrial) -> int:
-    """The trial's boundaries around real training steps of ``model``, until it has finished; the
-    boundary at which it did."""
+def _run_trial(model: nn.Module, trial, in_force: list | None = None, losses: list | None = None) -> int:
+    """The trial's (or trials') boundaries around real training steps of ``model``, until it has
+    finished; the boundary at which it did. ``in_force`` gets, per step, the name of the wrapper
+    in force on ``model.body`` (None: none); ``losses``, each step's loss."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(0))
     step = 0
@@ -56,9 +60,15 @@ def _run_trial(model: nn.Module, trial: OffloadTrial) -> int:
         trial.boundary(step)
         if trial.finished:
             return step
+        if in_force is not None:
+            wrapper = model.body.__dict__.get("forward")
+            in_force.append(None if wrapper is None else wrapper.__name__)
         optimizer.zero_grad()
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+        loss.backward()
         optimizer.step()
+        if losses is not None:
+            losses.append(loss.item())
         step += 1
 
 
@@ -87,35 +97,37 @@ def test_every_module_that_may_take_a_policy_is_chosen_or_inside_one_chosen_and_
         assert sum(name == c or name.startswith(c + ".") for c in chosen) == 1
 
 
-def test_a_recorders_trial_is_of_its_traces_outermost_modules_on_the_disk_tier_only():
+def test_a_recorders_trials_are_of_its_traces_outermost_modules_offload_on_the_disk_tier_only():
     fit = copy_costs("cpu")
     layers = [{"name": name, "type": "Linear"} for name in ("body.0", "body.2", "head")]
     applier = ActivationApplier(Net())
     disk = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": {"head": "called twice"}})
-    trial = offload_trial_for(applier, rounds=3, looks=False)(disk)
-    assert trial.modules == ["body"] and trial.steps == 30 and not trial.finished
-    # it offloads through the applier given and prices against the trace's fit, for the rounds asked
-    assert _run_trial(applier.model, trial) == 30
-    result = trial.result()
-    assert result["bytes_per_step"]["to_store"] == BATCH * WIDTH * 4
-    assert result["priced_ms"] == pytest.approx(
-        _priced_ms(fit, result["copies_per_step"], result["bytes_per_step"])
+    trials = activation_trials_for(applier, rounds=3, looks=False)(disk)
+    assert [type(t) for t in trials.trials] == [OffloadTrial, RecomputeTrial]
+    assert all(t.modules == ["body"] for t in trials.trials)
+    assert trials.steps == 60 and not trials.finished
+    # both act through the applier given, for the rounds asked; offload priced on the trace's fit
+    assert _run_trial(applier.model, trials) == 60
+    results = trials.results()
+    assert set(results) == {"copy", "recompute"}
+    assert results["copy"]["bytes_per_step"]["to_store"] == BATCH * WIDTH * 4
+    assert results["copy"]["priced_ms"] == pytest.approx(
+        _priced_ms(fit, results["copy"]["copies_per_step"], results["copy"]["bytes_per_step"])
     )
+    assert results["recompute"]["modules"] == ["body"] and results["recompute"]["rounds"] == 3
     pinned = trace(
         [], 1.0, layers=layers, activation_costs={"copy": {**fit, "tier": "pinned"}, "refused": {}}
     )
-    assert offload_trial_for(applier)(pinned) is None  # CUDA: its copies overlap, the fit prices them
+    # CUDA: the copies overlap, the fit prices them; a recompute is tried on every device
+    on_cuda = activation_trials_for(applier, rounds=3)(pinned)
+    assert [type(t) for t in on_cuda.trials] == [RecomputeTrial] and on_cuda.steps == 30
     refused = {"body": "inplace", "body.0": "inplace", "body.2": "inplace", "head": "called twice"}
     none = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": refused})
-    nothing = offload_trial_for(applier)(none)
-    # over before it starts, in no step, and says why
+    nothing = activation_trials_for(applier)(none)
+    # over before they start, in no step, and say why
     assert nothing.finished and nothing.steps == 0
-    assert nothing.result() == {
-        "modules": [],
-        "rounds": 0,
-        "factor": None,
-        "note": "no module can take a policy",
-    }
+    why = {"modules": [], "rounds": 0, "note": "no module can take a policy"}
+    assert nothing.results() == {"copy": {**why, "factor": None}, "recompute": why}
 
 
 def test_copies_are_priced_by_the_fit_each_way():
@@ -190,15 +202,87 @@ def test_a_store_that_cannot_write_stops_the_trial_and_undoes_it(tmp_path):
     assert "forward" not in model.body.__dict__
 
 
-def test_the_plan_table_says_what_the_trial_measured_or_why_it_calibrated_nothing():
+def test_the_plan_table_says_what_a_trial_measured_or_why_it_calibrated_nothing():
     measured = {"modules": ["a", "b", "c", "d", "e"], "rounds": 6, "factor": 1.5, "change_ms": 3.0}
-    line = format_offload_trial({**measured, "noise_ms": 0.5, "priced_ms": 2.0})
+    line = format_activation_trial("offload", {**measured, "noise_ms": 0.5, "priced_ms": 2.0})
     assert line == (
-        "  offload priced at 1.50 x the copy-cost fit: offloading a, b, c, d, ... in 6 rounds of turns "
+        "  offload priced at 1.50 x the copy-cost fit: offload of a, b, c, d, ... in 6 rounds of turns "
         "cost the step +3.00 ms (+-0.50) where the fit prices its copies at 2.00 ms"
     )
-    line = format_offload_trial({"modules": [], "factor": None, "note": "no module can take a policy"})
+    line = format_activation_trial("recompute", {**measured, "noise_ms": 0.5, "priced_ms": 2.0})
+    assert line == (
+        "  recompute priced at 1.50 x the recorded forward: recompute of a, b, c, d, ... in 6 rounds of "
+        "turns cost the step +3.00 ms (+-0.50) where the recorded forward prices it at 2.00 ms"
+    )
+    line = format_activation_trial(
+        "offload", {"modules": [], "factor": None, "note": "no module can take a policy"}
+    )
     assert line == (
         "  offload priced by the copy-cost fit alone: the offload trial (no module): "
         "no module can take a policy"
     )
+    line = format_activation_trial("recompute", {"modules": ["a"], "factor": None, "note": "too noisy"})
+    assert line == "  recompute priced by the recorded forward alone: the recompute trial (a): too noisy"
+
+
+def test_a_recompute_trial_measures_the_change_changes_no_loss_and_leaves_nothing_wrapped():
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    in_force: list = []
+    losses: list = []
+    trial = RecomputeTrial(ActivationApplier(model), ["body", "head"], rounds=2)
+    last = _run_trial(model, trial, in_force, losses)
+    result = trial.result()
+    assert last == trial.steps == 10 * result["rounds"] and result["rounds"] in (2, 4, 6)
+    assert result["modules"] == ["body", "head"]
+    if "note" in result:  # the change was within its noise on this machine at this moment
+        assert "within its noise" in result["note"]
+    else:
+        assert result["change_ms"] > result["noise_ms"] >= 0
+        if result["rounds"] < 6:
+            assert result["noise_ms"] <= PRECISE_ENOUGH * abs(result["change_ms"])
+    assert result["baseline_ms"] > 0
+    # blocks of 1 + 4 steps: the recorded configuration first, then the recompute, in turns
+    assert in_force[:10] == [None] * 5 + ["recomputed"] * 5
+    assert "forward" not in model.body.__dict__ and "forward" not in model.head.__dict__
+    # the trial's steps are training steps: a recompute changes no loss
+    expected = []
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.01)
+    x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(0))
+    for _ in losses:
+        optimizer.zero_grad()
+        loss = twin(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert losses == expected
+
+
+def test_the_trials_run_one_after_the_other_and_training_that_ends_stops_both():
+    model = Net()
+    applier = ActivationApplier(model)
+    in_force: list = []
+    trials = TrialSequence(
+        [
+            OffloadTrial(applier, ["body"], copy_costs("cpu"), rounds=1, looks=False),
+            RecomputeTrial(applier, ["body"], rounds=1, looks=False),
+        ]
+    )
+    assert _run_trial(model, trials, in_force) == 20
+    # the recompute trial's boundary 0 is the one that ends the offload trial
+    assert in_force == [None] * 5 + ["offloaded"] * 5 + [None] * 5 + ["recomputed"] * 5
+    assert all(t.finished for t in trials.trials)
+    cut = TrialSequence(
+        [
+            OffloadTrial(applier, ["body"], copy_costs("cpu"), rounds=1, looks=False),
+            RecomputeTrial(applier, ["body"], rounds=1, looks=False),
+        ]
+    )
+    for step in range(8):
+        cut.boundary(step)
+    assert model.body.__dict__["forward"].__name__ == "offloaded"
+    cut.stop("training ended")
+    assert cut.finished and "forward" not in model.body.__dict__
+    results = cut.results()
+    assert results["copy"]["note"] == results["recompute"]["note"] == "training ended"
+    assert results["copy"]["factor"] is None
