@@ -17,6 +17,7 @@ from qsync_callback.activation_trial import (
     RecomputeTrial,
     TrialSequence,
     activation_trials_for,
+    blocks_of,
     trial_modules,
 )
 from qsync_callback.appliers.torch_activation import ActivationApplier
@@ -88,6 +89,12 @@ def test_the_trial_takes_the_outermost_modules_a_policy_can_reach():
     ]
 
 
+def test_the_recompute_trial_takes_the_blocks_among_the_modules_or_all_where_none_is_one():
+    assert blocks_of(["blocks", "body", "head", "x"], LAYERS) == ["blocks", "body"]
+    assert blocks_of(["blocks.0.attn.q", "head", "x"], LAYERS) == ["blocks.0.attn.q", "head", "x"]
+    assert blocks_of([], LAYERS) == []
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.sets(st.sampled_from(sorted(module_layers(LAYERS)))))
 def test_every_module_that_may_take_a_policy_is_chosen_or_inside_one_chosen_and_none_nest(refused):
@@ -121,6 +128,13 @@ def test_a_recorders_trials_are_of_its_traces_outermost_modules_offload_on_the_d
     # CUDA: the copies overlap, the fit prices them; a recompute is tried on every device
     on_cuda = activation_trials_for(applier, rounds=3)(pinned)
     assert [type(t) for t in on_cuda.trials] == [RecomputeTrial] and on_cuda.steps == 30
+    # the recompute trial takes the blocks among them: a plan recomputes blocks, not single layers
+    both = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": {}})
+    offload, recompute = activation_trials_for(applier)(both).trials
+    assert (offload.modules, recompute.modules) == (["body", "head"], ["body"])
+    leaves = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": {"body": "inplace"}})
+    offload, recompute = activation_trials_for(applier)(leaves).trials
+    assert offload.modules == recompute.modules == ["body.0", "body.2", "head"]  # no block: the layers
     refused = {"body": "inplace", "body.0": "inplace", "body.2": "inplace", "head": "called twice"}
     none = trace([], 1.0, layers=layers, activation_costs={"copy": fit, "refused": refused})
     nothing = activation_trials_for(applier)(none)

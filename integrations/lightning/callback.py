@@ -53,7 +53,7 @@ class QSyncCallback(pl.Callback):
         activation_trial_rounds: mode "apply" with ``memory_budget`` and the "activation" lever:
             after the measured steps, rounds of the recorded configuration and an offload of the
             model's outermost modules in turns (on the CPU), then as many of it and a recompute of
-            them (each a block of 1 + 4 steps of each; on one process, as many more while the
+            the blocks among them (each a block of 1 + 4 steps of each; on one process, as many more while the
             change is too noisy, up to 3 times as many), to measure what each policy costs this
             run's steps over its price (`activation_trial.py`); 0: none, the copy-cost fit and the
             recorded forward alone price them.
