@@ -256,6 +256,19 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
     }
 
 
+def _referred_errors(row: dict[str, Any], recorded: dict[str, Any]) -> dict[str, float | None]:
+    """A plan's step error with the prediction referred to the recorded configuration's reruns, in
+    the window and after it: its predicted step over the recorded configuration's predicted one,
+    times the reruns' median, against the plan's runs (None without reruns). The prediction's level
+    is the recording process's own steps; fresh processes of one configuration differ by more than
+    a plan changes (glibc's allocator regime, `benchmarks/README.md`), so this is the error a user
+    sees against the configuration they would otherwise run."""
+    ratio = row["predicted_step_ms"] / recorded["predicted_step_ms"]
+    base = {"measured": recorded.get("rerun_step_ms"), "after": recorded.get("after_step_ms")}
+    runs = {"measured": row["measured_step_ms"], "after": row["after_step_ms"]}
+    return {when: None if base[when] is None else change_pct(ratio * base[when], runs[when]) for when in base}
+
+
 def _trial_figure(policy: str, trial: dict[str, Any] | None) -> str:
     """What a recording's trial of ``policy`` measured: its factor over the price, and the change
     against the price; or why it calibrated nothing."""
@@ -296,11 +309,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | budget | plan | precision lowered | activation | fits (predicted / measured) | "
         "predicted ms | measured ms (noise) | step error | after the window ms (noise) | error after | "
+        "error referred to the reruns (in the window / after) | "
         "cost ms (predicted / measured +- noise / after the window +- noise) | "
         "predicted peak MiB | measured peak MiB | peak error | offload per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fits_kept, fits_total, step_errors, after_errors, peak_errors = 0, 0, [], [], []
+    referred_errors: dict[str, list[float]] = {"measured": [], "after": []}
     costs: dict[str, dict[str, dict[str, tuple[float, bool]]]] = {
         when: {"recompute": {}, "offload": {}} for when in ("measured", "after")
     }
@@ -308,9 +323,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
         for row in result["rows"]:
             if row.get("failed"):
                 lines.append(
-                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED |" + " |" * 12
+                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED |" + " |" * 13
                 )
                 continue
+            referred = _referred_errors(row, result["recorded"])
+            for when, error in referred.items():
+                if error is not None:
+                    referred_errors[when].append(error)
             activation = ", ".join(f"{m}: {p}" for m, p in sorted(row["activation"].items())) or "-"
             if row["fits"]:
                 fits_total += 1
@@ -345,6 +364,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{row['predicted_step_ms']:.1f} | {row['measured_step_ms']:.1f} ({noise}%) | "
                 f"{row['step_error_pct']:+.1f}% | {row['after_step_ms']:.1f} "
                 f"({na(row['after_noise_pct'], '.1f')}%) | {row['after_error_pct']:+.1f}% | "
+                f"{na(referred['measured'], '+.1f')}% / {na(referred['after'], '+.1f')}% | "
                 f"{cost} | {_mib(row['predicted_peak_bytes'])} | "
                 f"{_mib(row['measured_peak_bytes'])} | {row['peak_error_pct']:+.1f}% | "
                 f"{_traffic(row['offload'])} |"
@@ -357,6 +377,15 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"{statistics.median(after_errors):.1f}% after it; median |peak error| "
             f"{statistics.median(peak_errors):.1f}% over {len(step_errors)} plan rows.",
         ]
+        if referred_errors["measured"]:
+            window, after = referred_errors["measured"], referred_errors["after"]
+            lines.append(
+                "Referred to the reruns (the plan's predicted step over the recorded configuration's, "
+                "times the recorded configuration's reruns, against the plan's runs): median |step error| "
+                f"{statistics.median(abs(e) for e in window):.1f}% in the window (mean signed "
+                f"{statistics.mean(window):+.1f}%), {statistics.median(abs(e) for e in after):.1f}% after it "
+                f"(mean signed {statistics.mean(after):+.1f}%)."
+            )
         for when, where in (("measured", "in the window"), ("after", "after the window")):
             for policy, by_plan in costs[when].items():
                 if by_plan:
