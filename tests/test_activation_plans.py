@@ -29,35 +29,37 @@ COPY = {  # pinned host memory: copies on a side stream, overlapping the step (t
 }
 
 
-def _step(activation_costs=None, temporary=0):
+def _step(activation_costs=None, temporary=0, gap=0):
     """Forward: b.l1 makes A (100 units), b.l2 makes B (200), the add (no layer) makes C (50, the
     block's output, saved by the head), the head makes D (10: under `MIN_OFFLOAD_BYTES`). Backward
-    in reverse, each freeing what its forward op's layer saved. Peak: A+B+C+D = 360 at 26 us."""
+    in reverse, each freeing what its forward op's layer saved. Peak: A+B+C+D = 360 at 26 us.
+    ``gap``: the host's time between b.l1's op and b.l2's (everything after it that much later)."""
+    g = gap
     ops = [
         op(0, "aten::conv", "forward", "main", 0, 10, layer="b.l1", seq=1),
-        op(1, "aten::bn", "forward", "main", 10, 10, layer="b.l2", seq=2),
-        op(2, "aten::add", "forward", "main", 20, 5, seq=3),
-        op(3, "aten::linear", "forward", "main", 25, 10, layer="head", seq=4),
-        op(4, "LinearBackward", "backward", "main", 40, 10, layer="head", seq=4),
-        op(5, "AddBackward", "backward", "main", 50, 2, seq=3),
-        op(6, "BnBackward", "backward", "main", 52, 10, layer="b.l2", seq=2),
-        op(7, "ConvBackward", "backward", "main", 62, 10, layer="b.l1", seq=1),
+        op(1, "aten::bn", "forward", "main", 10 + g, 10, layer="b.l2", seq=2),
+        op(2, "aten::add", "forward", "main", 20 + g, 5, seq=3),
+        op(3, "aten::linear", "forward", "main", 25 + g, 10, layer="head", seq=4),
+        op(4, "LinearBackward", "backward", "main", 40 + g, 10, layer="head", seq=4),
+        op(5, "AddBackward", "backward", "main", 50 + g, 2, seq=3),
+        op(6, "BnBackward", "backward", "main", 52 + g, 10, layer="b.l2", seq=2),
+        op(7, "ConvBackward", "backward", "main", 62 + g, 10, layer="b.l1", seq=1),
     ]
     events = [
         [1, 0xA, 100 * KIB, 0],
-        [11, 0xB, 200 * KIB, 1],
-        [21, 0xC, 50 * KIB, 2],
-        [26, 0xD, 10 * KIB, 3],
-        [45, 0xD, -10 * KIB, 4],
-        [48, 0xC, -50 * KIB, 4],
-        [60, 0xB, -200 * KIB, 6],
-        [70, 0xA, -100 * KIB, 7],
+        [11 + g, 0xB, 200 * KIB, 1],
+        [21 + g, 0xC, 50 * KIB, 2],
+        [26 + g, 0xD, 10 * KIB, 3],
+        [45 + g, 0xD, -10 * KIB, 4],
+        [48 + g, 0xC, -50 * KIB, 4],
+        [60 + g, 0xB, -200 * KIB, 6],
+        [70 + g, 0xA, -100 * KIB, 7],
     ]
     if temporary:  # made by b.l2's op, freed by the add: one of the block's forward temporaries
-        events += [[11.5, 0xE, temporary * KIB, 1], [21.5, 0xE, -temporary * KIB, 2]]
+        events += [[11.5 + g, 0xE, temporary * KIB, 1], [21.5 + g, 0xE, -temporary * KIB, 2]]
     layers = [{"name": n, "type": "X"} for n in ("b.l1", "b.l2", "head")]
     costs = {"copy": COPY} if activation_costs is None else activation_costs
-    return trace(ops, 80, memory_events=events, layers=layers, activation_costs=costs)
+    return trace(ops, 80 + g, memory_events=events, layers=layers, activation_costs=costs)
 
 
 @pytest.fixture
@@ -91,6 +93,17 @@ def test_recompute_frees_the_blocks_tensors_after_their_consumer_and_pays_its_fo
     # at 11 us, and again when the recompute makes A and B before the add's backward (C, D freed)
     assert planned.peak_bytes == 300 * KIB
     assert planned.step_ms * 1e3 == pytest.approx(80 + 25)  # the block's forward: 10 + 10 + 5 us
+    # a policy listed before it, of another kind, does not keep the recompute from being priced
+    head = predictor.predict(Plan(activation={"head": "offload"}))
+    both = predictor.predict(Plan(activation={"head": "offload", "b": "recompute"}))
+    assert both.step_ms * 1e3 == pytest.approx(head.step_ms * 1e3 + 25)
+
+
+def test_a_recompute_pays_its_forwards_host_gaps_again_too():
+    predictor = Predictor([_step(gap=3)])
+    assert predictor.predict().step_ms * 1e3 == pytest.approx(83.0)
+    planned = predictor.predict(Plan(activation={"b": "recompute"}))
+    assert planned.step_ms * 1e3 == pytest.approx(83 + 25 + 3)  # its ops and the 3 us between them
 
 
 def test_offload_frees_after_the_copy_and_waits_only_for_a_late_copy_back(predictor):
