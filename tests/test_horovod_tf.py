@@ -291,12 +291,11 @@ def test_two_processes_under_horovodrun_record_and_report(tmp_path, capsys):
         "3",
         "--output-dir",
         str(out),
-        "--pin",
-        "all",
     ]
     run = run_horovod(example)
     assert "qsync report: tensorflow" in run.stdout and "world size 2" in run.stdout
-    # by default each process gets cores / processes TF threads; --pin all: a share of the cores each
+    # by default each process gets cores / processes TF threads, all its threads on a share of the
+    # cores of its own (--pin all)
     said = dict(re.findall(r"rank (\d): TF threads (.*)", run.stdout))
     share = max(1, len(os.sched_getaffinity(0)) // 2)
     assert set(said) == {"0", "1"} and all(
