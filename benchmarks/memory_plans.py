@@ -53,7 +53,7 @@ from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import change_pct
+from qsync_callback.report import change_pct, format_activation_trial
 from qsync_callback.units import format_bytes
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
@@ -269,19 +269,6 @@ def _referred_errors(row: dict[str, Any], recorded: dict[str, Any]) -> dict[str,
     return {when: None if base[when] is None else change_pct(ratio * base[when], runs[when]) for when in base}
 
 
-def _trial_figure(policy: str, trial: dict[str, Any] | None) -> str:
-    """What a recording's trial of ``policy`` measured: its factor over the price, and the change
-    against the price; or why it calibrated nothing."""
-    if trial is None:
-        return f"{policy}: no trial"
-    if trial["factor"] is None:
-        return f"{policy}: none ({trial['note']}, {trial['rounds']} rounds)"
-    return (
-        f"{policy} {trial['factor']:.2f} ({trial['change_ms']:+.1f} +- {trial['noise_ms']:.1f} ms against "
-        f"{trial['priced_ms']:.1f} priced, {trial['rounds']} rounds)"
-    )
-
-
 def _cost(plan_ms: list[float], base_ms: list[float]) -> tuple[float, float]:
     """A plan's measured cost (the median of its runs less the recorded configuration's) and its
     noise: each median of repeats may sit half its runs' range from the machine's typical step."""
@@ -408,16 +395,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
         ]
         if reruns:
             lines.append(f"The recorded configuration rerun in fresh processes: {', '.join(reruns)}.")
-        trials = [
-            f"{r['model']}: " + ", ".join(_trial_figure(policy, t) for policy, t in r["trials"].items())
+        lines.append("The recordings' trials (`activation_trial.py`), as the plan's table gives them:")
+        lines += [
+            f"- {r['model']}: {format_activation_trial(policy, trial).strip()}"
             for r in results
-            if "trials" in r
+            for policy, trial in r.get("trials", {}).items()
+            if trial is not None
         ]
-        lines.append(
-            "The recordings' trials, each policy's factor over its price (`activation_trial.py`): "
-            + "; ".join(trials)
-            + "."
-        )
     return "\n".join(lines)
 
 

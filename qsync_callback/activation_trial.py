@@ -3,35 +3,29 @@ closed: the offload trial, then the recompute trial.
 
 The copy-cost fit (`copy_costs.py`) times the store's copies alone: a tensor put in the store and
 got back in a loop of nothing else. Inside a training step the same copies cost more on the CPU's
-disk tier. Measured on a 2-core VM (Lightning, offload in turns with the recorded configuration, 8
-rounds): the step paid 1.6-2.7 times the fit's price on a residual CNN (10-43 MiB of 4 MiB tensors)
-and 1.4-1.5 times on a decoder (24 MiB of 1 MiB tensors), so the fit alone priced offload at half
-its cost and the planner chose it where a recompute ran faster. Part of it is glibc's: in a plain
-loop of the CNN the steps with offload took 2,000-4,000 more page faults each (memory the allocator
-mapped afresh), and the reads back ran at 3 GB/s against the fit's 9-12; with the allocator kept
-from handing memory back (``mallopt``), no faults, the step still paid 1.5-2 times the copies' own
-time, beyond the copies in both forward and backward.
+disk tier: on a 2-core VM the offload trials below measured the step paying 1.36-2.40 times the
+fit's price on a residual CNN (its outermost modules offloaded: 15.9 ms of copies priced) and
+1.19-1.67 times on a decoder, in seven recordings each.
 
 A recompute is priced as its module's recorded forward run again (`predictor.activation`). On the
-same VM, in a plain loop with no page faults, recomputing a residual block cost the step 1.15-1.3
-times its forward's time (the checkpointed forward itself ran about 1 ms slower, 12%, besides the
-forward run again), a decoder block 0.9-1.15 times; with glibc's page faults the ratio moved from
-0.5 to 1.3 between processes, as the recompute's allocations changed how much memory glibc mapped
-afresh. In Lightning, in turns after the callback's windows, recompute plans ran 17-62% over their
-price.
+same VM, in a plain loop with no page faults (glibc's ``mallopt``), recomputing a residual block cost
+the step 1.15-1.31 times its forward's time (the checkpointed forward itself ran about 1 ms, 12%,
+slower, besides the forward run again), a decoder block 0.91-1.15 times; without ``mallopt`` the
+ratio moved from 0.53 to 1.25 between processes, as the recompute's allocations changed how many
+page faults a step took.
 
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands
 well above the step's noise; for the recompute, the blocks among them, `blocks_of`) and runs it in
-turns with the recorded configuration for
-`TRIAL_ROUNDS` rounds, each block `alternation.SETTLE_STEPS` untimed steps after the switch and
-`alternation.BLOCK_STEPS` timed ones (the schedule and the change of `alternation.py`, so that a
-drift of the machine's speed cancels in each round). While the change's noise is over
-`PRECISE_ENOUGH` of it, a trial goes on by as many rounds again, up to `alternation.LOOKS` times as
-many (a 2-core VM measured a residual CNN's offload factor at 1.26, 2.27 and 2.20 in three launches
-of 6 rounds, the first two with noise of a third of the change). `TrialSequence` runs them one after
-the other. Where the change is within its noise a trial calibrates nothing and says so; a trial
-that fails (a module refused, a store that cannot write) is undone at once and says why.
+turns with the recorded configuration for `TRIAL_ROUNDS` rounds, each block
+`alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
+(the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels in
+each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
+rounds again, up to `alternation.LOOKS` times as many (of 30 trials on a 2-core VM, 25 stopped at 6
+rounds, 3 at 12 and 2 at 18, among them the ResNet's offload at +33.4 +- 6.6 ms). `TrialSequence`
+runs them one after the other. Where the change is within its noise a trial calibrates nothing and
+says so; a trial that fails (a module refused, a store that cannot write) is undone at once and says
+why.
 
 - **Offload**: the factor is the step-time change over what the fit prices for the copies the store
   made in the trial's timed steps (``copies * alpha + bytes * beta`` each way, by the store's own
@@ -54,6 +48,7 @@ that fails (a module refused, a store that cannot write) is undone at once and s
 
 from __future__ import annotations
 
+import abc
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
@@ -125,7 +120,7 @@ def activation_trials_for(
     return trials_of
 
 
-class PolicyTrial:
+class PolicyTrial(abc.ABC):
     """One rank's trial (see the module docstring) of ``policy`` on ``modules`` through ``applier``.
     ``looks``: the trial may go on while its change is too noisy; never under several ranks, whose
     windows must end at one step (each would look at its own)."""
@@ -226,9 +221,9 @@ class PolicyTrial:
             "noise_ms": change["noise_pct"] / 100 * baseline_ms,
         }
 
+    @abc.abstractmethod
     def result(self) -> dict[str, Any]:
         """The trial's figures (see the module docstring)."""
-        raise NotImplementedError
 
 
 def within_noise(change_ms: float, noise_ms: float) -> str | None:
@@ -274,13 +269,13 @@ class OffloadTrial(PolicyTrial):
         """The change, the copies per step, their price by the fit and the factor (see the module
         docstring)."""
         out = {**self._measured(), "factor": None}
-        if "note" in out and self._note is not None:
+        if self._note is not None:  # refused, failed or cut short: no counts to give
             return out
         steps = max(self._timed_plan_steps, 1)
         copies = {d: n / steps for d, n in self._moved["copies"].items()}
         nbytes = {d: n / steps for d, n in self._moved["bytes"].items()}
         out.update(copies_per_step=copies, bytes_per_step=nbytes)
-        if "note" in out:
+        if "note" in out:  # no round was timed
             return out
         priced_ms = sum(copies_us(self._fit, d, nbytes[d], copies[d]) for d in DIRECTIONS) / 1e3
         out["priced_ms"] = priced_ms

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.jsonio import write_text_atomic
-from qsync_callback.plan import FULL_PRECISION, Plan
+from qsync_callback.plan import FULL_PRECISION, OFFLOAD, RECOMPUTE, Plan
 from qsync_callback.planner.activation import NOTHING_TO_FREE
 from qsync_callback.planner.memory_plan import MemoryChoice
 from qsync_callback.planner.precision import PrecisionChoice
@@ -355,8 +355,8 @@ def format_memory_plan(
 
 
 _TRIAL_PRICE = {  # per policy: what its trial's factor multiplies, and what it is measured against
-    "offload": ("the copy-cost fit", "the fit prices its copies at"),
-    "recompute": ("the recorded forward", "the recorded forward prices it at"),
+    OFFLOAD: ("the copy-cost fit", "the fit prices its copies at"),
+    RECOMPUTE: ("the recorded forward", "the recorded forward prices it at"),
 }
 
 

@@ -17,9 +17,9 @@ The training loop calls `TorchRecorder.step_boundary()` at the start of every st
 - steps after the window are timed again: the median of the unprofiled steps is the measured
   step time;
 - where asked for (``trial``: given the closed window's trace, the trials to run, from
-  `activation_trial.activation_trials_for`), the steps after those run an offload, then a
-  recompute, of the model's outermost modules in turns with the recorded configuration: what each
-  policy costs this run's steps; they are not timed as steps.
+  `activation_trial.activation_trials_for`), the steps after those run an offload of the model's
+  outermost modules, then a recompute of the blocks among them, each in turns with the recorded
+  configuration: what each policy costs this run's steps; they are not timed as steps.
 
 On request the recorder also gathers the precision indicator's layer statistics over the first
 ``COLD_STEPS`` steps (not timed; `layer_statistics.py`) and, once the window has closed, probes
