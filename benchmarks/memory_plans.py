@@ -41,7 +41,17 @@ from pathlib import Path
 from typing import Any
 
 from models import get_model, timed_fit
-from runs import bench_environment, na, range_noise_pct, run_report, say_allocator, write_results
+from plan_turns import PlansInTurns
+from runs import (
+    bench_environment,
+    launch,
+    na,
+    range_noise_pct,
+    run_report,
+    say_allocator,
+    stderr_tail,
+    write_results,
+)
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
 from qsync_callback.activation_trial import TRIAL_ROUNDS
@@ -55,6 +65,7 @@ from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import change_pct, format_activation_trial
 from qsync_callback.units import format_bytes
+from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
@@ -66,6 +77,10 @@ RECORDING_STEPS = MAX_STEPS + 2 * 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLO
 # after a recorded window); the first few of them settle, the rest are timed
 AFTER_SETTLE, AFTER_STEPS = 5, 25
 STEADY_FILE = "after_window.json"
+# the distinct plans in turns with the recorded configuration, in one process per repeat
+# (`plan_turns.py`): what ranks plans to a few percent, where fresh processes cannot
+TURN_ROUNDS = 6
+TURNS_FILE = "turns.json"
 PRECISIONS = ("fp32", "bf16", "int8")
 OTHER_OPTIONS = 4  # the small instance: plans of one or two of this many options
 BATCHES = 8  # a data set of 8 batches, gone through again each epoch: the activations dominate the
@@ -96,6 +111,40 @@ def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None) -> None:
     if mode == "report":  # step k of the run is timer.step_ms[k]
         after = timer.step_ms[MAX_STEPS + AFTER_SETTLE :]
         (run_dir / STEADY_FILE).write_text(json.dumps({"step_ms": after}))
+
+
+def run_turns_worker(model: str, run_dir: Path, plan_files: Path) -> None:
+    """The plans listed in ``plan_files`` (a JSON list of plan paths) in turns with the recorded
+    configuration, in one training run (in a subprocess); each plan's change in ``TURNS_FILE``."""
+    plans = [Plan.load(path) for path in json.loads(plan_files.read_text())]
+    turns = PlansInTurns(plans, TURN_ROUNDS)
+    timed_fit(get_model(model), turns.steps, [turns], 1, batches=BATCHES)
+    (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
+
+
+def _in_turns(
+    model: str, runs_dir: Path, files: dict[str, Path], repeat: int, timeout: float
+) -> dict[str, Any]:
+    """Run ``files``' plans (by key) in turns in one fresh process; each key's `paired_change`, or
+    none where the run failed (said on stderr)."""
+    listing = runs_dir / f"{model}-turns.json"
+    listing.write_text(json.dumps([str(path) for path in files.values()]))
+    run_dir = runs_dir / f"{model}-turns-r{repeat}"
+    args = [
+        "--worker",
+        model,
+        "--worker-mode",
+        "turns",
+        "--worker-plan",
+        str(listing),
+        "--worker-dir",
+        str(run_dir),
+    ]
+    rc, _ = launch(Path(__file__).resolve(), args, run_dir, timeout)
+    if rc != 0 or not (run_dir / TURNS_FILE).exists():
+        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        return {}
+    return dict(zip(files, json.loads((run_dir / TURNS_FILE).read_text()), strict=True))
 
 
 def _sac_plans(model: str, budgets: dict[float, int], measured_peak: int) -> dict[float, dict[str, Any]]:
@@ -193,6 +242,8 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
             if run is not None:
                 after = json.loads((run_dir / STEADY_FILE).read_text())["step_ms"]
                 distinct[key].append({**run, "after_step_ms": statistics.median(after)})
+    planned = {key: path for key, path in files.items() if key != baseline["key"]}
+    turns = [_in_turns(model, runs_dir, planned, k, timeout) for k in range(repeats)]
     base_runs = [run["step_ms"] for run in distinct[baseline["key"]]]
     base_ms = statistics.median(base_runs) if base_runs else None
     base_after = [run["after_step_ms"] for run in distinct[baseline["key"]]]
@@ -201,10 +252,11 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
         runs = distinct[row["key"]]
         plan = row.pop("plan")
         row.update(precision=plan.precision, activation=plan.activation)
-        row.pop("key")
+        key = row.pop("key")
         if not runs:
             rows.append({**row, "failed": True})
             continue
+        in_turns = [each[key] for each in turns if key in each]
         run_ms = [run["step_ms"] for run in runs]
         after_ms = [run["after_step_ms"] for run in runs]
         peak = max(run["peak_bytes"] for run in runs)
@@ -233,6 +285,8 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
                 "after_error_pct": change_pct(row["predicted_step_ms"], statistics.median(after_ms)),
                 "after_cost_ms": after_cost,
                 "after_cost_noise_ms": after_noise,
+                "predicted_change_pct": change_pct(row["predicted_step_ms"], recorded.step_ms),
+                "in_turns": in_turns,
             }
         )
     return {
@@ -276,6 +330,35 @@ def _cost(plan_ms: list[float], base_ms: list[float]) -> tuple[float, float]:
     return statistics.median(plan_ms) - statistics.median(base_ms), noise
 
 
+def in_turns_change(row: dict[str, Any]) -> tuple[float, float] | None:
+    """A plan's change against the recorded configuration in turns (`plan_turns.py`), in %: the mean
+    over the turns' processes, and its noise (theirs combined, over their number); None where no
+    process timed it."""
+    measured = [t for t in row.get("in_turns", []) if t["change_pct"] is not None]
+    if not measured:
+        return None
+    noise = combined_noise_pct(*(t["noise_pct"] for t in measured)) / len(measured)
+    return statistics.fmean(t["change_pct"] for t in measured), noise
+
+
+def _against_best(rows: list[dict[str, Any]], ours: dict[str, Any]) -> str | None:
+    """``ours`` against the fastest plan in turns among ``rows`` (the same model and budget) that
+    measured within the budget: how much slower its step is, in %, with the two changes' noise;
+    None where either was not timed."""
+    mine = in_turns_change(ours)
+    timed = [(change, row) for row in rows if row["within_budget"] and (change := in_turns_change(row))]
+    if mine is None or not timed:
+        return None
+    (best, best_noise), best_row = min(timed, key=lambda pair: pair[0][0])
+    slower = change_pct(100 + mine[0], 100 + best)
+    where = ", ".join(f"{m}: {p}" for m, p in sorted(best_row["activation"].items())) or "-"
+    lowered = f"{len(best_row['precision'])} lowered, " if best_row["precision"] else ""
+    return (
+        f"{slower:+.1f}% against the fastest ({best_row['who']}: {lowered}{where}; "
+        f"noise +-{combined_noise_pct(mine[1], best_noise):.1f}%)"
+    )
+
+
 def _mib(value: float | None) -> str:
     return na(None if value is None else value / 2**20, ".1f")
 
@@ -298,10 +381,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
         "predicted ms | measured ms (noise) | step error | after the window ms (noise) | error after | "
         "error referred to the reruns (in the window / after) | "
         "cost ms (predicted / measured +- noise / after the window +- noise) | "
+        "change in turns (predicted / measured +- noise) | "
         "predicted peak MiB | measured peak MiB | peak error | offload per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    fits_kept, fits_total, step_errors, after_errors, peak_errors = 0, 0, [], [], []
+    fits_kept, fits_total, step_errors, after_errors, peak_errors, turn_errors = 0, 0, [], [], [], []
     referred_errors: dict[str, list[float]] = {"measured": [], "after": []}
     costs: dict[str, dict[str, dict[str, tuple[float, bool]]]] = {
         when: {"recompute": {}, "offload": {}} for when in ("measured", "after")
@@ -310,7 +394,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
         for row in result["rows"]:
             if row.get("failed"):
                 lines.append(
-                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED |" + " |" * 13
+                    f"| {result['model']} | {row['share']:.0%} | {row['who']} | FAILED |" + " |" * 14
                 )
                 continue
             referred = _referred_errors(row, result["recorded"])
@@ -345,6 +429,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f" (+-{na(row['measured_cost_noise_ms'], '.1f')}) / {na(row['after_cost_ms'], '+.1f')}"
                 f" (+-{na(row['after_cost_noise_ms'], '.1f')})"
             )
+            turned = in_turns_change(row)
+            if turned is not None:
+                turn_errors.append(change_pct(100 + row["predicted_change_pct"], 100 + turned[0]))
+                turns_cell = f"{row['predicted_change_pct']:+.1f}% / {turned[0]:+.1f}% (+-{turned[1]:.1f})"
+            else:
+                turns_cell = "-"
             lines.append(
                 f"| {result['model']} | {row['share']:.0%} | {row['who']} | {len(row['precision'])} | "
                 f"{activation} | {fits} | "
@@ -352,7 +442,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{row['step_error_pct']:+.1f}% | {row['after_step_ms']:.1f} "
                 f"({na(row['after_noise_pct'], '.1f')}%) | {row['after_error_pct']:+.1f}% | "
                 f"{na(referred['measured'], '+.1f')}% / {na(referred['after'], '+.1f')}% | "
-                f"{cost} | {_mib(row['predicted_peak_bytes'])} | "
+                f"{cost} | {turns_cell} | {_mib(row['predicted_peak_bytes'])} | "
                 f"{_mib(row['measured_peak_bytes'])} | {row['peak_error_pct']:+.1f}% | "
                 f"{_traffic(row['offload'])} |"
             )
@@ -373,6 +463,22 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{statistics.mean(window):+.1f}%), {statistics.median(abs(e) for e in after):.1f}% after it "
                 f"(mean signed {statistics.mean(after):+.1f}%)."
             )
+        if turn_errors:
+            lines.append(
+                "In turns (each plan against the recorded configuration in one process, "
+                f"`plan_turns.py`, {TURN_ROUNDS} rounds per process): the plan's step predicted against "
+                "measured, both referred to the recorded configuration's: median |error| "
+                f"{statistics.median(abs(e) for e in turn_errors):.1f}% (mean signed "
+                f"{statistics.mean(turn_errors):+.1f}%) over {len(turn_errors)} plan rows."
+            )
+        for result in results:
+            rows = [row for row in result["rows"] if not row.get("failed")]
+            for share in sorted({row["share"] for row in rows}):
+                group = [row for row in rows if row["share"] == share]
+                for ours in (row for row in group if row["who"].startswith("ours") and row["fits"]):
+                    verdict = _against_best(group, ours)
+                    if verdict is not None:
+                        lines.append(f"- {result['model']} {share:.0%}, {ours['who']}: {verdict}.")
         for when, where in (("measured", "in the window"), ("after", "after the window")):
             for policy, by_plan in costs[when].items():
                 if by_plan:
@@ -418,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-mode", default="report", help=argparse.SUPPRESS)
     parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker and args.worker_mode == "turns":
+        run_turns_worker(args.worker, args.worker_dir, args.worker_plan)
+        return 0
     if args.worker:
         run_worker(args.worker, args.worker_dir, args.worker_mode, args.worker_plan)
         return 0

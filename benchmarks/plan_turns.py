@@ -1,0 +1,98 @@
+"""Several plans measured in turns with the recorded configuration, in one Lightning run.
+
+Fresh processes of one configuration differ by more than many plans change (glibc's allocator
+regime, a drift of the machine's speed), so plans measured each in its own process cannot be
+ranked to a few percent. `PlansInTurns` applies each plan live, through the appliers the callback
+uses (`tuning_loop.apply_plan`), at step boundaries of one run: every round runs, for each plan in
+turn (the order rotated by one each round), a block of the recorded configuration and then a block
+of the plan. A block's first `alternation.SETTLE_STEPS` steps after the switch are not timed, the
+next `alternation.BLOCK_STEPS` are, from the start of one step to the start of the next, the
+switching itself outside them. Each plan's change against the recorded configuration is
+`alternation.paired_change` over its rounds (a block of the plan against the baseline block right
+before it): a drift of the machine's speed cancels in each pair, as in the loop's own turns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+
+from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, SETTLE_STEPS, paired_change
+from qsync_callback.appliers.torch_activation import ActivationApplier
+from qsync_callback.appliers.torch_precision import precision_applier
+from qsync_callback.plan import Plan
+from qsync_callback.tuning_loop import apply_plan
+
+BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
+
+
+class PlansInTurns(pl.Callback):
+    """``plans`` in turns with the recorded configuration for ``rounds`` rounds (see the module
+    docstring); the run needs `steps` steps. `results` gives each plan's `paired_change`."""
+
+    def __init__(self, plans: Sequence[Plan], rounds: int):
+        self.plans = list(plans)
+        self.rounds = rounds
+        # per step: (round, plan index, configuration, timed); the configuration of the block it is in
+        self._schedule = [
+            (r, i, config, k >= SETTLE_STEPS)
+            for r in range(rounds)
+            for j in range(len(self.plans))
+            for i in [(j + r) % len(self.plans)]
+            for config in (BASELINE, PLAN)
+            for k in range(BLOCK_LENGTH)
+        ]
+        self._times: list[dict[str, list[list[float]]]] = [
+            {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]} for _ in self.plans
+        ]
+        self._appliers: dict[str, Any] = {}
+        self._undo = None
+        self._started: float | None = None
+        self._step = 0
+
+    @property
+    def steps(self) -> int:
+        """The steps the turns take, and one more whose start ends the last timed step."""
+        return len(self._schedule) + 1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._appliers = {
+            "precision": precision_applier(pl_module),
+            "activation": ActivationApplier(pl_module),
+        }
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._started is not None:
+            r, i, config, timed = self._schedule[self._step - 1]
+            if timed:
+                self._times[i][config][r].append((now - self._started) * 1e3)
+        if self._step == len(self._schedule):
+            self._close()  # the step that ends the last timed one runs the recorded configuration
+        elif self._step < len(self._schedule) and self._step % BLOCK_LENGTH == 0:
+            self._switch(*self._schedule[self._step][1:3])
+        self._step += 1
+        self._started = time.perf_counter() if self._step <= len(self._schedule) else None
+
+    def _switch(self, index: int, config: str) -> None:
+        """Undo what is in force; apply plan ``index`` where the block is the plan's."""
+        self._close()
+        if config == PLAN:
+            self._undo = apply_plan(self.plans[index], self._appliers)
+
+    def _close(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def results(self) -> list[dict[str, Any]]:
+        """Per plan, in ``plans``' order: `paired_change` of its rounds."""
+        return [paired_change([times]) for times in self._times]

@@ -1,0 +1,121 @@
+"""benchmarks/plan_turns.py and memory_plans.py's use of it: plans applied live in turns with the
+recorded configuration in a real Lightning run, each in force in its own blocks only."""
+
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import memory_plans  # noqa: E402
+from plan_turns import BLOCK_LENGTH, PlansInTurns  # noqa: E402
+
+from qsync_callback.alternation import BLOCK_STEPS  # noqa: E402
+from qsync_callback.plan import Plan  # noqa: E402
+
+
+class CountedBlock(nn.Module):
+    """Linear, ReLU, Linear; counts its forward's runs in ``calls[name]`` (a recompute runs it again
+    in backward)."""
+
+    def __init__(self, name, calls, width_out):
+        super().__init__()
+        self.name, self.calls = name, calls
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, width_out)
+
+    def forward(self, x):
+        self.calls[self.name] += 1
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Blocks(pl.LightningModule):
+    """Two `CountedBlock`s; their forward runs are noted per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"net.0": 0, "net.1": 0}
+        self.net = nn.Sequential(CountedBlock("net.0", self.calls, 16), CountedBlock("net.1", self.calls, 4))
+        self.per_step: list[dict[str, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.per_step.append(dict(self.calls))
+        self.calls.update(dict.fromkeys(self.calls, 0))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(model, callback):
+    data = TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=callback.steps,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8))
+
+
+def test_each_plan_is_in_force_in_its_own_blocks_only_and_timed_in_every_round():
+    torch.manual_seed(0)
+    model = Blocks()
+    plans = [Plan(activation={"net.0": "recompute"}), Plan(activation={"net.1": "recompute"})]
+    turns = PlansInTurns(plans, rounds=2)
+    _fit(model, turns)
+    expected = []
+    for r in range(2):
+        for j in range(2):
+            recomputed = f"net.{(j + r) % 2}"  # the order rotates by one each round
+            expected += [{"net.0": 1, "net.1": 1}] * BLOCK_LENGTH
+            expected += [{"net.0": 1, "net.1": 1, recomputed: 2}] * BLOCK_LENGTH
+    assert model.per_step[: len(expected)] == expected
+    assert model.per_step[len(expected) :] == [{"net.0": 1, "net.1": 1}]  # undone for the last step
+    for result in turns.results():
+        assert result["rounds"] == 2
+        assert len(result["baseline_ms"]) == len(result["plan_ms"]) == 2
+        assert result["change_pct"] is not None
+    times = turns._times[0]
+    assert all(len(block) == BLOCK_STEPS for config in times.values() for block in config)
+
+
+def _row(who, change, noise=1.0, within=True, activation=None):
+    timed = [] if change is None else [{"change_pct": change, "noise_pct": noise}]
+    return {
+        "who": who,
+        "within_budget": within,
+        "in_turns": timed,
+        "activation": activation or {},
+        "precision": {},
+    }
+
+
+def test_in_turns_change_averages_the_processes_and_combines_their_noise():
+    row = _row("x", 10.0, 3.0)
+    row["in_turns"].append({"change_pct": 20.0, "noise_pct": 4.0})
+    row["in_turns"].append({"change_pct": None, "noise_pct": None})
+    assert memory_plans.in_turns_change(row) == (15.0, 2.5)
+    assert memory_plans.in_turns_change(_row("x", None)) is None
+
+
+def test_against_best_takes_the_fastest_plan_within_its_budget():
+    ours = _row("ours", 10.0, activation={"a": "recompute"})
+    rows = [
+        ours,
+        _row("other", 4.0, activation={"b": "offload"}),
+        _row("other", -50.0, within=False),  # over its budget: not a plan to compare with
+        _row("sac_ilp", None),
+    ]
+    verdict = memory_plans._against_best(rows, ours)
+    assert verdict.startswith(f"{100 * (110 / 104 - 1):+.1f}% against the fastest (other: b: offload;")
+    assert memory_plans._against_best([ours], ours).startswith("+0.0% against the fastest (ours")
+    assert memory_plans._against_best(rows, _row("ours", None)) is None
