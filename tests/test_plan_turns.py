@@ -119,3 +119,13 @@ def test_against_best_takes_the_fastest_plan_within_its_budget():
     assert verdict.startswith(f"{100 * (110 / 104 - 1):+.1f}% against the fastest (other: b: offload;")
     assert memory_plans._against_best([ours], ours).startswith("+0.0% against the fastest (ours")
     assert memory_plans._against_best(rows, _row("ours", None)) is None
+    # our activation-only plan against activation plans only: not against a plan that lowers layers
+    lowered = _row("ours", 1.0)
+    lowered["precision"] = {"fc": "bf16"}
+    alone = _row("ours: activation only", 10.0, activation={"a": "recompute"})
+    assert memory_plans._against_best([lowered, alone, rows[1]], alone).startswith(
+        f"{100 * (110 / 104 - 1):+.1f}%"
+    )
+    assert memory_plans._against_best([lowered, alone], lowered).startswith(
+        "+0.0% against the fastest (ours: 1"
+    )
