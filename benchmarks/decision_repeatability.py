@@ -1,8 +1,9 @@
 """Identical launches of ``QSyncCallback(mode="apply")``: the plan each one verifies, its predicted
 step time against the step time measured under it, and whether the launches decide alike.
 
-Each launch is a fresh process running a real one-process ``Trainer.fit`` of a model from
-``models.py`` with ``QSyncCallback(mode="apply", plan_cache=False)`` (its default target: the
+Each launch is a fresh process running a real ``Trainer.fit`` of a model from ``models.py`` (one
+process, or ``--procs 2``: Lightning DDP over gloo, every rank applying, verifying and deciding at
+the same step) with ``QSyncCallback(mode="apply", plan_cache=False)`` (its default target: the
 fastest plan within 5%; ``--memory-budget 85%`` adds a budget, with ``best_effort=True``; ``--levers
 activation`` limits what it may change), the way a user adds it: the callback records, plans,
 applies the plan, records again and keeps the plan or rolls it back (`verify.py`). From each
@@ -20,7 +21,7 @@ the change measured in turns is that cost predicted against measured, with no dr
 processes or windows in it.
 
     python benchmarks/decision_repeatability.py [--models resnet,gru,attention] [--launches 3]
-        [--memory-budget 85%] [--levers activation] [--quick] [--out benchmarks/results]
+        [--procs 1] [--memory-budget 85%] [--levers activation] [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ MAX_STEPS = 510
 NOTHING_TO_APPLY = "nothing to apply"
 
 
-def run_worker(model: str, run_dir: Path, memory_budget: str, levers: str) -> None:
-    """One launch (in a subprocess)."""
+def run_worker(model: str, run_dir: Path, memory_budget: str, levers: str, procs: int) -> None:
+    """One launch (in a subprocess; DDP's other ranks are started by Lightning)."""
     from qsync_callback.integrations.lightning import QSyncCallback
 
     options: dict[str, Any] = {"memory_budget": memory_budget, "best_effort": True} if memory_budget else {}
     if levers:
         options["levers"] = tuple(levers.split(","))
     callback = QSyncCallback(mode="apply", plan_cache=False, output_dir=run_dir, **options)
-    timed_fit(get_model(model), MAX_STEPS, [callback])
+    timed_fit(get_model(model), MAX_STEPS, [callback], procs)
 
 
 def outcome(reason: str) -> str:
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet,gru,attention")
     parser.add_argument("--launches", type=int, default=3)
+    parser.add_argument("--procs", type=int, default=1, help="processes per launch (DDP over gloo)")
     parser.add_argument("--memory-budget", default="", help="e.g. 85%% (with best effort); default none")
     parser.add_argument("--levers", default="", help="e.g. activation; default every lever")
     parser.add_argument("--quick", action="store_true", help="smoke run: resnet, 2 launches")
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        run_worker(args.worker, args.worker_dir, args.memory_budget, args.levers)
+        run_worker(args.worker, args.worker_dir, args.memory_budget, args.levers, args.procs)
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     launches = args.launches
@@ -210,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         get_model(name)  # fail fast on a bad name
     say_allocator()
     env = bench_environment(
-        memory_budget=args.memory_budget or None, levers=args.levers or None, launches=launches
+        memory_budget=args.memory_budget or None,
+        levers=args.levers or None,
+        launches=launches,
+        procs=args.procs,
     )
     script = Path(__file__).resolve()
     rows = []
@@ -219,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.out / "decision_runs" / f"{model}-l{launch_no}"
             print(f"[benchmark] {model} launch {launch_no} ...", file=sys.stderr, flush=True)
             worker_args = ["--worker", model, "--worker-dir", str(run_dir.resolve())]
-            options = [f"--memory-budget={args.memory_budget}", f"--levers={args.levers}"]
+            options = [
+                f"--memory-budget={args.memory_budget}",
+                f"--levers={args.levers}",
+                f"--procs={args.procs}",
+            ]
             launch(script, [*worker_args, *options], run_dir, args.timeout)
             rows.append(read_launch(model, launch_no, run_dir))
     rows.sort(key=lambda r: (models.index(r["model"]), r["launch"]))
