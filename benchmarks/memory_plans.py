@@ -41,15 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from models import get_model, timed_fit
-from plan_turns import PlansInTurns
+from plan_turns import TURN_ROUNDS, in_turns_change, measure_in_turns, turns_worker
 from runs import (
     bench_environment,
-    launch,
     na,
     range_noise_pct,
     run_report,
     say_allocator,
-    stderr_tail,
     write_results,
 )
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
@@ -77,10 +75,6 @@ RECORDING_STEPS = MAX_STEPS + 2 * 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLO
 # after a recorded window); the first few of them settle, the rest are timed
 AFTER_SETTLE, AFTER_STEPS = 5, 25
 STEADY_FILE = "after_window.json"
-# the distinct plans in turns with the recorded configuration, in one process per repeat
-# (`plan_turns.py`): what ranks plans to a few percent, where fresh processes cannot
-TURN_ROUNDS = 6
-TURNS_FILE = "turns.json"
 PRECISIONS = ("fp32", "bf16", "int8")
 OURS = {"ours": ("precision", "activation"), "ours: activation only": ("activation",)}  # the levers of each
 OTHER_OPTIONS = 4  # the small instance: plans of one or two of this many options
@@ -112,40 +106,6 @@ def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None) -> None:
     if mode == "report":  # step k of the run is timer.step_ms[k]
         after = timer.step_ms[MAX_STEPS + AFTER_SETTLE :]
         (run_dir / STEADY_FILE).write_text(json.dumps({"step_ms": after}))
-
-
-def run_turns_worker(model: str, run_dir: Path, plan_files: Path) -> None:
-    """The plans listed in ``plan_files`` (a JSON list of plan paths) in turns with the recorded
-    configuration, in one training run (in a subprocess); each plan's change in ``TURNS_FILE``."""
-    plans = [Plan.load(path) for path in json.loads(plan_files.read_text())]
-    turns = PlansInTurns(plans, TURN_ROUNDS)
-    timed_fit(get_model(model), turns.steps, [turns], 1, batches=BATCHES)
-    (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
-
-
-def _in_turns(
-    model: str, runs_dir: Path, files: dict[str, Path], repeat: int, timeout: float
-) -> dict[str, Any]:
-    """Run ``files``' plans (by key) in turns in one fresh process; each key's `paired_change`, or
-    none where the run failed (said on stderr)."""
-    listing = runs_dir / f"{model}-turns.json"
-    listing.write_text(json.dumps([str(path) for path in files.values()]))
-    run_dir = runs_dir / f"{model}-turns-r{repeat}"
-    args = [
-        "--worker",
-        model,
-        "--worker-mode",
-        "turns",
-        "--worker-plan",
-        str(listing),
-        "--worker-dir",
-        str(run_dir),
-    ]
-    rc, _ = launch(Path(__file__).resolve(), args, run_dir, timeout)
-    if rc != 0 or not (run_dir / TURNS_FILE).exists():
-        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
-        return {}
-    return dict(zip(files, json.loads((run_dir / TURNS_FILE).read_text()), strict=True))
 
 
 def _sac_plans(model: str, budgets: dict[float, int], measured_peak: int) -> dict[float, dict[str, Any]]:
@@ -241,7 +201,10 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
                 after = json.loads((run_dir / STEADY_FILE).read_text())["step_ms"]
                 distinct[key].append({**run, "after_step_ms": statistics.median(after)})
     planned = {key: path for key, path in files.items() if key != baseline["key"]}
-    turns = [_in_turns(model, runs_dir, planned, k, timeout) for k in range(repeats)]
+    turns = [
+        measure_in_turns(Path(__file__).resolve(), model, planned, runs_dir / f"{model}-turns-r{k}", timeout)
+        for k in range(repeats)
+    ]
     base_runs = [run["step_ms"] for run in distinct[baseline["key"]]]
     base_ms = statistics.median(base_runs) if base_runs else None
     base_after = [run["after_step_ms"] for run in distinct[baseline["key"]]]
@@ -326,17 +289,6 @@ def _cost(plan_ms: list[float], base_ms: list[float]) -> tuple[float, float]:
     noise: each median of repeats may sit half its runs' range from the machine's typical step."""
     noise = 0.5 * math.hypot(max(plan_ms) - min(plan_ms), max(base_ms) - min(base_ms))
     return statistics.median(plan_ms) - statistics.median(base_ms), noise
-
-
-def in_turns_change(row: dict[str, Any]) -> tuple[float, float] | None:
-    """A plan's change against the recorded configuration in turns (`plan_turns.py`), in %: the mean
-    over the turns' processes, and its noise (theirs combined, over their number); None where no
-    process timed it."""
-    measured = [t for t in row.get("in_turns", []) if t["change_pct"] is not None]
-    if not measured:
-        return None
-    noise = combined_noise_pct(*(t["noise_pct"] for t in measured)) / len(measured)
-    return statistics.fmean(t["change_pct"] for t in measured), noise
 
 
 def _against_best(rows: list[dict[str, Any]], ours: dict[str, Any]) -> str | None:
@@ -525,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker and args.worker_mode == "turns":
-        run_turns_worker(args.worker, args.worker_dir, args.worker_plan)
+        turns_worker(args.worker, args.worker_dir, args.worker_plan, BATCHES)
         return 0
     if args.worker:
         run_worker(args.worker, args.worker_dir, args.worker_mode, args.worker_plan)

@@ -10,23 +10,34 @@ next `alternation.BLOCK_STEPS` are, from the start of one step to the start of t
 switching itself outside them. Each plan's change against the recorded configuration is
 `alternation.paired_change` over its rounds (a block of the plan against the baseline block right
 before it): a drift of the machine's speed cancels in each pair, as in the loop's own turns.
+
+A benchmark runs them in a fresh process of its own script (`measure_in_turns`), whose worker mode
+"turns" calls `turns_worker`.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from models import get_model, timed_fit
+from runs import launch, stderr_tail
 
 from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, SETTLE_STEPS, paired_change
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.plan import Plan
 from qsync_callback.tuning_loop import apply_plan
+from qsync_callback.verify import combined_noise_pct
 
 BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
+TURN_ROUNDS = 6
+TURNS_FILE = "turns.json"
 
 
 class PlansInTurns(pl.Callback):
@@ -96,3 +107,41 @@ class PlansInTurns(pl.Callback):
     def results(self) -> list[dict[str, Any]]:
         """Per plan, in ``plans``' order: `paired_change` of its rounds."""
         return [paired_change([times]) for times in self._times]
+
+
+def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | None = None) -> None:
+    """The plans listed in ``plan_files`` (a JSON list of plan paths) in turns with the recorded
+    configuration, in one training run of ``model`` (in a subprocess; ``batches``: `timed_fit`'s);
+    each plan's `paired_change` in ``run_dir / TURNS_FILE``, in the list's order."""
+    plans = [Plan.load(path) for path in json.loads(plan_files.read_text())]
+    turns = PlansInTurns(plans, TURN_ROUNDS)
+    timed_fit(get_model(model), turns.steps, [turns], 1, batches=batches)
+    (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
+
+
+def measure_in_turns(
+    script: Path, model: str, files: Mapping[str, Path], run_dir: Path, timeout: float
+) -> dict[str, Any]:
+    """Run the plans in ``files`` (saved plans, by key) in turns in one fresh process of
+    ``script``'s worker mode "turns"; each key's `paired_change`, or none where the run failed
+    (said on stderr)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    listing = run_dir.with_name(f"{run_dir.name}-plans.json")
+    listing.write_text(json.dumps([str(path) for path in files.values()]))
+    args = ["--worker", model, "--worker-mode", "turns", "--worker-plan", str(listing)]
+    rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
+    if rc != 0 or not (run_dir / TURNS_FILE).exists():
+        print(f"[benchmark] {run_dir.name} FAILED (exit {rc}):\n{stderr_tail(run_dir)}", file=sys.stderr)
+        return {}
+    return dict(zip(files, json.loads((run_dir / TURNS_FILE).read_text()), strict=True))
+
+
+def in_turns_change(row: Mapping[str, Any]) -> tuple[float, float] | None:
+    """A plan's change against the recorded configuration in turns, in %, from its ``in_turns``
+    (one `paired_change` per process): the mean over the processes, and its noise (theirs
+    combined, over their number); None where no process timed it."""
+    measured = [t for t in row.get("in_turns", []) if t["change_pct"] is not None]
+    if not measured:
+        return None
+    noise = combined_noise_pct(*(t["noise_pct"] for t in measured)) / len(measured)
+    return sum(t["change_pct"] for t in measured) / len(measured), noise

@@ -18,6 +18,11 @@ next on a shared VM, and an error within that noise says nothing more precise. F
 search prices every combination (when there are at most ``--exact-limit``) and the greedy's summed
 indicator is compared with the optimum under the same constraints.
 
+On one process, each round also runs every plan in turns with the recorded configuration in one
+more fresh process (`plan_turns.py`): the plan's change against the recorded configuration,
+measured with no drift between processes in it, against the change predicted (the plan's predicted
+step over the recorded configuration's, the median over the recordings).
+
     python benchmarks/precision_plans.py [--models mlp,cnn,...] [--procs 1,2] [--precisions fp32,bf16,int8]
         [--plans uniform,speed] [--repeats 2] [--recordings 2] [--quick]
         [--out benchmarks/results]
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
+from plan_turns import TURN_ROUNDS, in_turns_change, measure_in_turns, turns_worker
 from runs import (
     bench_environment,
     launch,
@@ -200,6 +206,7 @@ def measure_plans(
     for (_, precision), plan_file in zip(plans, plan_files, strict=True):
         Plan(fingerprint=fingerprint, precision=precision).save(plan_file)
     plan_runs: list[list[dict[str, Any]]] = [[] for _ in plans]
+    turns: list[dict[str, Any]] = []
     for k in range(max(recordings, repeats)):
         if 0 < k < recordings:
             _record(script, common, record_dirs[k], timeout)
@@ -211,16 +218,23 @@ def measure_plans(
             run = run_report(script, args, runs_dir / f"{label}-plan{i}-r{k}", timeout)
             if run is not None:
                 plan_runs[i].append(run)
+        if procs == 1:  # in turns: one process, the loop's own comparison (plan_turns.py)
+            files = {str(i): plan_file for i, plan_file in enumerate(plan_files)}
+            turns.append(measure_in_turns(script, model, files, runs_dir / f"{label}-turns-r{k}", timeout))
     predictors = [first] + [Predictor(load_trace_dir(d / "trace")) for d in record_dirs[1:]]
     recorded_ms = [json.loads((d / "report.json").read_text())["measured"]["step_ms"] for d in record_dirs]
     recording_noise = range_noise_pct(recorded_ms)
+    recorded_predicted = [p.predict().step_ms for p in predictors]
     rows = []
-    for (name, precision), runs in zip(plans, plan_runs, strict=True):
+    for i, ((name, precision), runs) in enumerate(zip(plans, plan_runs, strict=True)):
         if not runs:
             rows.append({"plan": name, "precision": precision, "failed": True})
             continue
         predictions = [
             p.predict(Plan(fingerprint=p.traces[0].fingerprint, precision=precision)) for p in predictors
+        ]
+        changes = [
+            change_pct(plan.step_ms, ms) for plan, ms in zip(predictions, recorded_predicted, strict=True)
         ]
         predicted_ms = statistics.median(p.step_ms for p in predictions)
         predicted_peak = statistics.median(p.peak_bytes for p in predictions)
@@ -244,6 +258,8 @@ def measure_plans(
                 "predicted_peak_bytes": predicted_peak,
                 "measured_peak_bytes": measured_peak,
                 "peak_error_pct": change_pct(predicted_peak, measured_peak),
+                "predicted_change_pct": statistics.median(changes),
+                "in_turns": [each[str(i)] for each in turns if str(i) in each],
             }
         )
     return {
@@ -259,16 +275,18 @@ def measure_plans(
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | procs | plan | layers | predicted ms (recordings) | measured ms (runs; spread in a run) | "
-        "step error | run-to-run noise % | predicted peak MiB | measured peak MiB | peak error |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "step error | run-to-run noise % | change in turns (predicted / measured +- noise) | "
+        "predicted peak MiB | measured peak MiB | peak error |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     step_errors, peak_errors, signed_errors, within_noise, with_noise = [], [], [], 0, 0
+    turn_errors: dict[str, list[float]] = {}  # by model
     for result in results:
         for row in result["rows"]:
             layers = precision_counts(row["precision"])
             if row.get("failed"):
                 cells = f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | FAILED "
-                lines.append(cells + "| " * 6 + "|")
+                lines.append(cells + "| " * 7 + "|")
                 continue
             step_errors.append(abs(row["step_error_pct"]))
             signed_errors.append(row["step_error_pct"])
@@ -277,6 +295,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
             if noise is not None:
                 with_noise += 1
                 within_noise += abs(row["step_error_pct"]) <= noise
+            turned = in_turns_change(row)
+            turns_cell = "-"
+            if turned is not None:
+                error = change_pct(100 + row["predicted_change_pct"], 100 + turned[0])
+                turn_errors.setdefault(result["model"], []).append(error)
+                turns_cell = f"{row['predicted_change_pct']:+.1f}% / {turned[0]:+.1f}% (+-{turned[1]:.1f})"
             lines.append(
                 f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | "
                 f"{row['predicted_step_ms']:.1f} "
@@ -284,7 +308,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{row['measured_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['measured_runs_ms'])}; "
                 f"{na(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
-                f"{na(noise, '.1f')} | "
+                f"{na(noise, '.1f')} | {turns_cell} | "
                 f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
                 f"{row['peak_error_pct']:+.1f}% |"
             )
@@ -301,6 +325,18 @@ def markdown(results: list[dict[str, Any]]) -> str:
             "within the run-to-run noise (recordings' and plan runs' (max - min) / mean, combined): "
             f"{within_noise} of {with_noise} plans with two runs or more.",
         ]
+    if turn_errors:
+        every = [e for errors in turn_errors.values() for e in errors]
+        per_model = ", ".join(
+            f"{model} {statistics.median(abs(e) for e in errors):.1f}%"
+            for model, errors in turn_errors.items()
+        )
+        lines.append(
+            f"In turns (one process, each plan against the recorded configuration, {TURN_ROUNDS} rounds per "
+            "process, `plan_turns.py`): the plan's step predicted against measured, both referred to the "
+            f"recorded configuration's: median |error| {statistics.median(abs(e) for e in every):.1f}% over "
+            f"{len(every)} plans (mean signed {statistics.fmean(every):+.1f}%); per model: {per_model}."
+        )
     lines += [
         "",
         "| model | procs | combinations | greedy indicator | exact indicator | plans priced (greedy / exact) "
@@ -347,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if args.worker and args.worker_mode == "turns":
+        turns_worker(args.worker, args.worker_dir, args.worker_plan)
+        return 0
     if args.worker:
         run_worker(
             args.worker, args.worker_procs, args.worker_dir, args.worker_mode, args.worker_plan, precisions

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import memory_plans  # noqa: E402
-from plan_turns import BLOCK_LENGTH, PlansInTurns  # noqa: E402
+from plan_turns import BLOCK_LENGTH, PlansInTurns, in_turns_change  # noqa: E402
 
 from qsync_callback.alternation import BLOCK_STEPS  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
@@ -103,8 +103,8 @@ def test_in_turns_change_averages_the_processes_and_combines_their_noise():
     row = _row("x", 10.0, 3.0)
     row["in_turns"].append({"change_pct": 20.0, "noise_pct": 4.0})
     row["in_turns"].append({"change_pct": None, "noise_pct": None})
-    assert memory_plans.in_turns_change(row) == (15.0, 2.5)
-    assert memory_plans.in_turns_change(_row("x", None)) is None
+    assert in_turns_change(row) == (15.0, 2.5)
+    assert in_turns_change(_row("x", None)) is None
 
 
 def test_against_best_takes_the_fastest_plan_within_its_budget():
