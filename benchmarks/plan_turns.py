@@ -3,11 +3,13 @@
 Fresh processes of one configuration differ by more than many plans change (glibc's allocator
 regime, a drift of the machine's speed), so plans measured each in its own process cannot be
 ranked to a few percent. `PlansInTurns` applies each plan live, through the appliers the callback
-uses (`tuning_loop.apply_plan`), at step boundaries of one run: every round runs, for each plan in
-turn (the order rotated by one each round), a block of the recorded configuration and then a block
-of the plan. A block's first `alternation.SETTLE_STEPS` steps after the switch are not timed, the
-next `alternation.BLOCK_STEPS` are, from the start of one step to the start of the next, the
-switching itself outside them. Each plan's change against the recorded configuration is
+uses (`tuning_loop.apply_plan`), at step boundaries of one run. After `WARMUP_STEPS` untimed steps
+of the recorded configuration (a process's first steps run slow: its caches and allocator are
+cold), every round runs, for each plan in turn (the order rotated by one each round), a block of
+the recorded configuration and then a block of the plan. A block's first
+`alternation.SETTLE_STEPS` steps after the switch are not timed, the next
+`alternation.BLOCK_STEPS` are, from the start of one step to the start of the next, the switching
+itself outside them. Each plan's change against the recorded configuration is
 `alternation.paired_change` over its rounds (a block of the plan against the baseline block right
 before it): a drift of the machine's speed cancels in each pair, as in the loop's own turns.
 
@@ -36,6 +38,7 @@ from qsync_callback.tuning_loop import apply_plan
 from qsync_callback.verify import combined_noise_pct
 
 BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
+WARMUP_STEPS = 5
 TURN_ROUNDS = 6
 TURNS_FILE = "turns.json"
 
@@ -44,10 +47,11 @@ class PlansInTurns(pl.Callback):
     """``plans`` in turns with the recorded configuration for ``rounds`` rounds (see the module
     docstring); the run needs `steps` steps. `results` gives each plan's `paired_change`."""
 
-    def __init__(self, plans: Sequence[Plan], rounds: int):
+    def __init__(self, plans: Sequence[Plan], rounds: int, warmup_steps: int = WARMUP_STEPS):
         self.plans = list(plans)
         self.rounds = rounds
-        # per step: (round, plan index, configuration, timed); the configuration of the block it is in
+        self._warmup = warmup_steps
+        # per step after the warm-up: (round, plan index, configuration, timed); the block it is in
         self._schedule = [
             (r, i, config, k >= SETTLE_STEPS)
             for r in range(rounds)
@@ -61,13 +65,14 @@ class PlansInTurns(pl.Callback):
         ]
         self._appliers: dict[str, Any] = {}
         self._undo = None
-        self._started: float | None = None
-        self._step = 0
+        self._started = 0.0
+        self._step = 0  # the run's steps started so far
 
     @property
     def steps(self) -> int:
-        """The steps the turns take, and one more whose start ends the last timed step."""
-        return len(self._schedule) + 1
+        """The steps the warm-up and the turns take, and one more whose start ends the last timed
+        step."""
+        return self._warmup + len(self._schedule) + 1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._appliers = {
@@ -79,16 +84,19 @@ class PlansInTurns(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
-        if self._started is not None:
-            r, i, config, timed = self._schedule[self._step - 1]
+        step, self._step = self._step - self._warmup, self._step + 1  # this step, in the turns
+        if step < 0:
+            return
+        if step > 0:
+            r, i, config, timed = self._schedule[step - 1]
             if timed:
                 self._times[i][config][r].append((now - self._started) * 1e3)
-        if self._step == len(self._schedule):
+        if step == len(self._schedule):
             self._close()  # the step that ends the last timed one runs the recorded configuration
-        elif self._step < len(self._schedule) and self._step % BLOCK_LENGTH == 0:
-            self._switch(*self._schedule[self._step][1:3])
-        self._step += 1
-        self._started = time.perf_counter() if self._step <= len(self._schedule) else None
+        elif step < len(self._schedule):
+            if step % BLOCK_LENGTH == 0:
+                self._switch(*self._schedule[step][1:3])
+            self._started = time.perf_counter()
 
     def _switch(self, index: int, config: str) -> None:
         """Undo what is in force; apply plan ``index`` where the block is the plan's."""

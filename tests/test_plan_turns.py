@@ -70,9 +70,9 @@ def test_each_plan_is_in_force_in_its_own_blocks_only_and_timed_in_every_round()
     torch.manual_seed(0)
     model = Blocks()
     plans = [Plan(activation={"net.0": "recompute"}), Plan(activation={"net.1": "recompute"})]
-    turns = PlansInTurns(plans, rounds=2)
+    turns = PlansInTurns(plans, rounds=2, warmup_steps=3)
     _fit(model, turns)
-    expected = []
+    expected = [{"net.0": 1, "net.1": 1}] * 3  # the warm-up: the recorded configuration, untimed
     for r in range(2):
         for j in range(2):
             recomputed = f"net.{(j + r) % 2}"  # the order rotates by one each round
