@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from models import get_model, timed_fit
-from plan_turns import TURN_ROUNDS, in_turns_change, measure_in_turns, turns_worker
+from plan_turns import TURN_ROUNDS, in_turns_change, measure_in_turns, turns_cell, turns_worker
 from runs import (
     bench_environment,
     na,
@@ -381,12 +381,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f" (+-{na(row['measured_cost_noise_ms'], '.1f')}) / {na(row['after_cost_ms'], '+.1f')}"
                 f" (+-{na(row['after_cost_noise_ms'], '.1f')})"
             )
-            turned = in_turns_change(row)
-            if turned is not None:
-                turn_errors.append(change_pct(100 + row["predicted_change_pct"], 100 + turned[0]))
-                turns_cell = f"{row['predicted_change_pct']:+.1f}% / {turned[0]:+.1f}% (+-{turned[1]:.1f})"
-            else:
-                turns_cell = "-"
+            in_turns, turn_error = turns_cell(row)
+            if turn_error is not None:
+                turn_errors.append(turn_error)
             lines.append(
                 f"| {result['model']} | {row['share']:.0%} | {row['who']} | {len(row['precision'])} | "
                 f"{activation} | {fits} | "
@@ -394,7 +391,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{row['step_error_pct']:+.1f}% | {row['after_step_ms']:.1f} "
                 f"({na(row['after_noise_pct'], '.1f')}%) | {row['after_error_pct']:+.1f}% | "
                 f"{na(referred['measured'], '+.1f')}% / {na(referred['after'], '+.1f')}% | "
-                f"{cost} | {turns_cell} | {_mib(row['predicted_peak_bytes'])} | "
+                f"{cost} | {in_turns} | {_mib(row['predicted_peak_bytes'])} | "
                 f"{_mib(row['measured_peak_bytes'])} | {row['peak_error_pct']:+.1f}% | "
                 f"{_traffic(row['offload'])} |"
             )

@@ -153,3 +153,15 @@ def in_turns_change(row: Mapping[str, Any]) -> tuple[float, float] | None:
         return None
     noise = combined_noise_pct(*(t["noise_pct"] for t in measured)) / len(measured)
     return sum(t["change_pct"] for t in measured) / len(measured), noise
+
+
+def turns_cell(row: Mapping[str, Any]) -> tuple[str, float | None]:
+    """A plan row's table cell for its change in turns, "predicted / measured (+-noise)" ("-" where
+    no process timed it), and its step error in turns: the predicted step against the measured one,
+    both referred to the recorded configuration's, in % (None where not timed)."""
+    turned = in_turns_change(row)
+    if turned is None:
+        return "-", None
+    predicted = row["predicted_change_pct"]
+    error = 100.0 * ((100 + predicted) / (100 + turned[0]) - 1)
+    return f"{predicted:+.1f}% / {turned[0]:+.1f}% (+-{turned[1]:.1f})", error

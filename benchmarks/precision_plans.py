@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from models import MODELS, get_model, timed_fit
-from plan_turns import TURN_ROUNDS, in_turns_change, measure_in_turns, turns_worker
+from plan_turns import TURN_ROUNDS, measure_in_turns, turns_cell, turns_worker
 from runs import (
     bench_environment,
     launch,
@@ -295,12 +295,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
             if noise is not None:
                 with_noise += 1
                 within_noise += abs(row["step_error_pct"]) <= noise
-            turned = in_turns_change(row)
-            turns_cell = "-"
-            if turned is not None:
-                error = change_pct(100 + row["predicted_change_pct"], 100 + turned[0])
-                turn_errors.setdefault(result["model"], []).append(error)
-                turns_cell = f"{row['predicted_change_pct']:+.1f}% / {turned[0]:+.1f}% (+-{turned[1]:.1f})"
+            in_turns, turn_error = turns_cell(row)
+            if turn_error is not None:
+                turn_errors.setdefault(result["model"], []).append(turn_error)
             lines.append(
                 f"| {result['model']} | {result['procs']} | {row['plan']} | {layers} | "
                 f"{row['predicted_step_ms']:.1f} "
@@ -308,7 +305,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{row['measured_step_ms']:.1f} "
                 f"({', '.join(f'{ms:.0f}' for ms in row['measured_runs_ms'])}; "
                 f"{na(row['measured_spread_pct'], '.0f')}%) | {row['step_error_pct']:+.1f}% | "
-                f"{na(noise, '.1f')} | {turns_cell} | "
+                f"{na(noise, '.1f')} | {in_turns} | "
                 f"{row['predicted_peak_bytes'] / 2**20:.1f} | {row['measured_peak_bytes'] / 2**20:.1f} | "
                 f"{row['peak_error_pct']:+.1f}% |"
             )
