@@ -21,9 +21,12 @@ storages and the allocator's counter, `recorder/live_memory.py`) set against the
 from the recording. The run then goes on for `AFTER_SETTLE` + `AFTER_STEPS` steps after the callback
 finished, and the median of the last `AFTER_STEPS` is the plan's step time after the window: what
 the rest of a training run pays, without the window's own disturbance. Plans with offload also
-report the bytes the store moved per step and its measured bandwidth. The table says, per budget,
-whether each plan was predicted to fit and whether it did, and how our plan's measured step time
-compares with the best other plan that fit.
+report the bytes the store moved per step and its measured bandwidth. Each repeat also runs every
+distinct plan in turns with the recorded configuration in one more fresh process (`plan_turns.py`):
+the changes that rank plans to a few percent, which fresh processes cannot. The table says, per
+budget, whether each plan was predicted to fit and whether it did, its change in turns against the
+predicted one, and how our plan compares in turns with the fastest other plan that fit
+(`_against_best`).
 
     python benchmarks/memory_plans.py [--models resnet,attention,mlp] [--budgets 0.5,0.7,0.85]
         [--repeats 2] [--quick] [--out benchmarks/results]
