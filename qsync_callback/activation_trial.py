@@ -16,8 +16,8 @@ page faults a step took.
 
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands
-well above the step's noise; for the recompute, the blocks among them, `blocks_of`) and runs it in
-turns with the recorded configuration for `TRIAL_ROUNDS` rounds, each block
+well above the step's noise; for the recompute, the blocks among them, or inside the one block,
+`blocks_of`) and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, each block
 `alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
 (the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels in
 each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
-from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, holds, module_layers
 from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
 
@@ -87,15 +87,33 @@ def trial_modules(layers: Iterable[str], refused: Mapping[str, str]) -> list[str
     return sorted(name for name in candidates if not enclosed(name))
 
 
-def blocks_of(modules: Sequence[str], layers: Iterable[str]) -> list[str]:
+def blocks_of(modules: Sequence[str], layers: Iterable[str], refused: Mapping[str, str]) -> list[str]:
     """The blocks among ``modules`` (those holding more than themselves as a layer); all of them if
-    none is. A recompute trial's modules: a plan recomputes blocks (checkpointing a single layer
-    frees little: it keeps its input), and a layer's recompute may cost the step a share of its
-    forward that a block's does not. On a 2-core VM, in a plain loop with no page faults, a
+    none is. Where that is one block (a model wrapped in one ``nn.Sequential``), the blocks one level
+    inside it that may take a policy (not in ``refused``), as long as there are any: the plans choose
+    among those, and a recompute of a part of the step pays a share of its forward that the whole
+    does not. A recompute trial's modules: a plan recomputes blocks (checkpointing a single layer
+    frees little: it keeps its input). On a 2-core VM, in a plain loop with no page faults, a
     decoder's three blocks recomputed cost 1.00 times their forward, its attention sublayers and a
-    block 1.22, and the blocks with the embeddings, final norm, head and loss 0.73."""
+    block 1.22, and the blocks with the embeddings, final norm, head and loss 0.73; a residual CNN's
+    whole ``net`` recomputed priced its ``net.3`` at +15.3% of the step where it measured +8.2% +-
+    4.3% (session 19, `benchmarks/memory_plans.py` in turns)."""
+    layers = list(layers)
     members = module_layers(layers)
-    return [name for name in modules if members.get(name, frozenset({name})) != {name}] or list(modules)
+
+    def blocks(names: Sequence[str]) -> list[str]:
+        return [name for name in names if members.get(name, frozenset({name})) != {name}]
+
+    found = blocks(modules) or list(modules)
+    while len(found) == 1:
+        (outer,) = found
+        inside = [layer for layer in layers if holds(outer, layer) and layer != outer]
+        enclosing = {name: "encloses the blocks" for name in members if holds(name, outer)}
+        inner = blocks(trial_modules(inside, {**refused, **enclosing}))
+        if not inner:
+            break
+        found = inner
+    return found
 
 
 def activation_trials_for(
@@ -114,7 +132,7 @@ def activation_trials_for(
         copy = trace.activation_costs.get("copy") or {}
         if copy.get("tier") == "disk":
             trials.append(OffloadTrial(applier, modules, copy, rounds, looks))
-        trials.append(RecomputeTrial(applier, blocks_of(modules, layers), rounds, looks))
+        trials.append(RecomputeTrial(applier, blocks_of(modules, layers, refused), rounds, looks))
         return TrialSequence(trials)
 
     return trials_of
