@@ -17,15 +17,15 @@ page faults a step took.
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands
 well above the step's noise; for the recompute, the blocks among them, or inside the one block,
-`blocks_of`) and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, each block
-`alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
-(the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels in
-each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
-rounds again, up to `alternation.LOOKS` times as many (of 30 trials on a 2-core VM, 25 stopped at 6
-rounds, 3 at 12 and 2 at 18, among them the ResNet's offload at +33.4 +- 6.6 ms). `TrialSequence`
-runs them one after the other. Where the change is within its noise a trial calibrates nothing and
-says so; a trial that fails (a module refused, a store that cannot write) is undone at once and says
-why.
+`recompute_trial_modules`) and runs it in turns with the recorded configuration for `TRIAL_ROUNDS`
+rounds, each block `alternation.SETTLE_STEPS` untimed steps after the switch and
+`alternation.BLOCK_STEPS` timed ones (the schedule and the change of `alternation.py`, so that a
+drift of the machine's speed cancels in each round). While the change's noise is over
+`PRECISE_ENOUGH` of it, a trial goes on by as many rounds again, up to `alternation.LOOKS` times as
+many (of 30 trials on a 2-core VM, 25 stopped at 6 rounds, 3 at 12 and 2 at 18, among them the
+ResNet's offload at +33.4 +- 6.6 ms). `TrialSequence` runs them one after the other. Where the
+change is within its noise a trial calibrates nothing and says so; a trial that fails (a module
+refused, a store that cannot write) is undone at once and says why.
 
 - **Offload**: the factor is the step-time change over what the fit prices for the copies the store
   made in the trial's timed steps (``copies * alpha + bytes * beta`` each way, by the store's own
@@ -87,7 +87,9 @@ def trial_modules(layers: Iterable[str], refused: Mapping[str, str]) -> list[str
     return sorted(name for name in candidates if not enclosed(name))
 
 
-def blocks_of(modules: Sequence[str], layers: Iterable[str], refused: Mapping[str, str]) -> list[str]:
+def recompute_trial_modules(
+    modules: Sequence[str], layers: Iterable[str], refused: Mapping[str, str]
+) -> list[str]:
     """The blocks among ``modules`` (those holding more than themselves as a layer); all of them if
     none is. Where that is one block (a model wrapped in one ``nn.Sequential``), the blocks one level
     inside it that may take a policy (not in ``refused``), as long as there are any: the plans choose
@@ -132,7 +134,9 @@ def activation_trials_for(
         copy = trace.activation_costs.get("copy") or {}
         if copy.get("tier") == "disk":
             trials.append(OffloadTrial(applier, modules, copy, rounds, looks))
-        trials.append(RecomputeTrial(applier, blocks_of(modules, layers, refused), rounds, looks))
+        trials.append(
+            RecomputeTrial(applier, recompute_trial_modules(modules, layers, refused), rounds, looks)
+        )
         return TrialSequence(trials)
 
     return trials_of
