@@ -297,19 +297,19 @@ class ActivationPricing:
     def _recompute_trial(self, k: int, recorded: Sequence[np.ndarray]) -> dict[str, Any] | None:
         """Rank position ``k``'s recompute trial (`activation_trial.RecomputeTrial`) with its
         ``priced_ms`` (the same recompute priced on the recorded durations, the median over the
-        recorded steps) and ``factor`` (the measured change over that price; None where the trial
-        could not tell, or nothing was priced); None where no trial ran."""
+        recorded steps; given where the trial could not tell too) and ``factor`` (the measured
+        change over that price; None where the trial could not tell, or nothing was priced); None
+        where no trial ran."""
         trial = self._traces[k].activation_costs.get("recompute", {}).get("in_step")
         if trial is None:
             return None
-        out = {**trial, "factor": None}
-        if "note" in trial:
-            return out
         acting = dict.fromkeys(trial["modules"], RECOMPUTE)
         priced_us = statistics.median(
             sum(self._recompute_added(acting, g, dur, k).values()) for g, dur in enumerate(recorded)
         )
-        out["priced_ms"] = priced_us / 1e3
+        out = {**trial, "priced_ms": priced_us / 1e3, "factor": None}
+        if "note" in trial:
+            return out
         if priced_us <= 0:
             return {**out, "note": "the trial's modules recompute nothing in the recorded steps"}
         return {**out, "factor": trial["change_ms"] * 1e3 / priced_us}
