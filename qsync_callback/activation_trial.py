@@ -16,16 +16,16 @@ page faults a step took.
 
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands
-well above the step's noise; for the recompute, the blocks among them, or inside the one block,
-`recompute_trial_modules`) and runs it in turns with the recorded configuration for `TRIAL_ROUNDS`
-rounds, each block `alternation.SETTLE_STEPS` untimed steps after the switch and
-`alternation.BLOCK_STEPS` timed ones (the schedule and the change of `alternation.py`, so that a
-drift of the machine's speed cancels in each round). While the change's noise is over
-`PRECISE_ENOUGH` of it, a trial goes on by as many rounds again, up to `alternation.LOOKS` times as
-many (of 30 trials on a 2-core VM, 25 stopped at 6 rounds, 3 at 12 and 2 at 18, among them the
-ResNet's offload at +33.4 +- 6.6 ms). `TrialSequence` runs them one after the other. Where the
-change is within its noise a trial calibrates nothing and says so; a trial that fails (a module
-refused, a store that cannot write) is undone at once and says why.
+well above the step's noise; for the recompute, the blocks among them, `recompute_trial_modules`)
+and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, each block
+`alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
+(the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels in
+each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
+rounds again, up to `alternation.LOOKS` times as many (of 30 trials on a 2-core VM, 25 stopped at 6
+rounds, 3 at 12 and 2 at 18, among them the ResNet's offload at +33.4 +- 6.6 ms). `TrialSequence`
+runs them one after the other. Where the change is within its noise a trial calibrates nothing and
+says so; a trial that fails (a module refused, a store that cannot write) is undone at once and says
+why.
 
 - **Offload**: the factor is the step-time change over what the fit prices for the copies the store
   made in the trial's timed steps (``copies * alpha + bytes * beta`` each way, by the store's own
@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
-from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, holds, module_layers
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
 from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
 
@@ -87,35 +87,19 @@ def trial_modules(layers: Iterable[str], refused: Mapping[str, str]) -> list[str
     return sorted(name for name in candidates if not enclosed(name))
 
 
-def recompute_trial_modules(
-    modules: Sequence[str], layers: Iterable[str], refused: Mapping[str, str]
-) -> list[str]:
+def recompute_trial_modules(modules: Sequence[str], layers: Iterable[str]) -> list[str]:
     """The blocks among ``modules`` (those holding more than themselves as a layer); all of them if
-    none is. Where that is one block (a model wrapped in one ``nn.Sequential``), the blocks one level
-    inside it that may take a policy (not in ``refused``), as long as there are any: the plans choose
-    among those, and a recompute of a part of the step pays a share of its forward that the whole
-    does not. A recompute trial's modules: a plan recomputes blocks (checkpointing a single layer
-    frees little: it keeps its input). On a 2-core VM, in a plain loop with no page faults, a
+    none is. A recompute trial's modules: a plan recomputes blocks (checkpointing a single layer
+    frees little: it keeps its input), and a layer's recompute may cost the step a share of its
+    forward that a block's does not. On a 2-core VM, in a plain loop with no page faults, a
     decoder's three blocks recomputed cost 1.00 times their forward, its attention sublayers and a
-    block 1.22, and the blocks with the embeddings, final norm, head and loss 0.73; a residual CNN's
-    whole ``net`` recomputed priced its ``net.3`` at +15.3% of the step where it measured +8.2% +-
-    4.3% (session 19, `benchmarks/memory_plans.py` in turns)."""
-    layers = list(layers)
+    block 1.22, and the blocks with the embeddings, final norm, head and loss 0.73. One factor does
+    not fit every block: a residual CNN's ``net.3`` recomputed alone measured +8.2% to +10.4% of the
+    step in turns, where its whole ``net``'s trial priced it at +14.6% to +15.3%, and a trial of its
+    four blocks (``net.3``-``net.6``, tried in session 19 and not kept) measured them at 1.15-1.29
+    times their forward, priced ``net.3`` at +14.1% and measured +9.1% +- 4.7%."""
     members = module_layers(layers)
-
-    def blocks(names: Sequence[str]) -> list[str]:
-        return [name for name in names if members.get(name, frozenset({name})) != {name}]
-
-    found = blocks(modules) or list(modules)
-    while len(found) == 1:
-        (outer,) = found
-        inside = [layer for layer in layers if holds(outer, layer) and layer != outer]
-        enclosing = {name: "encloses the blocks" for name in members if holds(name, outer)}
-        inner = blocks(trial_modules(inside, {**refused, **enclosing}))
-        if not inner:
-            break
-        found = inner
-    return found
+    return [name for name in modules if members.get(name, frozenset({name})) != {name}] or list(modules)
 
 
 def activation_trials_for(
@@ -134,9 +118,7 @@ def activation_trials_for(
         copy = trace.activation_costs.get("copy") or {}
         if copy.get("tier") == "disk":
             trials.append(OffloadTrial(applier, modules, copy, rounds, looks))
-        trials.append(
-            RecomputeTrial(applier, recompute_trial_modules(modules, layers, refused), rounds, looks)
-        )
+        trials.append(RecomputeTrial(applier, recompute_trial_modules(modules, layers), rounds, looks))
         return TrialSequence(trials)
 
     return trials_of
