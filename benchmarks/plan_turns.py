@@ -49,7 +49,6 @@ class PlansInTurns(pl.Callback):
 
     def __init__(self, plans: Sequence[Plan], rounds: int, warmup_steps: int = WARMUP_STEPS):
         self.plans = list(plans)
-        self.rounds = rounds
         self._warmup = warmup_steps
         # per step after the warm-up: (round, plan index, configuration, timed); the block it is in
         self._schedule = [

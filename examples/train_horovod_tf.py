@@ -13,10 +13,9 @@ Threads (``--threads``, ``--inter-threads``, ``--cycle-time-ms``, ``--pin``; com
 inter-op pools of cores / processes on this host (1 and 1 for two processes on 2 cores; TF's own
 pools, as many threads as cores each, oversubscribe the cores); Horovod's cycle time stays
 Horovod's 1 ms; and each process, all its threads (TF's, Horovod's and Gloo's), is bound to its share
-of the cores (``--pin all``; ``--pin none`` leaves them to the kernel). On a 2-core VM, two processes,
-4 interleaved launches each (`benchmarks/README.md`): the CNN's step-to-step spread fell from 40% to
-19% and its median step from 40.4 to 38.9 ms; the MLP's spread from 47% to 42%, its median step 19.7
-against 20.1 ms (within its run-to-run noise of 10-19%).
+of the cores (``--pin all``; ``--pin none`` leaves them to the kernel): on two processes sharing
+two cores it narrows the step-to-step spread at no slower a step (the thread settings compared in
+`benchmarks/README.md`).
 
 The data is generated (Gaussian clusters, fixed seed): nothing is downloaded. After the recorded
 window rank 0 prints measured against predicted step time and writes ``<output_dir>/report.json``;

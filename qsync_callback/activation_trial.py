@@ -3,16 +3,16 @@ closed: the offload trial, then the recompute trial.
 
 The copy-cost fit (`copy_costs.py`) times the store's copies alone: a tensor put in the store and
 got back in a loop of nothing else. Inside a training step the same copies cost more on the CPU's
-disk tier: on a 2-core VM the offload trials below measured the step paying 1.36-2.40 times the
-fit's price on a residual CNN (its outermost modules offloaded: 15.9 ms of copies priced) and
-1.19-1.67 times on a decoder, in seven recordings each.
+disk tier: on a 2-core VM the offload trials below measured the step paying 1.48-2.46 times the
+fit's price on a residual CNN (its outermost modules offloaded: 15.9 ms of copies priced; five
+recordings), 1.26-1.68 times on a decoder and 1.77-6.54 times on an MLP (two recordings each).
 
-A recompute is priced as its module's recorded forward run again (`predictor.activation`). On the
-same VM, in a plain loop with no page faults (glibc's ``mallopt``), recomputing a residual block cost
-the step 1.15-1.31 times its forward's time (the checkpointed forward itself ran about 1 ms, 12%,
-slower, besides the forward run again), a decoder block 0.91-1.15 times; without ``mallopt`` the
-ratio moved from 0.53 to 1.25 between processes, as the recompute's allocations changed how many
-page faults a step took.
+A recompute is priced as its module's recorded forward run again (`predictor.activation`). In a
+plain loop on the same VM (three processes), recomputing one or two of a decoder's blocks cost the
+step 1.05-1.40 times their forward, and a block with an attention sublayer 0.73-1.46 times, from
+one process to the next: the recompute's allocations change how many page faults glibc's allocator
+takes a step. The recompute trials below measured 0.97-1.14 (a residual CNN's ``net``), 1.00-1.04
+(a decoder's blocks) and 1.04-1.28 (an MLP), in two recordings each.
 
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands
@@ -21,8 +21,8 @@ and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, 
 `alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
 (the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels in
 each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
-rounds again, up to `alternation.LOOKS` times as many (of 30 trials on a 2-core VM, 25 stopped at 6
-rounds, 3 at 12 and 2 at 18, among them the ResNet's offload at +33.4 +- 6.6 ms). `TrialSequence`
+rounds again, up to `alternation.LOOKS` times as many (of 18 trials on a 2-core VM, 11 stopped at 6
+rounds, 3 at 12 and 4 at 18). `TrialSequence`
 runs them one after the other. Where the change is within its noise a trial calibrates nothing and
 says so; a trial that fails (a module refused, a store that cannot write) is undone at once and says
 why.
@@ -90,14 +90,12 @@ def trial_modules(layers: Iterable[str], refused: Mapping[str, str]) -> list[str
 def recompute_trial_modules(modules: Sequence[str], layers: Iterable[str]) -> list[str]:
     """The blocks among ``modules`` (those holding more than themselves as a layer); all of them if
     none is. A recompute trial's modules: a plan recomputes blocks (checkpointing a single layer
-    frees little: it keeps its input), and a layer's recompute may cost the step a share of its
-    forward that a block's does not. On a 2-core VM, in a plain loop with no page faults, a
-    decoder's three blocks recomputed cost 1.00 times their forward, its attention sublayers and a
-    block 1.22, and the blocks with the embeddings, final norm, head and loss 0.73. One factor does
-    not fit every block: a residual CNN's ``net.3`` recomputed alone measured +8.2% to +10.4% of the
-    step in turns, where its whole ``net``'s trial priced it at +14.6% to +15.3%, and a trial of its
-    four blocks (``net.3``-``net.6``, tried in session 19 and not kept) measured them at 1.15-1.29
-    times their forward, priced ``net.3`` at +14.1% and measured +9.1% +- 4.7%."""
+    frees little: it keeps its input), and a layer's recompute (an embedding, a head, the loss) may
+    cost the step another share of its forward than a block's does. One factor does not fit every
+    block either: a residual CNN's ``net.3`` recomputed alone measured +8.2% and +10.4% of the step
+    in turns, where its whole ``net``'s trial priced it at +15.3% and +14.6%; a trial of its four
+    blocks (``net.3``-``net.6``, tried and not kept) measured them at 1.15-1.29 times their forward
+    and priced ``net.3`` at +14.1% against +9.1% +- 4.7% measured."""
     members = module_layers(layers)
     return [name for name in modules if members.get(name, frozenset({name})) != {name}] or list(modules)
 
