@@ -38,8 +38,8 @@ from runs import bench_environment, launch, na, precision_counts, say_allocator,
 
 # the baseline window ends at 30 (150 to 390 with a memory budget and the activation lever: the
 # offload and recompute trials, 60 to 180 steps each), the verify window 20 steps later, the turns
-# (3 rounds of two blocks of 5 steps, up to 9 while they cannot tell) 30 to 90 after that
-MAX_STEPS = 510
+# (3 rounds of two blocks of 5 steps, up to 18 while they cannot tell) 30 to 180 after that
+MAX_STEPS = 600
 NOTHING_TO_APPLY = "nothing to apply"
 
 

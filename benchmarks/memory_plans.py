@@ -55,8 +55,8 @@ from runs import (
 )
 from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, solve_sac_plan
 
-from qsync_callback.activation_trial import TRIAL_ROUNDS
-from qsync_callback.alternation import BLOCK_STEPS, LOOKS, SETTLE_STEPS
+from qsync_callback.activation_trial import TRIAL_LOOKS, TRIAL_ROUNDS
+from qsync_callback.alternation import BLOCK_STEPS, SETTLE_STEPS
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
@@ -72,7 +72,7 @@ WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3
 # the recording runs the offload trial, then the recompute trial, after its measured steps
 # (`activation_trial.py`)
-RECORDING_STEPS = MAX_STEPS + 2 * 2 * LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
+RECORDING_STEPS = MAX_STEPS + 2 * 2 * TRIAL_LOOKS * TRIAL_ROUNDS * (SETTLE_STEPS + BLOCK_STEPS)
 # a plan's run goes on after the callback finished: the steps the rest of training runs, away from
 # the window's disturbance (the offload store's writes ran at a third of their rate during and right
 # after a recorded window); the first few of them settle, the rest are timed

@@ -21,11 +21,10 @@ and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, 
 `alternation.SETTLE_STEPS` untimed steps after the switch and `alternation.BLOCK_STEPS` timed ones
 (the schedule and the change of `alternation.py`, so that a drift of the machine's speed cancels in
 each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
-rounds again, up to `alternation.LOOKS` times as many (of 18 trials on a 2-core VM, 11 stopped at 6
-rounds, 3 at 12 and 4 at 18). `TrialSequence`
-runs them one after the other. Where the change is within its noise a trial calibrates nothing and
-says so; a trial that fails (a module refused, a store that cannot write) is undone at once and says
-why.
+rounds again, up to `TRIAL_LOOKS` times as many (fewer looks than the loop's turns: a trial only
+calibrates a price, and the planning waits for it). `TrialSequence` runs them one after the other.
+Where the change is within its noise a trial calibrates nothing and says so; a trial that fails (a
+module refused, a store that cannot write) is undone at once and says why.
 
 - **Offload**: the factor is the step-time change over what the fit prices for the copies the store
   made in the trial's timed steps (``copies * alpha + bytes * beta`` each way, by the store's own
@@ -59,6 +58,7 @@ from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
 
 TRIAL_ROUNDS = 6
+TRIAL_LOOKS = 3
 PRECISE_ENOUGH = 0.2  # the change's noise, as a share of it, under which a trial stops
 DIRECTIONS = ("to_store", "from_store")
 
@@ -140,7 +140,7 @@ class PolicyTrial(abc.ABC):
         self._applier = applier
         # run so far, or to be run (one look's worth more while too noisy); none without a module
         self._rounds = rounds if modules else 0
-        self._times = BlockTimes(Alternation(rounds))
+        self._times = BlockTimes(Alternation(rounds, looks=TRIAL_LOOKS))
         self._undo: Undo | None = None
 
     @property

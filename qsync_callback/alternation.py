@@ -11,10 +11,14 @@ switch are not timed (the first step after a switch runs with cold caches and al
 within a round, so a drift cancels in that round's change.
 
 When ``rounds`` rounds cannot tell the plan from the baseline (the change within its noise, see
-`verify.can_tell`), the turns go on by ``rounds`` more, up to ``LOOKS`` times as many: the noise of
-the mean shrinks with the square root of the rounds. Looking more than once lets chance decide a
-little more often (three looks at a 2-standard-error band instead of one); a decision either way
-on a change that small costs little, and three looks bound it.
+`verify.can_tell`), the turns go on by ``rounds`` more, up to ``looks`` times as many (the loop's
+`LOOKS`). The rounds' noise is a 95% band of their mean on Student's t with one degree of freedom
+fewer than the rounds: their spread is estimated from them, so a band of 2 standard errors (a
+normal's) is too narrow over a few rounds and lets chance decide (at 3 rounds Student's factor is
+4.30, at 6 2.57, at 18 2.11). Looking more than once lets chance decide a little more often; the
+wider band at the first looks more than pays for six looks: `benchmarks/turns_decisions.py` runs
+this code on simulated rounds against 2 standard errors at 3 and 6 looks (its table in
+`benchmarks/README.md`).
 
 `Alternation` is the schedule (which boundary switches, which step is timed in which block);
 `BlockTimes` is one rank's step clock over it; `paired_change` turns every rank's times into the
@@ -27,27 +31,31 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
+
+from scipy import stats
 
 from qsync_callback.report import change_pct, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1
 BLOCK_STEPS = 4  # at least 3: the noise of a block's median needs 3 samples
-LOOKS = 3  # the turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
+LOOKS = 6  # the loop's turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
 BASELINE, PLAN = "baseline", "plan"
 
 
 @dataclass(frozen=True)
 class Alternation:
-    """The schedule: ``rounds`` rounds, then as many more at each look up to ``most_rounds``, counted
-    in step boundaries from the first switch (0)."""
+    """The schedule: ``rounds`` rounds, then as many more at each look up to ``most_rounds`` (``looks``
+    times ``rounds``), counted in step boundaries from the first switch (0)."""
 
     rounds: int
+    looks: int = LOOKS
 
     @property
     def most_rounds(self) -> int:
-        return LOOKS * self.rounds
+        return self.looks * self.rounds
 
     @property
     def block_length(self) -> int:
@@ -107,6 +115,13 @@ class BlockTimes:
         self._last = time.perf_counter()
 
 
+@cache
+def band_factor(rounds: int) -> float:
+    """How many standard errors of the rounds' mean their 95% band spans: Student's t at 97.5% with
+    ``rounds - 1`` degrees of freedom (at least 2 rounds)."""
+    return float(stats.t.ppf(0.975, rounds - 1))
+
+
 def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> dict[str, Any]:
     """The plan's step-time change against the recorded configuration, from every rank's block
     times (`BlockTimes.times`), over the rounds in which both blocks were timed.
@@ -115,7 +130,8 @@ def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> d
     median, as the report measures a step). Each round gives a change in %, plan block against
     baseline block; the change is their mean. Its noise is the larger of two estimates: the blocks'
     own (each median's `median_noise_pct`, combined over the pair and over the rounds) and the
-    rounds' disagreement (2 standard errors of their mean); 0 where neither can be estimated."""
+    rounds' disagreement (their mean's 95% band, `band_factor` standard errors); 0 where neither
+    can be estimated."""
     rounds = []
     for k in range(min(len(rank[BASELINE]) for rank in ranks)):
         blocks = {}
@@ -132,7 +148,9 @@ def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> d
     changes = [change_pct(p, b) for p, b in zip(plan_ms, baseline_ms, strict=True)]
     each = [combined_noise_pct(*(median_noise_pct(r[config]) for config in (BASELINE, PLAN))) for r in rounds]
     blocks_noise = combined_noise_pct(*each) / len(rounds)
-    rounds_noise = 2 * statistics.stdev(changes) / len(changes) ** 0.5 if len(changes) >= 2 else 0.0
+    rounds_noise = 0.0
+    if len(changes) >= 2:
+        rounds_noise = band_factor(len(changes)) * statistics.stdev(changes) / len(changes) ** 0.5
     return {
         "rounds": len(rounds),
         "change_pct": statistics.fmean(changes),

@@ -18,6 +18,7 @@ from qsync_callback.alternation import (
     SETTLE_STEPS,
     Alternation,
     BlockTimes,
+    band_factor,
     paired_change,
 )
 from qsync_callback.plan import Plan
@@ -91,8 +92,8 @@ def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
 def test_rounds_that_disagree_are_noise_and_an_unfinished_round_does_not_count():
     result = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, [11.0] * 4])])
     assert result["change_pct"] == pytest.approx(0.0)
-    # two rounds at -10% and +10%: 2 standard errors of their mean
-    assert result["noise_pct"] == pytest.approx(2 * (200**0.5) / 2**0.5)
+    # two rounds at -10% and +10%: their mean's 95% band on Student's t with 1 degree of freedom
+    assert result["noise_pct"] == pytest.approx(12.706 * (200**0.5) / 2**0.5, rel=1e-4)
     unfinished = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, []])])
     assert unfinished["rounds"] == 1 and unfinished["change_pct"] == pytest.approx(-10.0)
     one_step = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, [9.0]])])
@@ -113,6 +114,28 @@ def test_the_blocks_own_noise_shrinks_with_the_rounds_that_agree():
         result = paired_change([_rank([baseline] * rounds, [plan] * rounds)])
         assert result["change_pct"] == pytest.approx(-10.0)
         assert result["noise_pct"] == pytest.approx(each / rounds**0.5)
+
+
+def test_the_rounds_noise_is_a_95_percent_band_on_students_t():
+    """A few rounds' spread is estimated from them: the band is wider than 2 standard errors, and
+    narrows towards a normal's 1.96 as the rounds grow."""
+    assert band_factor(2) == pytest.approx(12.706, rel=1e-4)
+    assert band_factor(3) == pytest.approx(4.303, rel=1e-4)
+    assert band_factor(18) == pytest.approx(2.110, rel=1e-3)
+    factors = [band_factor(n) for n in range(2, 60)]
+    assert all(a > b for a, b in zip(factors[:-1], factors[1:], strict=True)) and 1.96 < factors[-1] < 2.01
+    changes = [-20.0, -10.0, 0.0]  # three rounds: mean -10%, standard deviation 10%
+    result = paired_change([_rank([[10.0] * 4] * 3, [[10.0 * (1 + c / 100)] * 4 for c in changes])])
+    assert result["change_pct"] == pytest.approx(-10.0)
+    assert result["noise_pct"] == pytest.approx(4.303 * 10.0 / 3**0.5, rel=1e-4)
+
+
+def test_the_loop_looks_up_to_six_times_and_fewer_looks_end_sooner():
+    assert LOOKS == 6 and Alternation(rounds=3).most_rounds == 18
+    three = Alternation(rounds=3, looks=3)
+    assert three.most_rounds == 9 and three.done_step == 2 * 9 * three.block_length
+    round_length = 2 * three.block_length
+    assert [s for s in range(three.done_step + 1) if three.look_at(s)] == [3 * round_length, 6 * round_length]
 
 
 @settings(max_examples=200, deadline=None)

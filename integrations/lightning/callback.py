@@ -49,14 +49,14 @@ class QSyncCallback(pl.Callback):
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns
             (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided
             (a drift of the machine's speed between the two recorded windows cancels in each round);
-            while they cannot tell the plan from the baseline, as many more, up to 3 times as many.
+            while they cannot tell the plan from the baseline, as many more, up to 6 times as many.
         activation_trial_rounds: mode "apply" with ``memory_budget`` and the "activation" lever:
             after the measured steps, rounds of the recorded configuration and an offload of the
             model's outermost modules in turns (on the CPU), then as many of it and a recompute of
-            the blocks among them (each a block of 1 + 4 steps of each; on one process, as many more while the
-            change is too noisy, up to 3 times as many), to measure what each policy costs this
-            run's steps over its price (`activation_trial.py`); 0: none, the copy-cost fit and the
-            recorded forward alone price them.
+            the blocks among them (each a block of 1 + 4 steps of each; on one process, as many more
+            while the change is too noisy, up to 3 times as many: `activation_trial.TRIAL_LOOKS`), to
+            measure what each policy costs this run's steps over its price (`activation_trial.py`);
+            0: none, the copy-cost fit and the recorded forward alone price them.
         best_effort: mode "apply": when no plan meets ``memory_budget`` / ``max_step_time``, apply
             the closest one (the least-memory plan, or the least-violating) instead of none.
         plan: a plan file to apply at step 0, without recording or planning.

@@ -1,0 +1,135 @@
+"""How often the loop's turns decide, and decide alike: its own rule on simulated block times.
+
+The loop keeps or rolls back a plan on the rounds it runs in turns with the recorded configuration
+(`qsync_callback/alternation.py`): at each look it asks `verify.can_tell` of `paired_change`'s change
+and noise, and goes on while it cannot tell, up to ``looks`` times the first rounds. This benchmark
+feeds that code block times drawn at random, with a known change, and counts the outcomes: faster
+(kept), slower (rolled back) or could not tell at the last look, and how many rounds it took.
+"Two launches agree" is the chance that two identical launches reach the same outcome (the sum of
+the outcomes' squared shares), what issue 11 asks of identical launches.
+
+A simulated round: a drift of the machine shared by both blocks (uniform 0.8-1.2, which the pairing
+cancels), the plan's block slower by ``change`` times a factor drawn normal with the round spread
+(the disagreement of real rounds: the Horovod MLP's on two processes in session 19 spread 12.5%), and
+each step's time jittered by ``STEP_JITTER``. The rules: "student", the code as it is (the rounds'
+noise a 95% band on Student's t, `alternation.band_factor`); "normal", 2 standard errors whatever
+the rounds (the rule before session 20), by replacing `band_factor` in this process only.
+
+    python benchmarks/turns_decisions.py [--runs 2000] [--quick] [--out benchmarks/results]
+
+``--quick``: 200 launches a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from runs import bench_environment, write_results
+
+from qsync_callback import alternation
+from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, Alternation, paired_change
+from qsync_callback.verify import can_tell
+
+FIRST_ROUNDS = 3  # the loop's default (`alternate_rounds`)
+STEP_JITTER = 0.03
+CASES = ((0.0, 12.5), (-5.0, 12.5), (-10.0, 12.5), (-20.0, 12.5), (10.0, 12.5), (-10.0, 20.0))
+RULES = (("normal", 3), ("normal", 6), ("student", 3), ("student", 6))
+OUTCOMES = ("faster", "slower", "could not tell")
+
+
+def simulated_round(
+    rng: random.Random, change_pct: float, spread_pct: float
+) -> tuple[list[float], list[float]]:
+    """One round's baseline and plan blocks of `BLOCK_STEPS` step times (ms)."""
+    drift = 100.0 * rng.uniform(0.8, 1.2)
+    plan_factor = (1 + change_pct / 100) * (1 + rng.gauss(0.0, spread_pct / 100))
+    baseline = [drift * (1 + rng.gauss(0.0, STEP_JITTER)) for _ in range(BLOCK_STEPS)]
+    plan = [drift * plan_factor * (1 + rng.gauss(0.0, STEP_JITTER)) for _ in range(BLOCK_STEPS)]
+    return baseline, plan
+
+
+def decide(rounds: list[tuple[list[float], list[float]]], schedule: Alternation) -> tuple[str, int]:
+    """The loop's outcome on ``rounds`` (as many as the schedule's most) and the rounds it used."""
+    for used in range(schedule.rounds, schedule.most_rounds + 1, schedule.rounds):
+        taken = rounds[:used]
+        turns = paired_change([{BASELINE: [b for b, _ in taken], PLAN: [p for _, p in taken]}])
+        change, noise = turns["change_pct"], turns["noise_pct"]
+        if can_tell(change, noise):
+            return ("faster" if change < 0 else "slower"), used
+    return "could not tell", schedule.most_rounds
+
+
+def simulate(
+    rule: str, looks: int, change_pct: float, spread_pct: float, runs: int, seed: int
+) -> dict[str, Any]:
+    """``runs`` simulated launches under ``rule`` with up to ``looks`` looks."""
+    rng = random.Random(seed)
+    schedule = Alternation(FIRST_ROUNDS, looks=looks)
+    counts = dict.fromkeys(OUTCOMES, 0)
+    used = []
+    for _ in range(runs):
+        rounds = [simulated_round(rng, change_pct, spread_pct) for _ in range(schedule.most_rounds)]
+        outcome, n = decide(rounds, schedule)
+        counts[outcome] += 1
+        used.append(n)
+    shares = {outcome: counts[outcome] / runs for outcome in OUTCOMES}
+    return {
+        "rule": rule,
+        "looks": looks,
+        "change_pct": change_pct,
+        "spread_pct": spread_pct,
+        "runs": runs,
+        **shares,
+        "agree": sum(share**2 for share in shares.values()),
+        "mean_rounds": statistics.fmean(used),
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| true change | round spread | rule | looks (rounds) | faster | slower | could not tell"
+        " | two launches agree | mean rounds |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['change_pct']:+.0f}% | {row['spread_pct']:.1f}% | {row['rule']} | {row['looks']}"
+            f" ({FIRST_ROUNDS}-{FIRST_ROUNDS * row['looks']}) | {100 * row['faster']:.1f}%"
+            f" | {100 * row['slower']:.1f}% | {100 * row['could not tell']:.1f}% | {100 * row['agree']:.1f}%"
+            f" | {row['mean_rounds']:.1f} |"
+        )
+    lines += [
+        "",
+        f"{rows[0]['runs']} simulated launches a row, {FIRST_ROUNDS} rounds first, blocks of"
+        f" {BLOCK_STEPS} timed steps jittered {100 * STEP_JITTER:.0f}%; student: the loop's rule;"
+        " normal: 2 standard errors.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=2000, help="simulated launches a row")
+    parser.add_argument("--quick", action="store_true", help="smoke pass: 200 launches a row")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    runs = 200 if args.quick else args.runs
+    environment = bench_environment(runs=runs)
+    student = alternation.band_factor
+    rows = []
+    for k, (change, spread) in enumerate(CASES):
+        for rule, looks in RULES:
+            alternation.band_factor = student if rule == "student" else (lambda rounds: 2.0)
+            rows.append(simulate(rule, looks, change, spread, runs, seed=k))
+    alternation.band_factor = student
+    write_results(args.out, "turns_decisions", markdown(rows), {"environment": environment, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
