@@ -219,10 +219,16 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         )
     profiler = report.get("profiler_share")
     if profiler and profiler.get("in_step_ms") is not None:
+        added = profiler["in_step_ms"]
+        what = (
+            f"recording added {added:.2f} ms to a step (against its unprofiled neighbours; "
+            f"{profiler['loops_share_ms']:.2f} ms of it per recorded event): the prediction removes that much"
+            if added >= 0
+            else f"the recorded steps ran {-added:.2f} ms faster than their unprofiled neighbours: the "
+            "prediction adds that much"
+        )
         lines.append(
-            f"  note: recording added {profiler['in_step_ms']:.2f} ms to a step (against its unprofiled "
-            f"neighbours; {profiler['loops_share_ms']:.2f} ms of it per recorded event): the prediction "
-            "removes that much, so for the configuration recorded it is calibrated on this run and its "
+            f"  note: {what}, so for the configuration recorded it is calibrated on this run and its "
             "error checks the replay; a plan's prediction re-costs the ops it changes"
         )
     if predicted.get("peak_note"):

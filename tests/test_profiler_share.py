@@ -66,8 +66,9 @@ def test_steps_that_show_less_than_the_loops_scale_the_loops_down():
     mm, _ = _ops(trace)
     assert [trace.own_us(op) for op in mm] == pytest.approx([496.0, 496.0])
     assert [trace.gap_overhead_us(op) for op in mm] == pytest.approx([2.0, 2.0])
-    # none at all when the recorded steps ran faster than the unprofiled ones (noise larger than the cost)
-    assert calibrate_on_steps(trace, [0.600])["scale"] == 0.0
+    # none at all when the recorded steps ran faster than the unprofiled ones: they run longer instead
+    faster = calibrate_on_steps(trace, [0.600])
+    assert faster["scale"] == 0.0 and faster["slowdown"] == pytest.approx(-0.085 / 0.515)
 
 
 def test_without_unprofiled_steps_or_a_share_the_loops_costs_stay():
@@ -81,11 +82,17 @@ def test_without_unprofiled_steps_or_a_share_the_loops_costs_stay():
     assert calibrate_on_steps(trace, [0.3]) == pytest.approx(
         {"in_step_ms": 0.215, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.215 / 0.515}
     )
-    # ... and recorded steps faster than the unprofiled ones, with no loops' share, change nothing
-    # (a Horovod rank whose calibration found no per-event cost once divided by that 0 here)
-    assert calibrate_on_steps(trace, [0.9]) == pytest.approx(
-        {"in_step_ms": -0.385, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": 0.0}
+    # ... and recorded steps faster than the unprofiled ones, with no loops' share, lengthen the step
+    # to theirs (a Horovod rank whose calibration found no per-event cost once divided by that 0 here)
+    figures = calibrate_on_steps(trace, [0.9])
+    assert figures == pytest.approx(
+        {"in_step_ms": -0.385, "loops_share_ms": 0.0, "scale": 1.0, "slowdown": -0.385 / 0.515}
     )
+    trace.measured["profiler_share"] = figures
+    assert trace.own_us(trace.ops[0]) == pytest.approx(500.0 * 0.9 / 0.515)
+    main_only = Trace(rank=0, world_size=1, device="cpu", steps=trace.steps, ops=_ops(trace)[0])
+    main_only.measured["profiler_share"] = figures
+    assert replay(build_step_graph(main_only, 1)).step_us == pytest.approx(900.0, rel=0.02)
     # a trace without the figures (an older one) takes the loops' costs as they are
     trace = _recorded([1], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
     assert (trace.own_us(trace.ops[0]), trace.gap_overhead_us(trace.ops[0])) == (490.0, 5.0)

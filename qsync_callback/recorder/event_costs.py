@@ -47,8 +47,13 @@ def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, flo
     steps show more, the rest is a ``slowdown`` of the whole step: the fraction of the recorded
     median less the loops' share that it is, by which every op but a collective, and the idle time
     before it, runs shorter without the profiler; if less, ``scale`` (below 1) shrinks the loops'
-    shares to it. Without unprofiled steps, or with recorded steps no slower and no per-event cost
-    charged (the calibration found none), nothing changes (1 and 0)."""
+    shares to it. Recorded steps faster than the unprofiled ones take nothing off (``scale`` 0) and
+    give a negative ``slowdown``, the fraction of the recorded median they were faster by: without
+    the profiler every op but a collective, and the idle time before it, runs that much longer.
+    A correction one way only would bias the prediction low: on two Horovod processes the recorded
+    calls (each right after the ranks meet) ran 10-20% faster than the calls around them in most
+    launches (session 20, `benchmarks/README.md`'s Horovod accuracy table). Without unprofiled steps
+    nothing changes (1 and 0)."""
     loops_us: dict[int, float] = {step.index: 0.0 for step in trace.steps}
     for op in trace.ops:
         if op.step in loops_us:
@@ -67,8 +72,10 @@ def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, flo
     in_step = recorded_ms - statistics.median(plain_ms)
     figures["in_step_ms"] = in_step
     if in_step < loops_ms:
-        if loops_ms > 0:  # else the recorded steps were faster, with nothing charged: nothing to undo
+        if loops_ms > 0:
             figures["scale"] = max(0.0, in_step) / loops_ms
+        if in_step < 0 and recorded_ms > 0:
+            figures["slowdown"] = in_step / recorded_ms
     elif recorded_ms > loops_ms:
         figures["slowdown"] = (in_step - loops_ms) / (recorded_ms - loops_ms)
     return figures

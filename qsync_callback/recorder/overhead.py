@@ -39,7 +39,8 @@ So the loops give what an op, a memory event and a layer range cost each, and th
 steps give the rest (`event_costs.calibrate_on_steps`): the recorded steps' median less the unprofiled steps'
 median (the measured step time's own samples) is what recording added to a step, and what that shows
 beyond the loops' share is a slowdown of the whole step, taken off each op and each idle time in
-proportion (for a small model most of it lies between the ops: the recorder's Python hooks). The
+proportion (for a small model most of it lies between the ops: the recorder's Python hooks); where
+the recorded steps ran faster, each op and idle time is lengthened in proportion instead. The
 replay of the recorded configuration then matches the measured step time by construction (its error
 checks the replay, not the profiler's cost), and a plan's prediction is the measured step with the
 ops the plan changes re-costed: a real prediction, judged by verify.

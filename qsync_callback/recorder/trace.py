@@ -232,7 +232,8 @@ class Trace:
     def own_us(self, op: Op) -> float:
         """``op``'s duration without the profiler: less its events' cost at the loops' per-event
         costs (``op.overhead_us``), scaled and less the steps' slowdown as the recorded steps against
-        the unprofiled ones say (``measured["profiler_share"]``, `event_costs.calibrate_on_steps`)."""
+        the unprofiled ones say (``measured["profiler_share"]``, `event_costs.calibrate_on_steps`; a
+        negative slowdown, recorded steps that ran faster, lengthens it)."""
         share = self.measured.get("profiler_share") or {}
         own = max(0.0, op.dur_us - share.get("scale", 1.0) * op.overhead_us)
         return own if op.collective is not None else own * (1.0 - share.get("slowdown", 0.0))
