@@ -183,7 +183,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
     lines += [
         "",
         f"batch size {batch_size} per process; error = predicted / measured - 1 (the prediction removes "
-        "what recording added to the recorded steps as the run's own timed calls show, so for the "
+        "what recording added to the recorded steps, or adds what it took off, as the run's own "
+        "timed calls show, so for the "
         "configuration recorded it is calibrated on the run); loops' costs only: without that, the "
         "calibration loops' per-event costs alone (out of sample); uncorrected: the same "
         "traces replayed with no profiler overhead subtracted; recorded: median wall time of the "

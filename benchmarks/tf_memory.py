@@ -101,7 +101,7 @@ def _step_sentence(group: list[dict[str, Any]]) -> str:
         return ""
     sentence = (
         f" Step time: |error| median {statistics.median(steps):.1f}% (calibrated on the run's own "
-        "timed calls: what recording added to the recorded ones is taken off)"
+        "timed calls: what recording added to the recorded ones is taken off, what it took off is added)"
     )
     if loops:
         sentence += (
