@@ -10,7 +10,8 @@ the outcomes' squared shares), what issue 11 asks of identical launches.
 
 A simulated round: a drift of the machine shared by both blocks (uniform 0.8-1.2, which the pairing
 cancels), the plan's block slower by ``change`` times a factor drawn normal with the round spread
-(the disagreement of real rounds: the Horovod MLP's on two processes in session 19 spread 12.5%), and
+(the disagreement of real rounds: the Horovod MLP's two 9-round launches on two processes saved by
+session 19's plans benchmark spread 11.1% and 14.6%, standard deviations read in session 20), and
 each step's time jittered by ``STEP_JITTER``. The rules: "student", the code as it is (the rounds'
 noise a 95% band on Student's t, `alternation.band_factor`); "normal", 2 standard errors whatever
 the rounds (the rule before session 20), by replacing `band_factor` in this process only.
