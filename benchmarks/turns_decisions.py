@@ -14,7 +14,7 @@ cancels), the plan's block slower by ``change`` times a factor drawn normal with
 session 19's plans benchmark spread 11.1% and 14.6%, standard deviations read in session 20), and
 each step's time jittered by ``STEP_JITTER``. The rules: "student", the code as it is (the rounds'
 noise a 95% band on Student's t, `alternation.band_factor`); "normal", 2 standard errors whatever
-the rounds (the rule before session 20), by replacing `band_factor` in this process only.
+the rounds (the rule before session 20), handed to `paired_change` as its band.
 
     python benchmarks/turns_decisions.py [--runs 2000] [--quick] [--out benchmarks/results]
 
@@ -27,19 +27,20 @@ import argparse
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from runs import bench_environment, write_results
 
-from qsync_callback import alternation
-from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, Alternation, paired_change
+from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, Alternation, band_factor, paired_change
 from qsync_callback.verify import can_tell
 
 FIRST_ROUNDS = 3  # the loop's default (`alternate_rounds`)
 STEP_JITTER = 0.03
 CASES = ((0.0, 12.5), (-5.0, 12.5), (-10.0, 12.5), (-20.0, 12.5), (10.0, 12.5), (-10.0, 20.0))
 RULES = (("normal", 3), ("normal", 6), ("student", 3), ("student", 6))
+BANDS: dict[str, Callable[[int], float]] = {"student": band_factor, "normal": lambda rounds: 2.0}
 OUTCOMES = ("faster", "slower", "could not tell")
 
 
@@ -54,11 +55,14 @@ def simulated_round(
     return baseline, plan
 
 
-def decide(rounds: list[tuple[list[float], list[float]]], schedule: Alternation) -> tuple[str, int]:
-    """The loop's outcome on ``rounds`` (as many as the schedule's most) and the rounds it used."""
+def decide(
+    rounds: list[tuple[list[float], list[float]]], schedule: Alternation, band: Callable[[int], float]
+) -> tuple[str, int]:
+    """The loop's outcome on ``rounds`` (as many as the schedule's most) with the rounds' noise
+    ``band`` standard errors wide, and the rounds it used."""
     for used in range(schedule.rounds, schedule.most_rounds + 1, schedule.rounds):
         taken = rounds[:used]
-        turns = paired_change([{BASELINE: [b for b, _ in taken], PLAN: [p for _, p in taken]}])
+        turns = paired_change([{BASELINE: [b for b, _ in taken], PLAN: [p for _, p in taken]}], band)
         change, noise = turns["change_pct"], turns["noise_pct"]
         if can_tell(change, noise):
             return ("faster" if change < 0 else "slower"), used
@@ -75,7 +79,7 @@ def simulate(
     used = []
     for _ in range(runs):
         rounds = [simulated_round(rng, change_pct, spread_pct) for _ in range(schedule.most_rounds)]
-        outcome, n = decide(rounds, schedule)
+        outcome, n = decide(rounds, schedule, BANDS[rule])
         counts[outcome] += 1
         used.append(n)
     shares = {outcome: counts[outcome] / runs for outcome in OUTCOMES}
@@ -121,13 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = 200 if args.quick else args.runs
     environment = bench_environment(runs=runs)
-    student = alternation.band_factor
-    rows = []
-    for k, (change, spread) in enumerate(CASES):
-        for rule, looks in RULES:
-            alternation.band_factor = student if rule == "student" else (lambda rounds: 2.0)
-            rows.append(simulate(rule, looks, change, spread, runs, seed=k))
-    alternation.band_factor = student
+    rows = [
+        simulate(rule, looks, change, spread, runs, seed=k)
+        for k, (change, spread) in enumerate(CASES)
+        for rule, looks in RULES
+    ]
     write_results(args.out, "turns_decisions", markdown(rows), {"environment": environment, "rows": rows})
     return 0
 

@@ -3,16 +3,14 @@ closed: the offload trial, then the recompute trial.
 
 The copy-cost fit (`copy_costs.py`) times the store's copies alone: a tensor put in the store and
 got back in a loop of nothing else. Inside a training step the same copies cost more on the CPU's
-disk tier: on a 2-core VM the offload trials below measured the step paying 1.48-2.46 times the
-fit's price on a residual CNN (its outermost modules offloaded: 15.9 ms of copies priced; five
-recordings), 1.26-1.68 times on a decoder and 1.77-6.54 times on an MLP (two recordings each).
+disk tier (the trials' factors per recording: the memory plans table of `benchmarks/README.md`).
 
-A recompute is priced as its module's recorded forward run again (`predictor.activation`). In a
-plain loop on the same VM (three processes), recomputing one or two of a decoder's blocks cost the
-step 1.05-1.40 times their forward, and a block with an attention sublayer 0.73-1.46 times, from
-one process to the next: the recompute's allocations change how many page faults glibc's allocator
-takes a step. The recompute trials below measured 0.97-1.14 (a residual CNN's ``net``), 1.00-1.04
-(a decoder's blocks) and 1.04-1.28 (an MLP), in two recordings each.
+A recompute is priced as its module's recorded forward run again (`predictor.activation`). A step
+pays more or less than that, and not the same share for every module: in a Lightning run of the
+benchmarks' residual CNN on a 2-core VM (session 20, a probe not kept), checkpointing its first
+block cost the step 1.35 times that block's unprofiled forward, the whole ``net`` 1.22 times its
+own, and the whole ``net``'s page faults per step went from 1008 to 2760: the recompute's
+allocations change how many page faults glibc's allocator takes.
 
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands
@@ -92,10 +90,8 @@ def recompute_trial_modules(modules: Sequence[str], layers: Iterable[str]) -> li
     none is. A recompute trial's modules: a plan recomputes blocks (checkpointing a single layer
     frees little: it keeps its input), and a layer's recompute (an embedding, a head, the loss) may
     cost the step another share of its forward than a block's does. One factor does not fit every
-    block either: a residual CNN's ``net.3`` recomputed alone measured +8.2% and +10.4% of the step
-    in turns, where its whole ``net``'s trial priced it at +15.3% and +14.6%; a trial of its four
-    blocks (``net.3``-``net.6``, tried and not kept) measured them at 1.15-1.29 times their forward
-    and priced ``net.3`` at +14.1% against +9.1% +- 4.7% measured."""
+    block either (the module docstring); a trial of the blocks inside a model's one container was
+    tried in session 19 and priced a single block no better than the whole container's trial."""
     members = module_layers(layers)
     return [name for name in modules if members.get(name, frozenset({name})) != {name}] or list(modules)
 

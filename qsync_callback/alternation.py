@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -122,7 +122,9 @@ def band_factor(rounds: int) -> float:
     return float(stats.t.ppf(0.975, rounds - 1))
 
 
-def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> dict[str, Any]:
+def paired_change(
+    ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]], band: Callable[[int], float] = band_factor
+) -> dict[str, Any]:
     """The plan's step-time change against the recorded configuration, from every rank's block
     times (`BlockTimes.times`), over the rounds in which both blocks were timed.
 
@@ -130,8 +132,8 @@ def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> d
     median, as the report measures a step). Each round gives a change in %, plan block against
     baseline block; the change is their mean. Its noise is the larger of two estimates: the blocks'
     own (each median's `median_noise_pct`, combined over the pair and over the rounds) and the
-    rounds' disagreement (their mean's 95% band, `band_factor` standard errors); 0 where neither
-    can be estimated."""
+    rounds' disagreement (their mean's band, ``band(rounds)`` standard errors: `band_factor`'s 95%
+    unless another rule is asked for); 0 where neither can be estimated."""
     rounds = []
     for k in range(min(len(rank[BASELINE]) for rank in ranks)):
         blocks = {}
@@ -150,7 +152,7 @@ def paired_change(ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]]) -> d
     blocks_noise = combined_noise_pct(*each) / len(rounds)
     rounds_noise = 0.0
     if len(changes) >= 2:
-        rounds_noise = band_factor(len(changes)) * statistics.stdev(changes) / len(changes) ** 0.5
+        rounds_noise = band(len(changes)) * statistics.stdev(changes) / len(changes) ** 0.5
     return {
         "rounds": len(rounds),
         "change_pct": statistics.fmean(changes),

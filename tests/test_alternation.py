@@ -94,6 +94,9 @@ def test_rounds_that_disagree_are_noise_and_an_unfinished_round_does_not_count()
     assert result["change_pct"] == pytest.approx(0.0)
     # two rounds at -10% and +10%: their mean's 95% band on Student's t with 1 degree of freedom
     assert result["noise_pct"] == pytest.approx(12.706 * (200**0.5) / 2**0.5, rel=1e-4)
+    # another rule's band, asked for (the benchmark of the rules): 2 standard errors
+    normal = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, [11.0] * 4])], band=lambda n: 2.0)
+    assert normal["noise_pct"] == pytest.approx(2 * (200**0.5) / 2**0.5)
     unfinished = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, []])])
     assert unfinished["rounds"] == 1 and unfinished["change_pct"] == pytest.approx(-10.0)
     one_step = paired_change([_rank([[10.0] * 4, [10.0] * 4], [[9.0] * 4, [9.0]])])

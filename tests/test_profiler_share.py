@@ -93,6 +93,21 @@ def test_without_unprofiled_steps_or_a_share_the_loops_costs_stay():
     main_only = Trace(rank=0, world_size=1, device="cpu", steps=trace.steps, ops=_ops(trace)[0])
     main_only.measured["profiler_share"] = figures
     assert replay(build_step_graph(main_only, 1)).step_us == pytest.approx(900.0, rel=0.02)
+    # a trace with no recorded step, or one whose recorded step took no time, changes nothing
+    empty = Trace(rank=0, world_size=1, device="cpu", steps=[], ops=[])
+    assert calibrate_on_steps(empty, [0.5]) == {
+        "in_step_ms": None,
+        "loops_share_ms": 0.0,
+        "scale": 1.0,
+        "slowdown": 0.0,
+    }
+    instant = Trace(rank=0, world_size=1, device="cpu", steps=[Step(1, 0.0, 0.0)], ops=[])
+    assert calibrate_on_steps(instant, [0.5]) == {
+        "in_step_ms": -0.5,
+        "loops_share_ms": 0.0,
+        "scale": 1.0,
+        "slowdown": 0.0,
+    }
     # a trace without the figures (an older one) takes the loops' costs as they are
     trace = _recorded([1], op_us=500.0, overhead_us=10.0, gap_overhead_us=5.0)
     assert (trace.own_us(trace.ops[0]), trace.gap_overhead_us(trace.ops[0])) == (490.0, 5.0)
