@@ -36,7 +36,7 @@ from typing import Any
 
 from scipy import stats
 
-from qsync_callback.report import change_pct, median_noise_pct
+from qsync_callback.report import change_pct, median_band, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1
@@ -133,7 +133,9 @@ def paired_change(
     baseline block; the change is their mean. Its noise is the larger of two estimates: the blocks'
     own (each median's `median_noise_pct`, combined over the pair and over the rounds) and the
     rounds' disagreement (their mean's band, ``band(rounds)`` standard errors: `band_factor`'s 95%
-    unless another rule is asked for); 0 where neither can be estimated."""
+    unless another rule is asked for); 0 where neither can be estimated. Beside them, the rounds'
+    median change and its noise (the larger of the blocks' and the rounds' `median_band`; None under
+    3 rounds), which a few rounds far off the rest (a stall of the disk, say) do not widen."""
     rounds = []
     for k in range(min(len(rank[BASELINE]) for rank in ranks)):
         blocks = {}
@@ -144,7 +146,8 @@ def paired_change(
         if len(blocks) == 2:
             rounds.append(blocks)
     if not rounds:
-        return {"rounds": 0, "change_pct": None, "noise_pct": None, "baseline_ms": [], "plan_ms": []}
+        nothing = dict.fromkeys(("change_pct", "noise_pct", "median_change_pct", "median_noise_pct"))
+        return {"rounds": 0, **nothing, "baseline_ms": [], "plan_ms": []}
     baseline_ms = [statistics.median(r[BASELINE]) for r in rounds]
     plan_ms = [statistics.median(r[PLAN]) for r in rounds]
     changes = [change_pct(p, b) for p, b in zip(plan_ms, baseline_ms, strict=True)]
@@ -153,10 +156,13 @@ def paired_change(
     rounds_noise = 0.0
     if len(changes) >= 2:
         rounds_noise = band(len(changes)) * statistics.stdev(changes) / len(changes) ** 0.5
+    median_rounds_noise = median_band(changes)
     return {
         "rounds": len(rounds),
         "change_pct": statistics.fmean(changes),
         "noise_pct": max(blocks_noise, rounds_noise),
+        "median_change_pct": statistics.median(changes),
+        "median_noise_pct": None if median_rounds_noise is None else max(blocks_noise, median_rounds_noise),
         "round_changes_pct": changes,
         "baseline_ms": baseline_ms,
         "plan_ms": plan_ms,

@@ -39,17 +39,23 @@ def _spread_pct(samples: Sequence[float]) -> float | None:
     return 100.0 * (deciles[-1] - deciles[0]) / statistics.median(samples)
 
 
-def median_noise_pct(samples: Sequence[float]) -> float | None:
-    """How far the median of ``samples`` may be from the machine's typical step by chance: the
+def median_band(samples: Sequence[float]) -> float | None:
+    """How far the median of ``samples`` may be from the typical value by chance, in their unit: the
     half-width of its 95% band (2 standard errors of a median, 1.2533 sigma / sqrt(n), with sigma
-    from the interquartile range, IQR / 1.349, so that a few slow outliers do not inflate it), in
-    percent of the median. Two medians whose difference is within their combined noise cannot be
-    told apart. None under 3 samples."""
+    from the interquartile range, IQR / 1.349, so that a few outliers do not inflate it). None under
+    3 samples."""
     if len(samples) < 3:
         return None
     q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    sigma = (q3 - q1) / 1.349
-    return 100.0 * 2 * 1.2533 * sigma / len(samples) ** 0.5 / statistics.median(samples)
+    return 2 * 1.2533 * (q3 - q1) / 1.349 / len(samples) ** 0.5
+
+
+def median_noise_pct(samples: Sequence[float]) -> float | None:
+    """`median_band` of step times in percent of their median: how far the median may be from the
+    machine's typical step by chance. Two medians whose difference is within their combined noise
+    cannot be told apart. None under 3 samples."""
+    band = median_band(samples)
+    return None if band is None else 100.0 * band / statistics.median(samples)
 
 
 def change_pct(value: float | None, reference: float | None) -> float | None:
@@ -366,6 +372,9 @@ _TRIAL_PRICE = {  # per policy: what its trial's factor multiplies, and what it 
 }
 
 
+_ESTIMATES = {"mean": "", "median": "; the rounds' median: a few rounds far off the rest"}
+
+
 def format_activation_trial(policy: str, trial: Mapping[str, Any]) -> str:
     """One line: what the ``policy`` trial's modules cost the step (`activation_trial`), against its
     price, and the factor the policy is priced at; or why its price stands alone."""
@@ -379,7 +388,8 @@ def format_activation_trial(policy: str, trial: Mapping[str, Any]) -> str:
     return (
         f"  {policy} priced at {trial['factor']:.2f} x {price}: {policy} of {modules} in "
         f"{trial['rounds']} rounds of turns cost the step {trial['change_ms']:+.2f} ms "
-        f"(+-{trial['noise_ms']:.2f}) where {priced_at} {trial['priced_ms']:.2f} ms"
+        f"(+-{trial['noise_ms']:.2f}{_ESTIMATES[trial.get('estimate', 'mean')]}) where {priced_at} "
+        f"{trial['priced_ms']:.2f} ms"
     )
 
 

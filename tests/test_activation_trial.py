@@ -18,6 +18,7 @@ from qsync_callback.activation_trial import (
     TrialSequence,
     activation_trials_for,
     recompute_trial_modules,
+    trial_change,
     trial_modules,
 )
 from qsync_callback.appliers.torch_activation import ActivationApplier
@@ -148,6 +149,18 @@ def test_a_recorders_trials_are_of_its_traces_outermost_modules_offload_on_the_d
     assert nothing.results() == {"copy": {**why, "factor": None}, "recompute": why}
 
 
+def test_a_trial_takes_the_rounds_mean_or_their_median_whichever_is_the_less_noisy():
+    rounds = {"change_pct": 32.0, "noise_pct": 60.0, "median_change_pct": -10.0, "median_noise_pct": 1.0}
+    assert trial_change(rounds) == {"change_pct": -10.0, "noise_pct": 1.0, "estimate": "median"}
+    steady = {**rounds, "change_pct": -10.5, "noise_pct": 0.8}
+    assert trial_change(steady) == {"change_pct": -10.5, "noise_pct": 0.8, "estimate": "mean"}
+    tie = {**rounds, "noise_pct": 1.0}  # equal noise: the mean, as the loop's own change is
+    assert trial_change(tie)["estimate"] == "mean"
+    few = {**rounds, "median_noise_pct": None}  # under 3 rounds
+    assert trial_change(few)["estimate"] == "mean"
+    assert trial_change({**rounds, "change_pct": None, "noise_pct": None}) is None
+
+
 def test_copies_are_priced_by_the_fit_each_way():
     fit = {
         "to_store": {"alpha_us": 100.0, "us_per_byte": 0.001},
@@ -231,6 +244,13 @@ def test_the_plan_table_says_what_a_trial_measured_or_why_it_calibrated_nothing(
     assert line == (
         "  recompute priced at 1.50 x the recorded forward: recompute of a, b, c, d, ... in 6 rounds of "
         "turns cost the step +3.00 ms (+-0.50) where the recorded forward prices it at 2.00 ms"
+    )
+    line = format_activation_trial(
+        "offload", {**measured, "noise_ms": 0.5, "priced_ms": 2.0, "estimate": "median"}
+    )
+    assert line.endswith(
+        "(+-0.50; the rounds' median: a few rounds far off the rest) where the fit prices its copies "
+        "at 2.00 ms"
     )
     line = format_activation_trial(
         "offload", {"modules": [], "factor": None, "note": "no module can take a policy"}

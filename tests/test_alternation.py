@@ -2,6 +2,7 @@
 its noise from every rank's block times, and the loop running it in real Lightning training."""
 
 import json
+import statistics
 import time
 
 import pytest
@@ -22,7 +23,7 @@ from qsync_callback.alternation import (
     paired_change,
 )
 from qsync_callback.plan import Plan
-from qsync_callback.report import median_noise_pct
+from qsync_callback.report import median_band, median_noise_pct
 
 from apply_script import run_two_ranks
 
@@ -76,6 +77,8 @@ def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
         "rounds": 2,
         "change_pct": pytest.approx(-10.0),
         "noise_pct": pytest.approx(0.0, abs=1e-9),
+        "median_change_pct": pytest.approx(-10.0),
+        "median_noise_pct": None,  # under 3 rounds
         "round_changes_pct": [pytest.approx(-10.0), pytest.approx(-10.0)],
         "baseline_ms": [10.0, 12.0],
         "plan_ms": [9.0, 10.8],
@@ -105,6 +108,8 @@ def test_rounds_that_disagree_are_noise_and_an_unfinished_round_does_not_count()
         "rounds": 0,
         "change_pct": None,
         "noise_pct": None,
+        "median_change_pct": None,
+        "median_noise_pct": None,
         "baseline_ms": [],
         "plan_ms": [],
     }
@@ -131,6 +136,27 @@ def test_the_rounds_noise_is_a_95_percent_band_on_students_t():
     result = paired_change([_rank([[10.0] * 4] * 3, [[10.0 * (1 + c / 100)] * 4 for c in changes])])
     assert result["change_pct"] == pytest.approx(-10.0)
     assert result["noise_pct"] == pytest.approx(4.303 * 10.0 / 3**0.5, rel=1e-4)
+
+
+def test_a_few_rounds_far_off_the_rest_widen_the_means_band_and_not_the_medians():
+    """Eight rounds at -10% and two stalled at +200%: the mean moves and its band spans 0, the
+    rounds' median stays at -10% with the band of a median from their interquartile range."""
+    changes = [-10.0] * 4 + [200.0] + [-10.0] * 4 + [200.0]
+    result = paired_change([_rank([[10.0] * 4] * 10, [[10.0 * (1 + c / 100)] * 4 for c in changes])])
+    assert result["change_pct"] == pytest.approx(32.0)
+    assert result["noise_pct"] == pytest.approx(band_factor(10) * statistics.stdev(changes) / 10**0.5)
+    assert result["noise_pct"] > abs(result["change_pct"])
+    assert result["median_change_pct"] == pytest.approx(-10.0)
+    assert (
+        result["median_noise_pct"] == pytest.approx(median_band(changes))
+        and result["median_noise_pct"] == 0.0
+    )
+    # rounds spread evenly: the median's band is the interquartile range's, in the changes' unit
+    spread = [-16.0, -14.0, -12.0, -10.0, -8.0, -6.0, -4.0]
+    even = paired_change([_rank([[10.0] * 4] * 7, [[10.0 * (1 + c / 100)] * 4 for c in spread])])
+    q1, _, q3 = statistics.quantiles(spread, n=4, method="inclusive")
+    assert even["median_change_pct"] == pytest.approx(-10.0)
+    assert even["median_noise_pct"] == pytest.approx(2 * 1.2533 * (q3 - q1) / 1.349 / 7**0.5)
 
 
 def test_the_loop_looks_up_to_six_times_and_fewer_looks_end_sooner():

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from qsync_callback.plan import Plan
-from qsync_callback.report import build_report, format_summary, median_noise_pct
+from qsync_callback.report import build_report, format_summary, median_band, median_noise_pct
 from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, combined_noise_pct, verify_plan
 
 from tracebuilder import op, trace
@@ -42,7 +42,13 @@ def _verify(baseline_ms, plan_ms, *, baseline_peak=1000, plan_peak=1000, loss_fi
 
 
 def test_the_noise_of_a_median_shrinks_with_samples_and_grows_with_spread():
-    assert median_noise_pct([10.0, 10.0]) is None
+    assert median_noise_pct([10.0, 10.0]) is None and median_band([10.0, 10.0]) is None
+    # the band in the samples' own unit, the noise in % of their median (a change's median may be 0)
+    samples = [8.0, 9.0, 10.0, 12.0, 15.0]
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    assert median_band(samples) == pytest.approx(2 * 1.2533 * (q3 - q1) / 1.349 / 5**0.5)
+    assert median_noise_pct(samples) == pytest.approx(100 * median_band(samples) / 10.0)
+    assert median_band([s - 10.0 for s in samples]) == pytest.approx(median_band(samples))
     assert median_noise_pct([10.0] * 9) == 0.0
     tight, wide = median_noise_pct(_samples(10, 4, n=20)), median_noise_pct(_samples(10, 40, n=20))
     assert 0 < tight < wide
