@@ -372,7 +372,7 @@ _TRIAL_PRICE = {  # per policy: what its trial's factor multiplies, and what it 
 }
 
 
-_ESTIMATES = {"mean": "", "median": "; the rounds' median: a few rounds far off the rest"}
+_ESTIMATES = {"mean": "", "median": "; the rounds' median, the less noisy"}
 
 
 def format_activation_trial(policy: str, trial: Mapping[str, Any]) -> str:

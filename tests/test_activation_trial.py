@@ -249,8 +249,7 @@ def test_the_plan_table_says_what_a_trial_measured_or_why_it_calibrated_nothing(
         "offload", {**measured, "noise_ms": 0.5, "priced_ms": 2.0, "estimate": "median"}
     )
     assert line.endswith(
-        "(+-0.50; the rounds' median: a few rounds far off the rest) where the fit prices its copies "
-        "at 2.00 ms"
+        "(+-0.50; the rounds' median, the less noisy) where the fit prices its copies at 2.00 ms"
     )
     line = format_activation_trial(
         "offload", {"modules": [], "factor": None, "note": "no module can take a policy"}
