@@ -2,8 +2,6 @@
 the greedy allocator against the exact search, the plan cache and size parsing."""
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
 from qsync_callback.errors import QSyncInputError
@@ -16,7 +14,7 @@ from qsync_callback.planner.precision import (
     least_memory_plan,
 )
 from qsync_callback.predictor.graph import build_global_graph
-from qsync_callback.predictor.precision import apply_precision, in_step_scale
+from qsync_callback.predictor.precision import apply_precision
 from qsync_callback.predictor.predict import Predictor, predict
 from qsync_callback.predictor.replay import replay
 from qsync_callback.recorder.precision_probes import layer_input_shapes
@@ -114,67 +112,6 @@ def test_bf16_layer_is_rescaled_and_gets_its_cast_nodes():
     backward = 200 * 150 / 200
     assert planned.step_ms * 1e3 == pytest.approx(base.step_ms * 1e3 - 300 + forward + backward)
     assert planned.layer_ms["fc1"] * 1e3 == pytest.approx(forward + backward)
-
-
-def _step_slower_than_its_probes():
-    """_two_layer_step's layers, fc1 recorded at twice its probe's fp32 time (forward 200 us
-    against 100, backward 400 against 200), as a step's context may lengthen a layer."""
-    ops = [
-        op(0, "aten::linear", "forward", "main", 0, 200, layer="fc1"),
-        op(1, "aten::gelu", "forward", "main", 200, 20, layer="act"),
-        op(2, "aten::linear", "forward", "main", 220, 100, layer="fc2"),
-        op(7, "aten::cross_entropy_loss", "forward", "main", 320, 15),
-        op(3, "AddmmBackward0", "backward", "main", 340, 200, layer="fc2"),
-        op(4, "GeluBackward0", "backward", "main", 540, 40, layer="act"),
-        op(5, "AddmmBackward0", "backward", "main", 580, 400, layer="fc1"),
-        op(6, "sgd", "update", "main", 980, 50),
-    ]
-    step = _two_layer_step()
-    return trace(
-        ops,
-        step_end=1030,
-        precision_costs=step.precision_costs,
-        layers=step.layers,
-    )
-
-
-def test_a_slower_precision_adds_no_more_than_its_probe_says_and_a_faster_one_scales():
-    step = _step_slower_than_its_probes()
-    # int8 on fc1: the probe's forward 300 us less its casts (weight and input quantized, 2 x 4 us;
-    # output dequantized, 4 us) is 2.88 x its fp32 100 us; the recorded 200 us grow by the probe's
-    # 188 us, not to 2.88 x 200. Backward: 400 against 200 (2 x); the recorded 400 grow by 200.
-    planned = predict([step], Plan(precision={"fc1": "int8"}))
-    assert planned.layer_ms["fc1"] * 1e3 == pytest.approx((200 + 188 + 12) + (400 + 200))
-    # bf16 is the faster: its ratios (compute 50 of 100, backward 150 of 200) scale the recorded ops
-    faster = predict([step], Plan(precision={"fc1": "bf16"}))
-    assert faster.layer_ms["fc1"] * 1e3 == pytest.approx((200 * 0.5 + 6) + 400 * 0.75)
-    for precision in ({"fc1": "int8"}, {"fc1": "bf16"}, {"fc1": "int8", "fc2": "int8"}):
-        step_ms, _, layer_ms = _graph_path([step], precision)  # the graph transform agrees
-        priced = Predictor([step]).predict(Plan(precision=precision))
-        assert priced.step_ms == pytest.approx(step_ms, rel=1e-12)
-        assert priced.layer_ms == pytest.approx(layer_ms, rel=1e-12)
-
-
-@given(
-    ratio=st.floats(0.05, 20.0),
-    probe_us=st.floats(1.0, 1e5),
-    recorded_us=st.floats(0.0, 1e5),
-)
-def test_in_step_scale_never_exceeds_the_ratio_and_a_slowdown_never_exceeds_the_probes(
-    ratio, probe_us, recorded_us
-):
-    scale = in_step_scale(ratio, probe_us, recorded_us)
-    assert scale <= ratio * (1 + 1e-12)
-    if ratio <= 1 or recorded_us == 0:
-        assert scale == ratio
-    else:
-        assert scale >= 1.0
-        extra = (scale - 1) * recorded_us
-        assert extra <= (ratio - 1) * probe_us * (1 + 1e-9)
-        if recorded_us >= probe_us:  # the step's context lengthened the layer: the probe's extra
-            assert extra == pytest.approx((ratio - 1) * probe_us, rel=1e-9)
-        else:  # shorter in the step than alone: the ratio
-            assert scale == ratio
 
 
 def _fork_step(comm_us: float, rank: int = 0, world_size: int = 1):

@@ -17,15 +17,6 @@ run):
   (ReLU, dropout, pooling) run at the precision, their durations scaled by their own probes;
 - backward ops: ``dur * backward_p / backward_fp32`` (the probe's backward includes the casts of
   the gradients; those a link saves are taken off).
-- where ``p`` is the slower (a ratio over 1), the layer's ops are lengthened by at most what the
-  probe says ``p`` adds, ``(ratio - 1) * probe_fp32``, not by that ratio of their recorded time
-  (`in_step_scale`): a step's context lengthens a layer's recorded fp32 ops over its probe (the
-  caches it shares with the rest of the step), and a faster kernel saves in proportion to that
-  time, but a slow kernel's extra work costs about what it costs alone. Measured on a held-out
-  MobileNet (session 21, `benchmarks/README.md`, precision plans): its two stride-2 depthwise
-  convolutions in bf16 cost whole steps +53.7 ms in turns with fp32, their probes say +56.3 ms,
-  and their recorded backward (1.36 times the probes') times the probes' ratios (6.7 and 12.9)
-  priced them at about +76 ms.
 
 Memory. At ``p`` the layer saves for backward what the probe measured at ``p`` (its input and,
 for bf16/fp16/int8, its weight at that precision), and the fp32 tensors that only this layer kept
@@ -190,42 +181,15 @@ def layer_time_scales(costs: Mapping, move: LayerMove) -> tuple[float, float]:
     return compute / max(base["forward_us"], 1e-9), backward / max(base["backward_us"], 1e-9)
 
 
-def layer_probe_us(costs: Mapping, move: LayerMove) -> tuple[float, float]:
-    """(forward, backward) time of the layer's probe at fp32, in us: what `layer_time_scales`'
-    ratios are over (0, 0 for a pass-through layer with no probe at the move's precision)."""
-    if move.passed:
-        probes = costs.get("pass_through", {}).get(move.layer, {}).get("costs", {})
-        if move.precision not in probes:
-            return 0.0, 0.0
-        base = probes[FULL_PRECISION]
-    else:
-        base = costs["layers"][move.layer]["costs"][FULL_PRECISION]
-    return base["forward_us"], base["backward_us"]
-
-
-def in_step_scale(ratio: float, probe_us: float, recorded_us: float) -> float:
-    """The factor on a layer's ``recorded_us`` of ops (one step's, forward or backward) for a probe
-    ``ratio`` over the probe's ``probe_us`` at fp32: the ratio where it is at most 1; where it is
-    over 1, the ratio, or the probe's own extra time over the recorded time, whichever is less (see
-    the module docstring)."""
-    if ratio <= 1.0 or recorded_us <= 0.0:
-        return ratio
-    return min(ratio, 1.0 + (ratio - 1.0) * probe_us / recorded_us)
-
-
-def _layer_move(
-    trace: Trace, move: LayerMove, first: Op | None
-) -> tuple[float, float, float, float, float, float]:
+def _layer_move(trace: Trace, move: LayerMove, first: Op | None) -> tuple[float, float, float, float]:
     """What ``move`` does in one step whose first forward op of the layer is ``first``: (forward
-    ratio, backward ratio, cast time before it, cast time after it, forward and backward probe
-    time at fp32); the ratios go through `in_step_scale` on the step's recorded ops."""
+    scale, backward scale, cast time before it, cast time after it)."""
     costs = trace.precision_costs
     forward_scale, backward_scale = layer_time_scales(costs, move)
-    forward_probe, backward_probe = layer_probe_us(costs, move)
     if move.passed:
-        return forward_scale, backward_scale, 0.0, 0.0, forward_probe, backward_probe
+        return forward_scale, backward_scale, 0.0, 0.0
     before_us, after_us = layer_casts_us(costs, move, input_scale(costs["layers"][move.layer], first))
-    return forward_scale, backward_scale, before_us, after_us, forward_probe, backward_probe
+    return forward_scale, backward_scale, before_us, after_us
 
 
 def _layer_nodes(graph: nx.DiGraph) -> dict[tuple[int, str], tuple[list[str], list[str]]]:
@@ -273,14 +237,8 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
             layer, p = move.layer, move.precision
             forward, backward = groups.get((rank, layer), ([], []))
             first = graph.nodes[forward[0]] if forward else None
-            forward_ratio, backward_ratio, before_us, after_us, forward_probe, backward_probe = _layer_move(
+            forward_scale, backward_scale, before_us, after_us = _layer_move(
                 trace, move, ops.get(first["op_id"]) if first else None
-            )
-            forward_scale = in_step_scale(
-                forward_ratio, forward_probe, sum(graph.nodes[n]["dur"] for n in forward)
-            )
-            backward_scale = in_step_scale(
-                backward_ratio, backward_probe, sum(graph.nodes[n]["dur"] for n in backward)
             )
             for node in forward:
                 out.nodes[node]["dur"] *= forward_scale
@@ -318,13 +276,6 @@ def apply_precision(graph: nx.DiGraph, traces: Sequence[Trace], precision: Mappi
     return out
 
 
-def _in_step_scales(ratio: np.ndarray, probe_us: np.ndarray, recorded_us: np.ndarray) -> np.ndarray:
-    """`in_step_scale` of arrays."""
-    slower = (ratio > 1.0) & (recorded_us > 0.0)
-    capped = 1.0 + (ratio - 1.0) * probe_us / np.where(recorded_us > 0.0, recorded_us, 1.0)
-    return np.where(slower, np.minimum(ratio, capped), ratio)
-
-
 class PrecisionDurations:
     """Per-layer precision plans priced on compiled step graphs without copying them: each plan is
     the op durations it gives (`apply_precision`'s rescaling) with every cast folded into the op it
@@ -346,8 +297,6 @@ class PrecisionDurations:
         ops = {t.rank: {op.id: op for op in t.ops} for t in self._traces}
         self._forward_key: list[np.ndarray] = []
         self._backward_key: list[np.ndarray] = []
-        self._forward_us: list[np.ndarray] = []  # per graph: each key's forward ops' recorded time
-        self._backward_us: list[np.ndarray] = []
         self._first: list[np.ndarray] = []
         self._last: list[np.ndarray] = []
         self._first_op: list[list[Op | None]] = []
@@ -366,16 +315,12 @@ class PrecisionDurations:
                     first_op[k] = ops.get(rank, {}).get(graph.nodes[forward[0]]["op_id"])
             self._forward_key.append(forward_key)
             self._backward_key.append(backward_key)
-            self._forward_us.append(np.bincount(forward_key, weights=comp.dur, minlength=none + 1))
-            self._backward_us.append(np.bincount(backward_key, weights=comp.dur, minlength=none + 1))
             self._first.append(first)
             self._last.append(last)
             self._first_op.append(first_op)
         self._moves: dict[tuple[int, LayerMove], tuple[float, float, np.ndarray, np.ndarray]] = {}
 
-    def _move(
-        self, trace: Trace, k: int, move: LayerMove
-    ) -> tuple[float, float, np.ndarray, np.ndarray, float, float]:
+    def _move(self, trace: Trace, k: int, move: LayerMove) -> tuple[float, float, np.ndarray, np.ndarray]:
         """`_layer_move` of key ``k``, with the casts per graph (0 where the layer has no forward
         op)."""
         if (k, move) not in self._moves:
@@ -386,7 +331,7 @@ class PrecisionDurations:
             after = np.array(
                 [m[3] if first[k] >= 0 else 0.0 for m, first in zip(moves, self._first, strict=True)]
             )
-            self._moves[(k, move)] = (moves[0][0], moves[0][1], before, after, moves[0][4], moves[0][5])
+            self._moves[(k, move)] = (moves[0][0], moves[0][1], before, after)
         return self._moves[(k, move)]
 
     def __call__(
@@ -395,31 +340,28 @@ class PrecisionDurations:
         """Per compiled graph (or those at positions ``graphs``): the op durations under
         ``precision`` and the ops whose folded cast would follow them (`CompiledGraph.run`)."""
         positions = range(len(self._compiled)) if graphs is None else graphs
-        keys, ratios, probes, before, after = [], [], [], [], []
+        keys, forward, backward, before, after = [], [], [], [], []
         for trace in self._traces:
             for move in plan_moves(trace, precision):
                 k = self._keys.get((trace.rank, move.layer))
                 if k is None:
                     continue
-                forward_ratio, backward_ratio, before_us, after_us, forward_probe, backward_probe = (
-                    self._move(trace, k, move)
-                )
+                forward_scale, backward_scale, before_us, after_us = self._move(trace, k, move)
                 keys.append(k)
-                ratios.append((forward_ratio, backward_ratio))
-                probes.append((forward_probe, backward_probe))
+                forward.append(forward_scale)
+                backward.append(backward_scale)
                 before.append(before_us)
                 after.append(after_us)
         if not keys:
             return [(self._compiled[g].dur, frozenset()) for g in positions]
-        ratio, probe = np.array(ratios), np.array(probes)
+        forward_scale = np.ones(len(self._keys) + 1)
+        backward_scale = np.ones(len(self._keys) + 1)
+        forward_scale[keys] = forward
+        backward_scale[keys] = backward
         before_us, after_us = np.array(before), np.array(after)
         out = []
         for g in positions:
             comp = self._compiled[g]
-            forward_scale = np.ones(len(self._keys) + 1)
-            backward_scale = np.ones(len(self._keys) + 1)
-            forward_scale[keys] = _in_step_scales(ratio[:, 0], probe[:, 0], self._forward_us[g][keys])
-            backward_scale[keys] = _in_step_scales(ratio[:, 1], probe[:, 1], self._backward_us[g][keys])
             dur = comp.dur * forward_scale[self._forward_key[g]] * backward_scale[self._backward_key[g]]
             first, last = self._first[g][keys], self._last[g][keys]
             present = first >= 0
