@@ -10,8 +10,9 @@ the outcomes' squared shares), what issue 11 asks of identical launches.
 
 A simulated round: a drift of the machine shared by both blocks (uniform 0.8-1.2, which the pairing
 cancels), the plan's block slower by ``change`` times a factor drawn normal with the round spread
-(the disagreement of real rounds: the Horovod MLP's two 9-round launches on two processes saved by
-session 19's plans benchmark spread 11.1% and 14.6%, standard deviations read in session 20), and
+(the disagreement of real rounds: the Horovod MLP's two 12-round launches on two processes in
+session 21's run of `horovod_tf_plans.py`, at `faeb1c5`, spread 14.3% and 10.6%, standard
+deviations), and
 each step's time jittered by ``STEP_JITTER``. The rules: "student", the code as it is (the rounds'
 noise a 95% band on Student's t, `alternation.band_factor`); "normal", 2 standard errors whatever
 the rounds (the rule before session 20), handed to `paired_change` as its band.

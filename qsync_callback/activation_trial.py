@@ -6,11 +6,9 @@ got back in a loop of nothing else. Inside a training step the same copies cost 
 disk tier (the trials' factors per recording: the memory plans table of `benchmarks/README.md`).
 
 A recompute is priced as its module's recorded forward run again (`predictor.activation`). A step
-pays more or less than that, and not the same share for every module: in a Lightning run of the
-benchmarks' residual CNN on a 2-core VM (session 20, a probe not kept), checkpointing its first
-block cost the step 1.35 times that block's unprofiled forward, the whole ``net`` 1.22 times its
-own, and the whole ``net``'s page faults per step went from 1008 to 2760: the recompute's
-allocations change how many page faults glibc's allocator takes.
+pays more or less than that, and not the same share for every module or every process (the
+recompute's allocations change how many page faults glibc's allocator takes): the trials' factors
+per recording are in the same table.
 
 Each trial (`OffloadTrial`, `RecomputeTrial`) applies its policy to `trial_modules` (every module a
 policy can reach, the outermost ones: the most bytes and the longest forward, so the change stands

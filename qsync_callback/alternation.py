@@ -42,6 +42,9 @@ from qsync_callback.verify import combined_noise_pct
 SETTLE_STEPS = 1
 BLOCK_STEPS = 4  # at least 3: the noise of a block's median needs 3 samples
 LOOKS = 6  # the loop's turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
+MEDIAN_ROUNDS = 6  # the fewest rounds whose median has a noise: the fewest whose lowest and highest
+# bound it with 95% confidence whatever their distribution (1 - 2 / 2**6 = 96.9%); under that the
+# interquartile band of a median (`report.median_band`) is narrower than the rounds can support
 BASELINE, PLAN = "baseline", "plan"
 
 
@@ -135,7 +138,7 @@ def paired_change(
     rounds' disagreement (their mean's band, ``band(rounds)`` standard errors: `band_factor`'s 95%
     unless another rule is asked for); 0 where neither can be estimated. Beside them, the rounds'
     median change and its noise (the larger of the blocks' and the rounds' `median_band`; None under
-    3 rounds), which a few rounds far off the rest (a stall of the disk, say) do not widen."""
+    `MEDIAN_ROUNDS`), which a few rounds far off the rest (a stall of the disk, say) do not widen."""
     rounds = []
     for k in range(min(len(rank[BASELINE]) for rank in ranks)):
         blocks = {}
@@ -156,7 +159,7 @@ def paired_change(
     rounds_noise = 0.0
     if len(changes) >= 2:
         rounds_noise = band(len(changes)) * statistics.stdev(changes) / len(changes) ** 0.5
-    median_rounds_noise = median_band(changes)
+    median_rounds_noise = median_band(changes) if len(changes) >= MEDIAN_ROUNDS else None
     return {
         "rounds": len(rounds),
         "change_pct": statistics.fmean(changes),

@@ -156,7 +156,7 @@ def test_a_trial_takes_the_rounds_mean_or_their_median_whichever_is_the_less_noi
     assert trial_change(steady) == {"change_pct": -10.5, "noise_pct": 0.8, "estimate": "mean"}
     tie = {**rounds, "noise_pct": 1.0}  # equal noise: the mean, as the loop's own change is
     assert trial_change(tie)["estimate"] == "mean"
-    few = {**rounds, "median_noise_pct": None}  # under 3 rounds
+    few = {**rounds, "median_noise_pct": None}  # under alternation.MEDIAN_ROUNDS rounds
     assert trial_change(few)["estimate"] == "mean"
     assert trial_change({**rounds, "change_pct": None, "noise_pct": None}) is None
 

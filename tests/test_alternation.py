@@ -15,6 +15,7 @@ from qsync_callback.alternation import (
     BASELINE,
     BLOCK_STEPS,
     LOOKS,
+    MEDIAN_ROUNDS,
     PLAN,
     SETTLE_STEPS,
     Alternation,
@@ -78,7 +79,7 @@ def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
         "change_pct": pytest.approx(-10.0),
         "noise_pct": pytest.approx(0.0, abs=1e-9),
         "median_change_pct": pytest.approx(-10.0),
-        "median_noise_pct": None,  # under 3 rounds
+        "median_noise_pct": None,  # under MEDIAN_ROUNDS rounds
         "round_changes_pct": [pytest.approx(-10.0), pytest.approx(-10.0)],
         "baseline_ms": [10.0, 12.0],
         "plan_ms": [9.0, 10.8],
@@ -157,6 +158,14 @@ def test_a_few_rounds_far_off_the_rest_widen_the_means_band_and_not_the_medians(
     q1, _, q3 = statistics.quantiles(spread, n=4, method="inclusive")
     assert even["median_change_pct"] == pytest.approx(-10.0)
     assert even["median_noise_pct"] == pytest.approx(2 * 1.2533 * (q3 - q1) / 1.349 / 7**0.5)
+    # under MEDIAN_ROUNDS rounds a median has no noise to give (its band would be too narrow)
+    few = spread[: MEDIAN_ROUNDS - 1]
+    short = paired_change([_rank([[10.0] * 4] * len(few), [[10.0 * (1 + c / 100)] * 4 for c in few])])
+    assert short["median_change_pct"] == pytest.approx(statistics.median(few))
+    assert short["median_noise_pct"] is None and short["noise_pct"] > 0
+    enough = spread[:MEDIAN_ROUNDS]  # from MEDIAN_ROUNDS rounds on, it has
+    least = paired_change([_rank([[10.0] * 4] * len(enough), [[10.0 * (1 + c / 100)] * 4 for c in enough])])
+    assert least["median_noise_pct"] == pytest.approx(median_band(enough))
 
 
 def test_the_loop_looks_up_to_six_times_and_fewer_looks_end_sooner():

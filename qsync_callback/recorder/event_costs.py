@@ -50,10 +50,9 @@ def calibrate_on_steps(trace: Trace, plain_ms: Sequence[float]) -> dict[str, flo
     shares to it. Recorded steps faster than the unprofiled ones take nothing off (``scale`` 0) and
     give a negative ``slowdown``, the fraction of the recorded median they were faster by: without
     the profiler every op but a collective, and the idle time before it, runs that much longer.
-    A correction one way only leans the prediction low: in a run of the Horovod accuracy benchmark
-    (session 20, `benchmarks/README.md`), 4 of the 6 two-process MLP and CNN launches had recorded
-    calls 5-20% faster than the unprofiled calls around them on both ranks, and were predicted 8-18%
-    low. Without unprofiled steps nothing changes (1 and 0)."""
+    A correction one way only leans the prediction low wherever drift makes the recorded steps the
+    faster (the Horovod accuracy table of `benchmarks/README.md` compares a run before this with one
+    after). Without unprofiled steps nothing changes (1 and 0)."""
     loops_us: dict[int, float] = {step.index: 0.0 for step in trace.steps}
     for op in trace.ops:
         if op.step in loops_us:
