@@ -160,11 +160,11 @@ def test_ops_are_timed_alone_in_a_child_that_a_crashing_kernel_does_not_take_dow
     symbolic_trace(LSTMNet(), batch, distinct_ops=distinct_ops)
     assert len(distinct_ops) > 20 and all(r.call["op"].startswith("aten::") for r in distinct_ops.values())
     timed = probe(distinct_ops.values(), seconds=120)
-    # every op is timed but, at most, the RNN backward that made-up values crash (it did on the
-    # CPU this was written on: the child ran again from the op after it)
-    missing = {r.name for r in distinct_ops.values()} - {s.name for s in timed}
-    assert missing <= {"aten::mkldnn_rnn_layer_backward"}
-    assert len(timed) >= len(distinct_ops) - 1 and all(s.us > 0 for s in timed)
+    # every op is timed, the RNN backward too: its forward's workspace, which a fake kernel leaves
+    # empty, was sized by a real run of the forward, and the backward's made-up one has that size
+    # (an empty one crashed the child: `test_child_runner.py` has a child that crashes)
+    assert {r.name for r in distinct_ops.values()} == {s.name for s in timed}
+    assert len(timed) == len(distinct_ops) and all(s.us > 0 for s in timed)
     mm = next(s for s in timed if s.name == "aten::mm")
     assert mm.shapes == next(r.shapes for r in distinct_ops.values() if r.name == "aten::mm")
 
@@ -181,3 +181,22 @@ def test_an_estimate_times_the_op_types_its_model_never_saw_and_keeps_them(tmp_p
     assert "aten::mm" not in timed  # the model has measured matmuls
     (probes,) = load_dataset("cpu")
     assert probes["source"] == "probes" and {o["name"] for o in probes["ops"]} == set(timed)
+
+
+def test_an_rnn_layers_flops_are_its_gates_matmuls_recorded_or_symbolic(tmp_path):
+    """oneDNN's RNN layer has no formula of torch's: `flop_formulas.py` gives it one, and the
+    recorded op (its Kineto arguments) and the symbolic trace's op count alike."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 12, 16, generator=g), torch.randint(0, CLASSES, (8,), generator=g)
+    model = LSTMNet()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        model.training_step((x, y), 0).backward()
+    prof.export_chrome_trace(str(tmp_path / "kineto.json"))
+    events = json.loads((tmp_path / "kineto.json").read_text())["traceEvents"]
+    recorded = {e["name"]: recorded_flops(e["name"], e["args"]) for e in events if e.get("cat") == "cpu_op"}
+    symbolic = {op.name: op.flops for op in symbolic_trace(LSTMNet(), (x, y)).ops}
+    gates, time_rows = 4 * 32, 12 * 8  # an LSTM's four gates of the hidden size; time steps x batch
+    forward = 2 * time_rows * gates * (16 + 32)
+    assert recorded["aten::mkldnn_rnn_layer"] == symbolic["aten::mkldnn_rnn_layer"] == forward
+    backward = recorded["aten::mkldnn_rnn_layer_backward"]
+    assert backward == symbolic["aten::mkldnn_rnn_layer_backward"] == 2 * forward

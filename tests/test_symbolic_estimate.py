@@ -123,7 +123,23 @@ def test_the_roofline_is_measured_once_and_read_from_its_cache(tmp_path):
     assert again["source"].startswith("cache ") and again["flops_per_us"] == first["flops_per_us"]
 
 
-def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path):
+class LSTMNet(Net):
+    """An LSTM over ``WIDTH // 8`` time steps: on this CPU oneDNN's RNN layer, whose workspace a
+    fake kernel leaves empty and whose kernel holds scratch no tensor shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, HIDDEN // 4)
+        self.net = nn.Linear(HIDDEN // 4, CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out, _ = self.lstm(x.view(len(x), WIDTH // 8, 8).transpose(0, 1))
+        return nn.functional.cross_entropy(self.net(out[-1]), y)
+
+
+@pytest.mark.parametrize("module", [Net, LSTMNet])
+def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path, module):
     """A real Lightning run of the same module records its measured peak (live tensors and the
     allocator's counter, nothing from the predictor); the symbolic step predicts it within 5%."""
     # the recorder counts every CPU tensor of the process: those earlier tests left alive are not the run's
@@ -139,13 +155,30 @@ def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path):
         enable_model_summary=False,
         logger=False,
     )
-    trainer.fit(Net(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    trainer.fit(module(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
     (recorded,) = load_trace_dir(tmp_path / "trace")
     measured = recorded.measured["peak_bytes"]
-    symbolic = Predictor([estimate_trace(Net(), _batch(), cache_dir=tmp_path)]).predict()
+    symbolic = Predictor([estimate_trace(module(), _batch(), cache_dir=tmp_path)]).predict()
     # the real run also holds its data set (30 batches) resident; the symbolic step holds one batch
     data_set = (x.numel() * 4 + y.numel() * 8) * 29 // 30
     assert symbolic.peak_bytes == pytest.approx(measured - unrelated - data_set, rel=0.05)
+
+
+def test_a_workspace_a_fake_kernel_leaves_empty_has_its_real_size_and_kernel_scratch_is_added():
+    fake = symbolic_trace(LSTMNet(), _batch(), scratch_seconds=0)
+    real = symbolic_trace(LSTMNet(), _batch(), fake=False, scratch_seconds=0)
+    assert sorted(e[2] for e in fake.memory_events) == sorted(e[2] for e in real.memory_events)
+    (layer,) = [op for op in fake.ops if op.name == "aten::mkldnn_rnn_layer"]
+    # its output, its last hidden and cell states, and its workspace (oneDNN's: more than they)
+    states = (WIDTH // 8 + 2) * BATCH * (HIDDEN // 4) * 4
+    assert layer.bytes > 2 * states and fake.symbolic["scratch"] == "not measured"
+    # measured, each op's scratch is one allocation and its free, at the op
+    measured = symbolic_trace(LSTMNet(), _batch())
+    added = [e for e in measured.memory_events if e[1] not in {f[1] for f in fake.memory_events}]
+    assert added and len(added) % 2 == 0 and "kernel scratch measured" in measured.symbolic["scratch"]
+    for op_id in {e[3] for e in added}:
+        pair = [e for e in added if e[3] == op_id]
+        assert [e[0] for e in pair] == [op_id, op_id + 0.25] and pair[0][2] == -pair[1][2] > 0
 
 
 class NeedsValues(Net):

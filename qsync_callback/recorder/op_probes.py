@@ -13,7 +13,9 @@ so does a hang (`ITEM_SECONDS` without a word from the child): the child is star
 (`child_runner.py`). Each result is an `OpSample` of the same
 schema as a recorded op's, so probes join the device's data set (`op_dataset.py`). Ops whose
 inputs exceed `MAX_PROBE_BYTES`, whose arguments JSON cannot hold, that fail on made-up values, or
-beyond the time allowed are left to the model.
+beyond the time allowed are left to the model. The same child measures a call's kernel scratch
+instead (`scratch_bytes`: what the allocator held at its peak during the call beyond what the
+call returned), for the symbolic trace's memory.
 
     python -m qsync_callback.recorder.op_probes   # the child: calls as JSON on stdin
 """
@@ -21,7 +23,10 @@ beyond the time allowed are left to the model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -29,11 +34,14 @@ from typing import Any
 import torch
 
 from qsync_callback.child_runner import run_in_children, serve
+from qsync_callback.quiet_profiler import quiet_kineto
+from qsync_callback.recorder.kineto import MEMORY_EVENT
 from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample, call_overload, call_values
 
 REPEATS = 3
 ITEM_SECONDS = 20.0  # an op whose child writes nothing for this long is taken as hung (`child_runner`)
 MAX_PROBE_BYTES = 256 << 20  # a probe's tensor inputs together at most
+SCRATCH_SECONDS = 10.0  # the most a symbolic trace spends measuring its ops' scratch
 
 
 def _spec_bytes(spec: Sequence) -> int:
@@ -88,6 +96,53 @@ def _run_call(call: dict, device: str) -> float:
     return best
 
 
+def _scratch_bytes(call: dict, device: str) -> int:
+    """The bytes a call's kernel holds at its peak beyond what it returns: the allocator's largest
+    total during the call less its total when the call returns (the profiler's "Total Allocated"
+    of each allocation and free, on the CPU's allocator and CUDA's), after a first run that warms
+    it (a kernel's one-time caches)."""
+    func = call_overload(call)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def made(spec: Sequence) -> torch.Tensor:
+        return _made_up(spec, device)
+
+    args = call_values(call["args"], made, torch.device(device))
+    kwargs = {key: call_values(v, made, torch.device(device)) for key, v in call["kwargs"].items()}
+    func(*args, **kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+            out = func(*args, **kwargs)
+        path = os.path.join(folder, "scratch.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            events = json.load(file)["traceEvents"]
+    del out
+    totals = [
+        int(e["args"].get("Total Allocated", 0))
+        for e in sorted((e for e in events if e.get("name") == MEMORY_EVENT), key=lambda e: e["ts"])
+    ]
+    return max(max(totals) - totals[-1], 0) if totals else 0
+
+
+def scratch_bytes(
+    calls: Sequence[dict], device: str = "cpu", seconds: float = SCRATCH_SECONDS
+) -> list[int | None]:
+    """`_scratch_bytes` of each call, run in a child process as `probe` times them (a native kernel's
+    scratch, which no tensor a dispatch-level trace sees holds: oneDNN's convolutions and RNN
+    layers). None for a call that failed, crashed its child or was not reached in ``seconds``."""
+    sized: list[int | None] = [None] * len(calls)
+
+    def report(i: int, nbytes: int | None) -> None:
+        sized[i] = nbytes
+
+    deadline = time.monotonic() + seconds
+    run_in_children(__name__, calls, deadline, report, {"device": device, "measure": "scratch"}, ITEM_SECONDS)
+    return sized
+
+
 def probe(samples: Iterable[OpSample], device: str = "cpu", seconds: float = 5.0) -> list[OpSample]:
     """The calls of ``samples`` (those with one) timed on ``device`` in a child process (see the
     module docstring), within about ``seconds`` in all: each a copy of its sample with the time."""
@@ -105,4 +160,9 @@ def probe(samples: Iterable[OpSample], device: str = "cpu", seconds: float = 5.0
 
 
 if __name__ == "__main__":
-    serve(lambda call, request: _run_call(call, request["device"]))
+    quiet_kineto()
+    serve(
+        lambda call, request: (_scratch_bytes if request.get("measure") == "scratch" else _run_call)(
+            call, request["device"]
+        )
+    )

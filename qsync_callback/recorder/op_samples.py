@@ -37,8 +37,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
+from qsync_callback.recorder.flop_formulas import flop_registry
 from qsync_callback.recorder.kineto import (
     DTYPE_BYTES,
     MEMORY_EVENT,

@@ -16,7 +16,14 @@ state); the second is traced, as the recorder records a step after its warm-up:
 - memory: every tensor storage an op makes is an allocation, and a weak reference on it gives its
   free (at the op after which it died). Storages alive when the step starts (parameters, buffers,
   last step's gradients, optimizer state, the batch) are the resident bytes, and their frees in
-  the step are reported too (last step's gradients at ``zero_grad``), as the profiler reports them.
+  the step are reported too (last step's gradients at ``zero_grad``), as the profiler reports them;
+- what fake tensors cannot know of memory, learned from real runs of single ops on made-up values:
+  an output a fake kernel leaves empty where the real one fills it (oneDNN's RNN layer returns a
+  workspace for its backward, 12 MB for the benchmarks' LSTM, as an empty tensor) is made at its
+  real size, from one run of the op in this process (`real_output_shapes`); and the scratch a
+  native kernel holds inside its call (oneDNN's convolutions and RNN layers), which no tensor
+  shows, is measured per distinct call in a child process (`op_probes.scratch_bytes`) and added
+  as an allocation freed before the next op.
 
 Durations are not known here: each op gets 1 us, one after the other, and the estimate prices them
 (`predictor/op_costs.py`) and says so in the trace's ``symbolic`` field. The module and batch given
@@ -30,22 +37,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeCopyMode, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeCopyMode,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.plan import module_layers
+from qsync_callback.recorder.flop_formulas import flop_registry
 from qsync_callback.recorder.module_calls import activation_refusals
-from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, call_json, op_key
+from qsync_callback.recorder.op_probes import MAX_PROBE_BYTES, SCRATCH_SECONDS, scratch_bytes
+from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, call_json, call_overload, op_key
 from qsync_callback.recorder.trace import Op, Step, Trace
 
 STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and optimizer state)
@@ -67,9 +82,13 @@ class _StepRecorder(TorchDispatchMode):
     """Records every aten op run under it, with its phase, module, FLOPs and the storages it
     makes (see the module docstring); ``phase`` is set by the caller."""
 
-    def __init__(self, model: nn.Module, distinct_ops: dict[tuple, OpSample] | None = None):
+    def __init__(
+        self, model: nn.Module, distinct_ops: dict[tuple, OpSample] | None = None, fake: bool = True
+    ):
         super().__init__()
         self.distinct_ops = distinct_ops
+        self.fake = fake
+        self._real_shapes: dict[str, list[tuple[list[int], torch.dtype] | None]] = {}  # call -> outputs
         self.phase = "other"
         self.ops: list[Op] = []
         self.memory_events: list[list] = []
@@ -144,9 +163,36 @@ class _StepRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise _needs_values(error) from error
+        if self.fake:
+            out = self._workspaces_sized(func, args, kwargs, out)
         if func.overloadpacket.__name__ not in UNRECORDED_OPS:
             self._record(func, args, kwargs, out)
         return out
+
+    def _workspaces_sized(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """``out`` with each empty tensor that the op fills on real tensors made at its real size:
+        a native kernel's workspace (oneDNN's RNN layer returns one for its backward), which a
+        fake kernel cannot size. Learned by running the op once on made-up values of the same
+        shapes (`real_output_shapes`), once per distinct call."""
+        outputs, spec = tree_flatten(out)
+        empty = [isinstance(t, torch.Tensor) and t.numel() == 0 for t in outputs]
+        if not any(empty) or not any(
+            isinstance(t, torch.Tensor) and t.numel() for t in tree_leaves((args, kwargs))
+        ):
+            return out
+        try:
+            key = json.dumps(call_json(func, args, kwargs), sort_keys=True)
+        except ValueError:  # arguments JSON cannot hold: left as they are
+            return out
+        if key not in self._real_shapes:
+            self._real_shapes[key] = real_output_shapes(func, args, kwargs)
+        real = self._real_shapes[key]
+        if real is None or len(real) != len(outputs):
+            return out
+        for i, is_empty in enumerate(empty):
+            if is_empty and real[i] is not None and math.prod(real[i][0]):
+                outputs[i] = torch.empty(real[i][0], dtype=real[i][1], device=outputs[i].device)
+        return tree_unflatten(outputs, spec)
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -220,6 +266,7 @@ def symbolic_trace(
     device: str = "cpu",
     fake: bool = True,
     distinct_ops: dict[tuple, OpSample] | None = None,
+    scratch_seconds: float = SCRATCH_SECONDS,
 ) -> Trace:
     """The trace of one training step of LightningModule ``module`` on ``batch`` (any nest of
     tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced.
@@ -234,7 +281,8 @@ def symbolic_trace(
         batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
     with fake_mode:  # an optimizer that makes its state when built (Adagrad) makes it fake
         optimizers = _optimizers(model)
-    recorder = _StepRecorder(model, distinct_ops)
+    distinct_ops = {} if distinct_ops is None else distinct_ops
+    recorder = _StepRecorder(model, distinct_ops, fake=fake)
     shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
         with fake_mode:
@@ -257,6 +305,7 @@ def symbolic_trace(
     finally:
         recorder.closed = True
         recorder.remove()
+    scratch = _add_scratch(recorder, distinct_ops.values(), device, scratch_seconds)
     end = float(len(recorder.ops))
     return Trace(
         rank=0,
@@ -274,7 +323,69 @@ def symbolic_trace(
             "durations": "not priced yet (1 us per op)",
             "batch": f"shapes {shapes}",
             "tensors": "fake" if fake else "real",
+            "scratch": scratch,
         },
+    )
+
+
+def real_output_shapes(
+    func: Any, args: tuple, kwargs: dict
+) -> list[tuple[list[int], torch.dtype] | None] | None:
+    """The shape and dtype of each output (None where it is not a tensor) of ``func`` run once on
+    real tensors made up at the shapes of fake ``args`` (random floats, zeros otherwise), in this
+    process; None where its inputs are over `op_probes.MAX_PROBE_BYTES` or it fails."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if sum(t.untyped_storage().nbytes() for t in tensors) > MAX_PROBE_BYTES:
+        return None
+
+    def made_up(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return real.normal_() if value.dtype.is_floating_point else real.zero_()
+
+    with unset_fake_temporarily():
+        try:
+            out = func(*tree_map(made_up, args), **tree_map(made_up, kwargs))
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return None
+        return [
+            (list(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in tree_flatten(out)[0]
+        ]
+
+
+def _add_scratch(recorder: _StepRecorder, samples: Iterable[OpSample], device: str, seconds: float) -> str:
+    """Add to the recorder's memory each op's kernel scratch (`op_probes.scratch_bytes`: its
+    distinct calls that are neither views nor pointwise, each run on made-up values in a child
+    process), allocated as the op starts and freed before the next; what was measured, as a line."""
+    calls = {
+        op_key(s.name, s.shapes, s.dtypes): s.call for s in samples if s.call and _may_hold_scratch(s.call)
+    }
+    if seconds <= 0 or not calls:
+        return "not measured"
+    sized = dict(zip(calls, scratch_bytes(list(calls.values()), device, seconds), strict=True))
+    with_scratch = 0
+    for op in list(recorder.ops):
+        nbytes = sized.get(op_key(op.name, op.input_shapes, op.input_dtypes))
+        if nbytes:
+            addr, recorder._next_address = recorder._next_address, recorder._next_address + 1
+            recorder.memory_events += [
+                [float(op.id), addr, nbytes, op.id],
+                [op.id + 0.25, addr, -nbytes, op.id],
+            ]
+            with_scratch += 1
+    measured = sum(v is not None for v in sized.values())
+    return (
+        f"kernel scratch measured on made-up values for {measured} of {len(calls)} distinct calls "
+        f"(recorder/op_probes.py), held by {with_scratch} ops"
+    )
+
+
+def _may_hold_scratch(call: Mapping[str, Any]) -> bool:
+    """Whether a call's kernel may allocate beyond its outputs: not a view, not a pointwise op."""
+    overload = call_overload(call)
+    return torch.Tag.pointwise not in overload.tags and not any(
+        r.alias_info is not None for r in overload._schema.returns
     )
 
 
