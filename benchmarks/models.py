@@ -356,6 +356,101 @@ class Conv1dNet(Classifier):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class ConvAutoencoder(Classifier):
+    """Image reconstruction (a denoising autoencoder's shape): strided Conv2d/BatchNorm/LeakyReLU
+    encoder, ConvTranspose2d decoder with a nearest-neighbour upsampling, sigmoid output, MSE
+    against the input (the labels unused); Adam."""
+
+    def __init__(self, lr: float = 1e-3):
+        super().__init__(lr)
+        self.encoder = nn.Sequential(
+            nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.LeakyReLU(0.1),
+            nn.Conv2d(32, 64, 3, 2, 1), nn.BatchNorm2d(64), nn.LeakyReLU(0.1),
+        )  # fmt: skip
+        self.decoder = nn.Sequential(
+            nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.BatchNorm2d(32), nn.LeakyReLU(0.1),
+            nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(32, 3, 3, 1, 1), nn.Sigmoid(),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return nn.functional.mse_loss(self(x), torch.sigmoid(x))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class _ViTBlock(nn.Module):
+    """Pre-norm: LayerNorm, nn.MultiheadAttention, residual; LayerNorm, Linear-GELU-Linear, residual."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(Classifier):
+    """A small vision transformer on 3x32x32 images: 4x4 patches by a strided Conv2d, learned
+    position embeddings, three pre-norm blocks, mean over tokens, LayerNorm, Linear; AdamW."""
+
+    def __init__(self, dim: int = 128, heads: int = 4, lr: float = 1e-3):
+        super().__init__(lr)
+        self.patches = nn.Conv2d(3, dim, 4, 4)
+        self.position = nn.Parameter(torch.zeros(1, 64, dim))
+        self.blocks = nn.Sequential(*(_ViTBlock(dim, heads) for _ in range(3)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(x).flatten(2).transpose(1, 2) + self.position
+        return self.head(self.norm(self.blocks(tokens).mean(dim=1)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.05)
+
+
+class _MixerBlock(nn.Module):
+    """Token mixing (an MLP across the patches, on the transposed tokens), then channel mixing."""
+
+    def __init__(self, tokens: int, dim: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.tokens = nn.Sequential(nn.Linear(tokens, 2 * tokens), nn.GELU(), nn.Linear(2 * tokens, tokens))
+        self.channels = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channels(self.norm2(x))
+
+
+class MLPMixer(Classifier):
+    """MLP-Mixer on 3x32x32 images: 4x4 patches cut by ``unfold`` and embedded by a Linear, four
+    mixer blocks, LayerNorm, mean over patches, Linear; Adam."""
+
+    def __init__(self, dim: int = 96, lr: float = 1e-3):
+        super().__init__(lr)
+        self.embed = nn.Linear(3 * 4 * 4, dim)
+        self.blocks = nn.Sequential(*(_MixerBlock(64, dim) for _ in range(4)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        patches = nn.functional.unfold(x, kernel_size=4, stride=4).transpose(1, 2)
+        return self.head(self.norm(self.blocks(self.embed(patches))).mean(dim=1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A benchmark model: how to build it and its synthetic data."""
@@ -401,7 +496,9 @@ MODELS: dict[str, ModelSpec] = {
 TUNED_MODELS = ("mlp", "cnn", "transformer")  # the predictor was developed on these
 
 # families no setting of the learned per-op model was chosen on (`op_cost_model.py` tests on them
-# with a model trained on all of MODELS); not in the other benchmarks' defaults
+# with a model trained on all of MODELS); not in the other benchmarks' defaults. Session 22 changed
+# the estimate on what they showed (the LSTM's workspace and FLOPs, made-up values in the probes):
+# FRESH_MODELS are the families it was not changed on
 HELD_OUT_MODELS: dict[str, ModelSpec] = {
     "lstm": ModelSpec(
         "lstm", LSTMClassifier, 32, lambda n, g: (torch.randint(0, 3000, (n, 48), generator=g), _labels(n, g))
@@ -415,12 +512,25 @@ HELD_OUT_MODELS: dict[str, ModelSpec] = {
 }
 
 
+def _images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 32, 32, generator=g), _labels(n, g)
+
+
+# families added after session 22 changed the estimate on what HELD_OUT_MODELS showed it: the
+# estimate is tested on them (`op_cost_model.py`, `symbolic_estimate.py`) as written, once
+FRESH_MODELS: dict[str, ModelSpec] = {
+    "autoencoder": ModelSpec("autoencoder", ConvAutoencoder, 64, _images),
+    "vit": ModelSpec("vit", ViT, 32, _images),
+    "mixer": ModelSpec("mixer", MLPMixer, 64, _images),
+}
+
+
 def get_model(name: str) -> ModelSpec:
-    """The spec named ``name`` (one of ``MODELS``)."""
+    """The spec named ``name`` (one of ``MODELS``, ``HELD_OUT_MODELS``, ``FRESH_MODELS``)."""
     try:
-        return {**MODELS, **HELD_OUT_MODELS}[name]
+        return {**MODELS, **HELD_OUT_MODELS, **FRESH_MODELS}[name]
     except KeyError:
-        names = ", ".join([*MODELS, *HELD_OUT_MODELS])
+        names = ", ".join([*MODELS, *HELD_OUT_MODELS, *FRESH_MODELS])
         raise ValueError(f"unknown model {name!r}; choose from {names}") from None
 
 

@@ -76,12 +76,14 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     seconds = time.perf_counter() - start
     distinct_ops: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone
     symbolic_trace(spec.build(), batch, distinct_ops=distinct_ops).save(run_dir / SYMBOLIC_TRACE)
+    probe_start = time.perf_counter()
     probed = probe(distinct_ops.values(), seconds=120)
+    probe_s = time.perf_counter() - probe_start
     (run_dir / PROBES).write_text(json.dumps([dataclasses.asdict(s) for s in probed]))
     save_calls(distinct_ops, run_dir / CALLS)
     held = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)
     one_batch = sum(t.untyped_storage().nbytes() for t in batch)
-    result = {"estimate": report, "seconds": seconds, "data_set_bytes": held - one_batch}
+    result = {"estimate": report, "seconds": seconds, "probe_s": probe_s, "data_set_bytes": held - one_batch}
     (run_dir / "estimate.json").write_text(json.dumps(result))
 
 

@@ -4,9 +4,12 @@ The LightningModule's step is traced on fake tensors (`recorder/symbolic_trace.p
 compute, no real memory), its ops priced by the learned per-op model of this device
 (`predictor/op_cost_model.py`, trained on the ops of the runs recorded here) or, before any run
 was recorded here, on this machine's roofline (`recorder/roofline.py`, `predictor/op_costs.py`;
-``symbolic.durations`` says which), and the trace goes through the same predictor as a recorded one: peak
-memory by kind (parameters, gradients, optimizer state, activations, temporaries), step time, the
-top ops. The result has the schema of ``report.json`` with ``predicted`` and no ``measured``, and a
+``symbolic.durations`` says which); with a learned model the step's distinct ops are also timed
+alone on made-up values, in a child process, within `PROBE_SECONDS` (`probe_order`: the op types
+it never saw first, then the rest by their share of the step), and priced on both
+(`predictor/op_costs.py`). The trace goes through the same predictor as a recorded one: peak
+memory by kind (parameters, gradients, optimizer state, activations, temporaries), step time,
+the top ops. The result has the schema of ``report.json`` with ``predicted`` and no ``measured``, and a
 ``symbolic`` entry saying how the figures were made and the step's FLOPs.
 
 A model that needs real values (``.item()``, a shape that depends on the data) cannot run on fake
@@ -20,10 +23,12 @@ default, ``SHAPE:DTYPE`` for another (``64,784 64:int64`` is an (x, y) pair).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import importlib.util
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +41,14 @@ from qsync_callback.predictor.op_costs import priced
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import remember_probes
 from qsync_callback.recorder.op_probes import probe
-from qsync_callback.recorder.op_samples import OpSample
+from qsync_callback.recorder.op_samples import OpSample, op_key
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report
 from qsync_callback.units import format_bytes
 
-PROBE_SECONDS = 5.0  # the most an estimate spends timing op types never measured here
+PROBE_SECONDS = 5.0  # the most an estimate spends timing ops alone (`probe_order`)
 DTYPE_NAMES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -67,7 +72,7 @@ def estimate_trace(
 ) -> Trace:
     """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
     ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
-    learned model, the op types it never saw measured are timed alone (`recorder/op_probes.py`,
+    learned model, its distinct ops are timed alone (`recorder/op_probes.py`, in `probe_order`,
     within ``probe_seconds``) and join the device's data set. ``tvm``: the learned model reads TVM's
     features of each op too (`predictor/tvm_features.py`)."""
     if cost_model is None and learned:
@@ -83,13 +88,30 @@ def estimate_trace(
         trace.symbolic["tensors"] = f"real: {error}"
     probed = []
     if cost_model is not None and distinct_ops and probe_seconds > 0:
-        unseen = [r for r in distinct_ops.values() if r.name not in cost_model.known_types]
-        probed = probe(unseen, device, probe_seconds)
+        probed = probe(probe_order(trace, distinct_ops.values(), cost_model), device, probe_seconds)
         if probed:
             remember_probes(probed, device, cache_dir)
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
     calls = {key: sample.call for key, sample in (distinct_ops or {}).items()}
     return priced(trace, roofline(device, dtypes, cache_dir), cost_model, probed, calls)
+
+
+def probe_order(trace: Trace, samples: Iterable[OpSample], cost_model: OpCostModel) -> list[OpSample]:
+    """The distinct ops of ``trace`` in the order an estimate times them alone: the op types
+    ``cost_model`` never saw measured first (it has no price of their own for them), then the others
+    by the time it prices them at in the step (each op's price times how often it runs), the
+    largest first, so that a time limit leaves out the ops that matter least."""
+    runs = collections.Counter(op_key(op.name, op.input_shapes, op.input_dtypes) for op in trace.ops)
+    samples = list(samples)
+    prices = cost_model.predict_us([dataclasses.asdict(s) for s in samples])
+    order = sorted(
+        range(len(samples)),
+        key=lambda i: (
+            samples[i].name in cost_model.known_types,
+            -prices[i] * runs[op_key(samples[i].name, samples[i].shapes, samples[i].dtypes)],
+        ),
+    )
+    return [samples[i] for i in order]
 
 
 def estimate(

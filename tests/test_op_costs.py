@@ -74,7 +74,10 @@ def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
         _op(2, "aten::max_pool2d_with_indices", ((2, 4, 8, 8),), nbytes=256),
         _op(3, "aten::bernoulli_", ((8, 16),)),
     ]
-    probed = [OpSample("aten::bernoulli_", [[8, 16]], ["float"], 0.0, 0, 77.0)]
+    probed = [
+        OpSample("aten::bernoulli_", [[8, 16]], ["float"], 0.0, 0, 77.0),
+        OpSample("aten::mm", [[8, 16], [16, 4]], ["float", "float"], 0.0, 0, 50.0),
+    ]
     events = [[1.5, 1, 512, 1], [2.25, 1, -512, 2]]
     out = priced(Trace(0, 1, "cpu", [Step(1, 0.0, 4.0)], ops, memory_events=events), COSTS, model, probed)
     as_samples = [
@@ -87,7 +90,8 @@ def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
         }
         for op in ops[:3]
     ]
-    expected = [*model.predict_us(as_samples), 77.0]  # the probed op at its measured time
+    expected = [*model.predict_us(as_samples), 77.0]  # a type it never saw, at its time alone
+    expected[0] = (expected[0] * 50.0) ** 0.5  # a type it knows: the geometric mean of the two
     clock, starts = 0.0, []
     for op, duration in zip(out.ops, expected, strict=True):
         clock += 3.0  # the host's share before each op
@@ -101,4 +105,5 @@ def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
     said = out.symbolic["durations"]
     assert said.startswith("predicted by the learned per-op model")
     assert "timed alone on made-up tensors: aten::bernoulli_;" in said
+    assert "; 1 distinct ops of types it knows also timed alone, each at the geometric mean" in said
     assert said.endswith("priced from their features alone: aten::max_pool2d_with_indices")

@@ -2,6 +2,7 @@
 (`recorder/op_probes.py`), and the estimate priced by the learned model (`estimate.py`)."""
 
 import collections
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback import QSyncCallback
-from qsync_callback.estimate import estimate
+from qsync_callback.estimate import estimate, probe_order
 from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.recorder.op_dataset import load_dataset
 from qsync_callback.recorder.op_probes import probe
@@ -169,18 +170,32 @@ def test_ops_are_timed_alone_in_a_child_that_a_crashing_kernel_does_not_take_dow
     assert mm.shapes == next(r.shapes for r in distinct_ops.values() if r.name == "aten::mm")
 
 
-def test_an_estimate_times_the_op_types_its_model_never_saw_and_keeps_them(tmp_path, monkeypatch):
+def test_an_estimate_times_its_ops_alone_the_types_its_model_never_saw_first_and_keeps_them(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = OpCostModel([{"source": "matmuls and adds", "ops": synthetic_samples(40), "steps": []}])
     x, y = _batches(1)
+    distinct_ops = {}
+    trace = symbolic_trace(ConvNet(), (x, y), distinct_ops=distinct_ops)
+    order = probe_order(trace, distinct_ops.values(), model)
+    known = [s.name in model.known_types for s in order]
+    assert sorted(known) == known and 0 < sum(known) < len(known)  # the types it never saw first
+    runs = collections.Counter((op.name, repr(op.input_shapes), repr(op.input_dtypes)) for op in trace.ops)
+    shares = [
+        price * runs[s.name, repr(s.shapes), repr(s.dtypes)]
+        for s, price in zip(order, model.predict_us([dataclasses.asdict(s) for s in order]), strict=True)
+        if s.name in model.known_types
+    ]
+    assert shares == sorted(shares, reverse=True)  # then the largest share of the step first
     report = estimate(ConvNet(), (x, y), cost_model=model)
     durations = report["symbolic"]["durations"]
-    assert "timed alone on made-up tensors:" in durations
     timed = durations.split("timed alone on made-up tensors: ")[1].split(";")[0].split(", ")
     assert {"aten::convolution", "aten::convolution_backward", "aten::native_batch_norm"} <= set(timed)
-    assert "aten::mm" not in timed  # the model has measured matmuls
+    assert "aten::mm" not in timed  # the model has measured matmuls: blended with its time alone
+    assert f"; {sum(known)} distinct ops of types it knows also timed alone" in durations
     (probes,) = load_dataset("cpu")
-    assert probes["source"] == "probes" and {o["name"] for o in probes["ops"]} == set(timed)
+    assert probes["source"] == "probes" and {o["name"] for o in probes["ops"]} == {s.name for s in order}
 
 
 def test_an_rnn_layers_flops_are_its_gates_matmuls_recorded_or_symbolic(tmp_path):

@@ -8,8 +8,12 @@ written) at the measured bandwidth. The learned model prices each op by its feat
 the host's time it fitted: a per-op share before each op, a per-step share at the step's end. The
 ops run one after another from the step's start, and the trace's memory events move with the op
 they fell in. An op type the learned model never saw measured is timed alone where it could be
-(`recorder/op_probes.py`), its time taken as measured. The trace's ``symbolic.durations`` says
-where the durations came from, and which op types were timed alone or priced from features only.
+(`recorder/op_probes.py`), its time taken as measured; an op of a type it knows that was timed
+alone too is priced at the geometric mean of the two: the model's price and the time alone are
+two estimates of its time in the step with errors of their own (the model's from other ops and
+families, the probe's from made-up values outside a step: each was 3x off on some op here), so
+neither is taken over the other. The trace's ``symbolic.durations`` says where the durations came
+from, and which op types were timed alone or priced from features only.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_callback.predictor.compiled_regions import input_bytes
-from qsync_callback.predictor.op_cost_model import OpCostModel
+from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_samples import OpSample, op_key
 from qsync_callback.recorder.trace import Op, Trace
@@ -69,14 +73,27 @@ def priced(
         )
         before_op, after_step = model.host.per_op_us, model.host.per_step_us
         measured = {op_key(s.name, s.shapes, s.dtypes): s.us for s in probed}
+        blended = set()
         for k, op in enumerate(out.ops):
-            durations[k] = measured.get(op_key(op.name, op.input_shapes, op.input_dtypes), durations[k])
+            key = op_key(op.name, op.input_shapes, op.input_dtypes)
+            if key not in measured:
+                continue
+            if op.name in model.known_types:
+                durations[k] = math.sqrt(max(measured[key], MIN_US) * durations[k])
+                blended.add(key)
+            else:
+                durations[k] = measured[key]
         unseen = {op.name for op in out.ops} - model.known_types
         probed_types = unseen & {s.name for s in probed}
         source = f"predicted by the {model.describe()}"
         if probed_types:
             timed = ", ".join(sorted(probed_types))
             source += f"; op types never measured here, timed alone on made-up tensors: {timed}"
+        if blended:
+            source += (
+                f"; {len(blended)} distinct ops of types it knows also timed alone, each at the geometric "
+                "mean of its price and its time alone"
+            )
         if unseen - probed_types:
             source += f"; priced from their features alone: {', '.join(sorted(unseen - probed_types))}"
     starts: list[float] = []

@@ -7,8 +7,10 @@ name and its arguments as JSON, each tensor kept as its shape, strides and dtype
 (`op_samples.call_json`). `probe` times calls in
 a child Python process (made-up values can crash a native kernel: an RNN's backward reads its
 forward's workspace, which a made-up tensor is not), which makes real tensors of those (random
-floats; zeros for integers and booleans, valid indices and masks), runs each op once to warm it
-and then `REPEATS` times, and keeps the least time. A crash loses only the op that crashed, and
+floats, positive and away from 0 (`MADE_UP_FLOATS`); zeros for integers and booleans, valid
+indices and masks), runs each op once to warm it
+and then `REPEATS` times, and keeps the least time, less what timing a call costs beyond its op
+(`call_floor_us`). A crash loses only the op that crashed, and
 so does a hang (`ITEM_SECONDS` without a word from the child): the child is started again after it
 (`child_runner.py`). Each result is an `OpSample` of the same
 schema as a recorded op's, so probes join the device's data set (`op_dataset.py`). Ops whose
@@ -23,6 +25,7 @@ call returned), for the symbolic trace's memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -39,8 +42,13 @@ from qsync_callback.recorder.kineto import MEMORY_EVENT
 from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample, call_overload, call_values
 
 REPEATS = 3
+FLOOR_CALLS = 200
 ITEM_SECONDS = 20.0  # an op whose child writes nothing for this long is taken as hung (`child_runner`)
 MAX_PROBE_BYTES = 256 << 20  # a probe's tensor inputs together at most
+# made-up floats: positive and away from 0, as the values an optimizer takes a square root of or
+# divides by are; a negative one sends sqrt down its NaN path (19x slower on 4M floats here) and
+# a 0 a division to inf, paths a real step does not take
+MADE_UP_FLOATS = (0.5, 1.5)
 SCRATCH_SECONDS = 10.0  # the most a symbolic trace spends measuring its ops' scratch
 
 
@@ -51,12 +59,13 @@ def _spec_bytes(spec: Sequence) -> int:
 
 
 def _made_up(spec: Sequence, device: str) -> torch.Tensor:
-    """A tensor of ``spec`` (shape, stride, dtype) on ``device``: random floats, zeros otherwise."""
+    """A tensor of ``spec`` (shape, stride, dtype) on ``device``: floats uniform in
+    `MADE_UP_FLOATS`, zeros otherwise."""
     shape, stride, dtype = spec
     torch_dtype = TORCH_DTYPES[dtype]
     span = max(_spec_bytes(spec) // torch_dtype.itemsize, 1)
     if torch_dtype.is_floating_point:
-        base = torch.randn(span, dtype=torch_dtype, device=device)
+        base = torch.empty(span, dtype=torch_dtype, device=device).uniform_(*MADE_UP_FLOATS)
     else:
         base = torch.zeros(span, dtype=torch_dtype, device=device)
     return base.as_strided(shape, stride)
@@ -75,8 +84,28 @@ def call_input_bytes(call: Mapping[str, Any]) -> int:
     return sum(_spec_bytes(t) for t in _tensors([call["args"], list(call["kwargs"].values())]))
 
 
+@functools.cache
+def call_floor_us(device: str) -> float:
+    """What timing a call here costs beyond its op: the least time of `FLOOR_CALLS` calls of
+    ``aten::alias`` (a view: no kernel work), timed as `_run_call` times a call (Python's binding
+    of ``torch.ops``, argument parsing, the dispatcher), which a Kineto op's duration does not
+    hold."""
+    x = torch.zeros(1, device=device)
+    alias = torch.ops.aten.alias.default
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    best = math.inf
+    for _ in range(FLOOR_CALLS):
+        sync()
+        start = time.perf_counter()
+        alias(x)
+        sync()
+        best = min(best, (time.perf_counter() - start) * 1e6)
+    return best
+
+
 def _run_call(call: dict, device: str) -> float:
-    """The least time (us) of ``REPEATS`` runs of a call, after a first that warms it."""
+    """The least time (us) of ``REPEATS`` runs of a call, after a first that warms it, less
+    `call_floor_us` (at least 0)."""
     func = call_overload(call)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -93,7 +122,7 @@ def _run_call(call: dict, device: str) -> float:
         sync()
         if k:
             best = min(best, (time.perf_counter() - start) * 1e6)
-    return best
+    return max(best - call_floor_us(device), 0.0)
 
 
 def _scratch_bytes(call: dict, device: str) -> int:

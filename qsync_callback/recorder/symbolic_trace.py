@@ -59,7 +59,7 @@ from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.flop_formulas import flop_registry
 from qsync_callback.recorder.module_calls import activation_refusals
-from qsync_callback.recorder.op_probes import MAX_PROBE_BYTES, SCRATCH_SECONDS, scratch_bytes
+from qsync_callback.recorder.op_probes import MADE_UP_FLOATS, MAX_PROBE_BYTES, SCRATCH_SECONDS, scratch_bytes
 from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, call_json, call_overload, op_key
 from qsync_callback.recorder.trace import Op, Step, Trace
 
@@ -332,7 +332,7 @@ def real_output_shapes(
     func: Any, args: tuple, kwargs: dict
 ) -> list[tuple[list[int], torch.dtype] | None] | None:
     """The shape and dtype of each output (None where it is not a tensor) of ``func`` run once on
-    real tensors made up at the shapes of fake ``args`` (random floats, zeros otherwise), in this
+    real tensors made up at the shapes of fake ``args`` (as `op_probes` makes them), in this
     process; None where its inputs are over `op_probes.MAX_PROBE_BYTES` or it fails."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if sum(t.untyped_storage().nbytes() for t in tensors) > MAX_PROBE_BYTES:
@@ -342,7 +342,7 @@ def real_output_shapes(
         if not isinstance(value, torch.Tensor):
             return value
         real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-        return real.normal_() if value.dtype.is_floating_point else real.zero_()
+        return real.uniform_(*MADE_UP_FLOATS) if value.dtype.is_floating_point else real.zero_()
 
     with unset_fake_temporarily():
         try:
