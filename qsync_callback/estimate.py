@@ -40,7 +40,7 @@ from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.predictor.op_costs import priced
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import remember_probes
-from qsync_callback.recorder.op_probes import probe
+from qsync_callback.recorder.op_probes import SCRATCH_SECONDS, probe
 from qsync_callback.recorder.op_samples import OpSample, op_key
 from qsync_callback.recorder.roofline import roofline
 from qsync_callback.recorder.symbolic_trace import SymbolicTraceError, symbolic_trace
@@ -69,22 +69,28 @@ def estimate_trace(
     learned: bool = True,
     probe_seconds: float = PROBE_SECONDS,
     tvm: bool = False,
+    scratch_seconds: float = SCRATCH_SECONDS,
 ) -> Trace:
     """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
     ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
     learned model, its distinct ops are timed alone (`recorder/op_probes.py`, in `probe_order`,
     within ``probe_seconds``) and join the device's data set. ``tvm``: the learned model reads TVM's
-    features of each op too (`predictor/tvm_features.py`)."""
+    features of each op too (`predictor/tvm_features.py`). ``scratch_seconds``: the most spent
+    measuring its kernels' scratch (`symbolic_trace`)."""
     if cost_model is None and learned:
         cost_model = device_model(device, cache_dir, tvm=tvm)
     wanted = cost_model is not None and (probe_seconds > 0 or cost_model.tvm)
     distinct_ops: dict[tuple, OpSample] | None = {} if wanted else None
     try:
-        trace = symbolic_trace(module, batch, device, distinct_ops=distinct_ops)
+        trace = symbolic_trace(
+            module, batch, device, distinct_ops=distinct_ops, scratch_seconds=scratch_seconds
+        )
     except SymbolicTraceError as error:  # the model needs values: two real steps instead
         warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
         distinct_ops = None if distinct_ops is None else {}
-        trace = symbolic_trace(module, batch, device, fake=False, distinct_ops=distinct_ops)
+        trace = symbolic_trace(
+            module, batch, device, fake=False, distinct_ops=distinct_ops, scratch_seconds=scratch_seconds
+        )
         trace.symbolic["tensors"] = f"real: {error}"
     probed = []
     if cost_model is not None and distinct_ops and probe_seconds > 0:

@@ -1,7 +1,8 @@
 """Will the run fit? Checked before its first step, on a symbolic trace of it (`estimate.py`).
 
 The peak of one training step traced on fake tensors (no real compute, no memory; its ops priced
-as `estimate` prices them, but none timed alone: the run is live) is compared
+as `estimate` prices them, but none timed alone and no kernel's scratch measured: the run is live,
+and those run in a child process) is compared
 with the memory budget given in bytes (a budget given as a share of the recorded peak cannot be
 resolved before anything is recorded, and is said to be skipped) and with the device's memory:
 a CUDA device's total memory, or the machine's physical memory for the CPU. Where the step does
@@ -68,7 +69,8 @@ def check_fit(
     """``module``'s step on ``batch`` traced symbolically, its peak checked against
     ``constraints.memory_budget`` and ``device``'s memory, shared by ``processes`` on the CPU (see
     the module docstring)."""
-    trace = estimate_trace(module, batch, device, probe_seconds=0.0)  # no op timed alone in a live run
+    # no child process in a live run: no op timed alone, no kernel's scratch measured
+    trace = estimate_trace(module, batch, device, probe_seconds=0.0, scratch_seconds=0.0)
     peak = Predictor([trace]).predict().peak_bytes
     if device.startswith("cuda") or processes <= 1:
         limits = {f"the device's memory ({device})": device_memory_bytes(device)}
