@@ -165,7 +165,9 @@ def test_ops_are_timed_alone_in_a_child_that_a_crashing_kernel_does_not_take_dow
     # empty, was sized by a real run of the forward, and the backward's made-up one has that size
     # (an empty one crashed the child: `test_child_runner.py` has a child that crashes)
     assert {r.name for r in distinct_ops.values()} == {s.name for s in timed}
-    assert len(timed) == len(distinct_ops) and all(s.us > 0 for s in timed)
+    # less the harness's own cost of a call: a view can be 0, never below; arithmetic is not 0
+    assert len(timed) == len(distinct_ops) and all(s.us >= 0 for s in timed)
+    assert all(s.us > 0 for s in timed if s.flops > 0)
     mm = next(s for s in timed if s.name == "aten::mm")
     assert mm.shapes == next(r.shapes for r in distinct_ops.values() if r.name == "aten::mm")
 
