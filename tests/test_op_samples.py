@@ -16,7 +16,7 @@ from qsync_callback import QSyncCallback
 from qsync_callback.estimate import estimate, probe_order
 from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.recorder.op_dataset import load_dataset
-from qsync_callback.recorder.op_probes import probe
+from qsync_callback.recorder.op_probes import MAX_PROBE_BYTES, call_input_bytes, probe, scratch_bytes
 from qsync_callback.recorder.op_samples import decomposes, op_samples, recorded_flops
 from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
@@ -217,3 +217,12 @@ def test_an_rnn_layers_flops_are_its_gates_matmuls_recorded_or_symbolic(tmp_path
     assert recorded["aten::mkldnn_rnn_layer"] == symbolic["aten::mkldnn_rnn_layer"] == forward
     backward = recorded["aten::mkldnn_rnn_layer_backward"]
     assert backward == symbolic["aten::mkldnn_rnn_layer_backward"] == 2 * forward
+
+
+def test_a_kernels_scratch_is_measured_in_a_child_and_a_call_too_large_is_left_out():
+    mm = {"op": "aten::mm.default", "args": [{"tensor": [[64, 32], [32, 1], "float"]}] * 2, "kwargs": {}}
+    mm["args"][1] = {"tensor": [[32, 64], [64, 1], "float"]}
+    huge = {"op": "aten::relu.default", "args": [{"tensor": [[1 << 28], [1], "float"]}], "kwargs": {}}
+    assert call_input_bytes(huge) > MAX_PROBE_BYTES
+    small, too_large = scratch_bytes([mm, huge], seconds=60)
+    assert isinstance(small, int) and small >= 0 and too_large is None

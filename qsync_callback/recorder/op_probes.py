@@ -161,14 +161,17 @@ def scratch_bytes(
 ) -> list[int | None]:
     """`_scratch_bytes` of each call, run in a child process as `probe` times them (a native kernel's
     scratch, which no tensor a dispatch-level trace sees holds: oneDNN's convolutions and RNN
-    layers). None for a call that failed, crashed its child or was not reached in ``seconds``."""
+    layers). None for a call whose inputs exceed `MAX_PROBE_BYTES`, that failed, crashed its child
+    or was not reached in ``seconds``."""
     sized: list[int | None] = [None] * len(calls)
+    todo = [i for i, call in enumerate(calls) if call_input_bytes(call) <= MAX_PROBE_BYTES]
 
-    def report(i: int, nbytes: int | None) -> None:
-        sized[i] = nbytes
+    def report(k: int, nbytes: int | None) -> None:
+        sized[todo[k]] = nbytes
 
     deadline = time.monotonic() + seconds
-    run_in_children(__name__, calls, deadline, report, {"device": device, "measure": "scratch"}, ITEM_SECONDS)
+    extra = {"device": device, "measure": "scratch"}
+    run_in_children(__name__, [calls[i] for i in todo], deadline, report, extra, ITEM_SECONDS)
     return sized
 
 

@@ -382,8 +382,12 @@ def _add_scratch(recorder: _StepRecorder, samples: Iterable[OpSample], device: s
 
 
 def _may_hold_scratch(call: Mapping[str, Any]) -> bool:
-    """Whether a call's kernel may allocate beyond its outputs: not a view, not a pointwise op."""
-    overload = call_overload(call)
+    """Whether a call's kernel may allocate beyond its outputs: not a view, not a pointwise op (nor
+    an op torch.ops does not resolve)."""
+    try:
+        overload = call_overload(call)
+    except (AttributeError, RuntimeError):
+        return False
     return torch.Tag.pointwise not in overload.tags and not any(
         r.alias_info is not None for r in overload._schema.returns
     )
