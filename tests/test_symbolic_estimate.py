@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -205,11 +206,27 @@ def test_a_module_that_needs_real_values_is_named_and_estimated_on_two_real_step
     }
 
 
-def test_a_batch_that_does_not_fit_is_named():
+class Logs(Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)  # outside a Trainer, Lightning warns of it
+        return loss
+
+
+def test_a_batch_that_does_not_fit_is_named_once(caplog):
     with pytest.raises(
         QSyncInputError, match=r"the batch \(tensor shapes \[\[64, 7\], \[64\]\]\) does not fit"
     ):
-        symbolic_trace(Net(), (torch.zeros(64, 7), torch.zeros(64, dtype=torch.int64)))
+        symbolic_trace(Logs(), (torch.zeros(64, 7), torch.zeros(64, dtype=torch.int64)))
+    # not before it FakeTensor's own traceback of the failed op
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+def test_a_step_that_logs_is_traced_without_lightnings_warning_of_no_trainer():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace = symbolic_trace(Logs(), _batch(), scratch_seconds=0)
+    assert any(op.name == "aten::addmm" for op in trace.ops)
 
 
 def test_batch_shapes_are_parsed_or_refused():

@@ -38,9 +38,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
+import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -285,7 +287,7 @@ def symbolic_trace(
     recorder = _StepRecorder(model, distinct_ops, fake=fake)
     shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
-        with fake_mode:
+        with fake_mode, _quiet_outside_a_trainer():
             try:
                 _train_step(model, batch, optimizers, None)
             except (RuntimeError, ValueError, IndexError) as error:
@@ -423,6 +425,22 @@ def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
     if not found:
         raise QSyncInputError(f"configure_optimizers returned no optimizer ({type(configured).__name__})")
     return found
+
+
+@contextlib.contextmanager
+def _quiet_outside_a_trainer() -> Iterator[None]:
+    """Keep off the user's console what the traced step says only because it runs on fake tensors
+    outside a Trainer: Lightning's warning that ``self.log`` has no trainer, and the traceback
+    FakeTensor logs before raising an error of a batch that does not fit (the estimate says it once)."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*`self\.log\(\)` but the `self\.trainer` reference")
+            yield
+    finally:
+        fake_log.setLevel(level)
 
 
 def _train_step(
