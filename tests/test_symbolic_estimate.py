@@ -166,7 +166,9 @@ def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path, module):
 
 
 def test_a_workspace_a_fake_kernel_leaves_empty_has_its_real_size_and_kernel_scratch_is_added():
-    fake = symbolic_trace(LSTMNet(), _batch(), scratch_seconds=0)
+    model, rng = LSTMNet(), torch.get_rng_state()
+    fake = symbolic_trace(model, _batch(), scratch_seconds=0)
+    assert torch.equal(torch.get_rng_state(), rng)  # the op run for real drew from a fork of it
     real = symbolic_trace(LSTMNet(), _batch(), fake=False, scratch_seconds=0)
     assert sorted(e[2] for e in fake.memory_events) == sorted(e[2] for e in real.memory_events)
     (layer,) = [op for op in fake.ops if op.name == "aten::mkldnn_rnn_layer"]

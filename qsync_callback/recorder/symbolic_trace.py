@@ -346,7 +346,8 @@ def real_output_shapes(
         real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
         return real.uniform_(*MADE_UP_FLOATS) if value.dtype.is_floating_point else real.zero_()
 
-    with unset_fake_temporarily():
+    # the random numbers a random op draws here are not the run's (a live run's check_fit traces too)
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
         try:
             out = func(*tree_map(made_up, args), **tree_map(made_up, kwargs))
         except (RuntimeError, ValueError, TypeError, IndexError):
