@@ -16,7 +16,14 @@ from qsync_callback import QSyncCallback
 from qsync_callback.estimate import estimate, probe_order
 from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.recorder.op_dataset import load_dataset
-from qsync_callback.recorder.op_probes import MAX_PROBE_BYTES, call_input_bytes, probe, scratch_bytes
+from qsync_callback.recorder.op_probes import (
+    MADE_UP_FLOATS,
+    MAX_PROBE_BYTES,
+    _made_up,
+    call_input_bytes,
+    probe,
+    scratch_bytes,
+)
 from qsync_callback.recorder.op_samples import decomposes, op_samples, recorded_flops
 from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
@@ -226,3 +233,11 @@ def test_a_kernels_scratch_is_measured_in_a_child_and_a_call_too_large_is_left_o
     assert call_input_bytes(huge) > MAX_PROBE_BYTES
     small, too_large = scratch_bytes([mm, huge], seconds=60)
     assert isinstance(small, int) and small >= 0 and too_large is None
+
+
+def test_made_up_floats_are_positive_and_away_from_zero_so_no_op_takes_its_nan_or_inf_path():
+    made = _made_up([[64, 64], [64, 1], "float"], "cpu")
+    low, high = MADE_UP_FLOATS
+    assert made.shape == (64, 64) and low <= made.min() and made.max() < high and low > 0
+    assert torch.isfinite(made.sqrt()).all() and torch.isfinite(1 / made).all()
+    assert (_made_up([[8], [1], "long int"], "cpu") == 0).all()  # integers: valid indices
