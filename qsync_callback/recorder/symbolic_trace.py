@@ -275,7 +275,8 @@ def symbolic_trace(
     ``fake=False``: on real tensors, a copy of the module's (for a module that needs real values:
     the same trace, at the cost of two real steps and the copy's memory). ``distinct_ops``, where given,
     gets each distinct op (by name, input shapes and dtypes) as an `OpSample` with its ``call``, to
-    time alone or to lower."""
+    time alone or to lower. ``scratch_seconds``: the most spent measuring the kernels' scratch in a
+    child process (0: not measured, as in a live run)."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with FakeCopyMode(fake_mode) if fake else contextlib.nullcontext():
         model = copy.deepcopy(module)
