@@ -99,13 +99,12 @@ def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[floa
 
 
 def timed_within_budget(
-    trace: Trace, probes: list[OpSample], cost_model: OpCostModel, estimate_dir: Path
+    trace: Trace, probes: list[OpSample], cost_model: OpCostModel, probe_s: float
 ) -> list[OpSample]:
     """The probes an estimate with ``cost_model`` would have: the estimate worker timed every
-    distinct op alone (``probe_s`` seconds); within `estimate.PROBE_SECONDS` all of them, else the
-    first in `estimate.probe_order` in proportion to the time allowed."""
+    distinct op alone (in ``probe_s`` seconds); within `estimate.PROBE_SECONDS` all of them, else
+    the first in `estimate.probe_order` in proportion to the time allowed."""
     ordered = probe_order(trace, probes, cost_model)
-    probe_s = json.loads((estimate_dir / "estimate.json").read_text())["probe_s"]
     return ordered if probe_s <= PROBE_SECONDS else ordered[: int(len(ordered) * PROBE_SECONDS / probe_s)]
 
 
@@ -132,7 +131,8 @@ def held_out(
     estimate_dir = runs / f"{model}-estimate"
     trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
     probes = json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())
-    probed = timed_within_budget(trace, [OpSample(**p) for p in probes], cost_model, estimate_dir)
+    probe_s = json.loads((estimate_dir / "estimate.json").read_text())["probe_s"]
+    probed = timed_within_budget(trace, [OpSample(**p) for p in probes], cost_model, probe_s)
     runs_ms = measured_steps_ms(runs, model)
     measured = statistics.median(runs_ms)
     learned = predicted_step_ms(trace, cost_model, probed)
@@ -140,7 +140,7 @@ def held_out(
     rooflined = predicted_step_ms(trace, None)
     mape, weighted = op_errors(cost_model, documents[model])
     if tvm_cache is not None:
-        tvm_probed = timed_within_budget(trace, [OpSample(**p) for p in probes], tvm_model, estimate_dir)
+        tvm_probed = timed_within_budget(trace, [OpSample(**p) for p in probes], tvm_model, probe_s)
         tvm_learned = predicted_step_ms(trace, tvm_model, tvm_probed, calls)
         tvm_alone = predicted_step_ms(trace, tvm_model, calls=calls)
         tvm_mape, tvm_weighted = op_errors(tvm_model, documents[model])
@@ -160,7 +160,7 @@ def held_out(
         "unseen_types": sorted({op.name for op in trace.ops} - cost_model.known_types),
         "timed_alone": len(probed),
         "distinct_ops": len(probes),
-        "probe_s": json.loads((estimate_dir / "estimate.json").read_text())["probe_s"],
+        "probe_s": probe_s,
         "features_only_step_ms": features_only,
         "features_only_error_pct": 100 * (features_only / measured - 1),
         "op_mape_pct": mape,

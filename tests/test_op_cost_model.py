@@ -20,7 +20,6 @@ from qsync_callback.predictor.op_cost_model import (
     device_model,
     fit_host_cost,
     nominal_us,
-    op_class,
     op_features,
 )
 from qsync_callback.recorder.op_dataset import (
@@ -30,7 +29,7 @@ from qsync_callback.recorder.op_dataset import (
     load_dataset,
     remember_probes,
 )
-from qsync_callback.recorder.op_samples import OpSample
+from qsync_callback.recorder.op_samples import OpSample, op_class
 
 from tracebuilder import op_samples
 

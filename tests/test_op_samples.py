@@ -19,8 +19,8 @@ from qsync_callback.recorder.op_dataset import load_dataset
 from qsync_callback.recorder.op_probes import (
     MADE_UP_FLOATS,
     MAX_PROBE_BYTES,
-    _made_up,
     call_input_bytes,
+    made_up,
     probe,
     scratch_bytes,
 )
@@ -236,8 +236,8 @@ def test_a_kernels_scratch_is_measured_in_a_child_and_a_call_too_large_is_left_o
 
 
 def test_made_up_floats_are_positive_and_away_from_zero_so_no_op_takes_its_nan_or_inf_path():
-    made = _made_up([[64, 64], [64, 1], "float"], "cpu")
+    made = made_up([64, 64], [64, 1], torch.float32, "cpu")
     low, high = MADE_UP_FLOATS
     assert made.shape == (64, 64) and low <= made.min() and made.max() < high and low > 0
     assert torch.isfinite(made.sqrt()).all() and torch.isfinite(1 / made).all()
-    assert (_made_up([[8], [1], "long int"], "cpu") == 0).all()  # integers: valid indices
+    assert (made_up([8], [1], torch.int64, "cpu") == 0).all()  # integers: valid indices

@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qsync_callback.allocator_profile import allocator_totals, profiled_events
 from qsync_callback.cache import default_cache_dir
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.jsonio import read_cache_document, write_cache_document
@@ -45,7 +45,6 @@ from qsync_callback.lp.modules import (
     supported_precisions,
 )
 from qsync_callback.plan import PRECISIONS
-from qsync_callback.quiet_profiler import quiet_kineto
 
 CAST_PAIRS: tuple[tuple[str, str], ...] = (
     ("fp32", "bf16"),
@@ -421,30 +420,19 @@ def _transient_bytes(lp: LPModule, x: torch.Tensor, grad: torch.Tensor) -> tuple
     """Bytes one forward and one backward of ``lp`` hold at their peak beyond what they keep: the
     forward's temporaries (peak less what is still allocated when it returns: output and saved
     tensors), and the backward's peak over what was allocated when it started. Read from the
-    profiler's allocation events ("Total Allocated"), the one allocator view on CPU and CUDA."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if x.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    quiet_kineto()
-    with tempfile.TemporaryDirectory() as folder:
-        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-            with torch.profiler.record_function(_PROBE_FORWARD):
-                out = lp(x)
-            with torch.profiler.record_function(_PROBE_BACKWARD):
-                out.backward(grad)
-            del out
-        path = os.path.join(folder, "probe.json")
-        prof.export_chrome_trace(path)
-        with open(path) as file:
-            events = json.load(file)["traceEvents"]
+    profiler's allocation events (`allocator_profile.py`), the one allocator view on CPU and CUDA."""
+
+    def forward_and_backward() -> None:
+        with torch.profiler.record_function(_PROBE_FORWARD):
+            out = lp(x)
+        with torch.profiler.record_function(_PROBE_BACKWARD):
+            out.backward(grad)
+
+    events = profiled_events(forward_and_backward, x.device)
     ranges = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") in _PROBE_RANGES}
-    memory = sorted(
-        (e["ts"], int(e["args"].get("Total Allocated", 0))) for e in events if e.get("name") == "[memory]"
-    )
 
     def totals(name: str) -> list[int]:
-        start, end = ranges[name]
-        return [total for ts, total in memory if start <= ts <= end]
+        return allocator_totals(events, *ranges[name])
 
     forward, backward = totals(_PROBE_FORWARD), totals(_PROBE_BACKWARD)
     if not forward:

@@ -27,7 +27,6 @@ not pickled.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import statistics
@@ -36,13 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.tvm_features import TVM_FEATURES, features_of
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import load_dataset
-from qsync_callback.recorder.op_samples import aten_packet
+from qsync_callback.recorder.op_samples import op_class
 
 FEATURES = (
     "type", "class", "dtype", "log2 FLOPs", "log2 bytes read", "log2 bytes allocated",
@@ -84,27 +82,6 @@ def op_features(
         float(name.endswith("_")),
         math.log2(nominal_us(flops, read + out_bytes)),
     ]
-
-
-@functools.cache
-def op_class(name: str, flops: float = 0.0) -> str:
-    """The kind of op ``name`` is, by torch's own tags: ``"pointwise"``, ``"reduction"``, ``"view"``
-    (returns an alias of an input), ``"compute"`` (has FLOPs: matmuls, convolutions), ``"other"``."""
-    if flops > 0:
-        return "compute"
-    packet = aten_packet(name)
-    overloads = packet.overloads() if packet is not None else []
-    if not overloads:
-        return "other"
-    overload = getattr(packet, overloads[0])
-    tags = set(overload.tags)
-    if torch.Tag.pointwise in tags:
-        return "pointwise"
-    if torch.Tag.reduction in tags:
-        return "reduction"
-    if any(r.alias_info is not None for r in overload._schema.returns):
-        return "view"
-    return "other"
 
 
 def nominal_us(flops: float, moved_bytes: float) -> float:

@@ -1,17 +1,16 @@
-"""Single ops of a symbolic trace timed on real tensors: what an estimate measures of an op type the
-learned model never saw measured on this device (a max pool, dropout's random numbers), before any
-step of the model runs.
+"""Single ops of a symbolic trace timed on real tensors: what an estimate measures of its ops before
+any step of the model runs (`estimate.probe_order`: first the op types the learned model never
+saw measured on this device, a max pool or dropout's random numbers, then the rest).
 
 An op is given as the symbolic trace saw it dispatched: its sample's ``call``, the aten overload's
 name and its arguments as JSON, each tensor kept as its shape, strides and dtype only
-(`op_samples.call_json`). `probe` times calls in
-a child Python process (made-up values can crash a native kernel: an RNN's backward reads its
-forward's workspace, which a made-up tensor is not), which makes real tensors of those (random
-floats, positive and away from 0 (`MADE_UP_FLOATS`); zeros for integers and booleans, valid
-indices and masks), runs each op once to warm it
-and then `REPEATS` times, and keeps the least time, less what timing a call costs beyond its op
-(`call_floor_us`). A crash loses only the op that crashed, and
-so does a hang (`ITEM_SECONDS` without a word from the child): the child is started again after it
+(`op_samples.call_json`). `probe` times calls in a child Python process (made-up values can crash
+a native kernel: an RNN's backward given an empty workspace did, before the symbolic trace gave
+workspaces their real size), which makes real tensors of those (`made_up`: random floats, positive
+and away from 0 (`MADE_UP_FLOATS`); zeros for integers and booleans, valid indices and masks),
+runs each op once to warm it and then `REPEATS` times, and keeps the least time, less what timing
+a call costs beyond its op (`call_floor_us`). A crash loses only the op that crashed, and so does a
+hang (`ITEM_SECONDS` without a word from the child): the child is started again after it
 (`child_runner.py`). Each result is an `OpSample` of the same
 schema as a recorded op's, so probes join the device's data set (`op_dataset.py`). Ops whose
 inputs exceed `MAX_PROBE_BYTES`, whose arguments JSON cannot hold, that fail on made-up values, or
@@ -26,19 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from qsync_callback.allocator_profile import allocator_totals, profiled_events
 from qsync_callback.child_runner import run_in_children, serve
-from qsync_callback.quiet_profiler import quiet_kineto
-from qsync_callback.recorder.kineto import MEMORY_EVENT
 from qsync_callback.recorder.op_samples import TORCH_DTYPES, OpSample, call_overload, call_values
 
 REPEATS = 3
@@ -52,23 +47,43 @@ MADE_UP_FLOATS = (0.5, 1.5)
 SCRATCH_SECONDS = 10.0  # the most a symbolic trace spends measuring its ops' scratch
 
 
+def _span(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """The elements a tensor of that shape and stride reaches in its storage."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0) if shape else 1
+
+
 def _spec_bytes(spec: Sequence) -> int:
     shape, stride, dtype = spec
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0) if shape else 1
-    return span * TORCH_DTYPES[dtype].itemsize
+    return _span(shape, stride) * TORCH_DTYPES[dtype].itemsize
 
 
-def _made_up(spec: Sequence, device: str) -> torch.Tensor:
-    """A tensor of ``spec`` (shape, stride, dtype) on ``device``: floats uniform in
-    `MADE_UP_FLOATS`, zeros otherwise."""
-    shape, stride, dtype = spec
-    torch_dtype = TORCH_DTYPES[dtype]
-    span = max(_spec_bytes(spec) // torch_dtype.itemsize, 1)
-    if torch_dtype.is_floating_point:
-        base = torch.empty(span, dtype=torch_dtype, device=device).uniform_(*MADE_UP_FLOATS)
+def made_up(
+    shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    """A tensor of that shape, stride and dtype on ``device``: floats uniform in `MADE_UP_FLOATS`,
+    zeros otherwise (valid indices and masks)."""
+    span = _span(shape, stride)
+    if dtype.is_floating_point:
+        base = torch.empty(span, dtype=dtype, device=device).uniform_(*MADE_UP_FLOATS)
     else:
-        base = torch.zeros(span, dtype=torch_dtype, device=device)
+        base = torch.zeros(span, dtype=dtype, device=device)
     return base.as_strided(shape, stride)
+
+
+def _call_values(call: Mapping[str, Any], device: str) -> tuple[list, dict]:
+    """A call's arguments and keywords (`op_samples.call_json`'s form) with made-up tensors."""
+
+    def tensor(spec: Sequence) -> torch.Tensor:
+        shape, stride, dtype = spec
+        return made_up(shape, stride, TORCH_DTYPES[dtype], device)
+
+    args = call_values(call["args"], tensor, torch.device(device))
+    return args, {key: call_values(v, tensor, torch.device(device)) for key, v in call["kwargs"].items()}
+
+
+def _sync(device: str) -> Callable[[], None]:
+    """What waits for ``device``'s queued work: CUDA's synchronize, or nothing."""
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
 def _tensors(value: Any) -> list[list]:
@@ -92,7 +107,7 @@ def call_floor_us(device: str) -> float:
     hold."""
     x = torch.zeros(1, device=device)
     alias = torch.ops.aten.alias.default
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = _sync(device)
     best = math.inf
     for _ in range(FLOOR_CALLS):
         sync()
@@ -107,15 +122,10 @@ def _run_call(call: dict, device: str) -> float:
     """The least time (us) of ``REPEATS`` runs of a call, after a first that warms it, less
     `call_floor_us` (at least 0)."""
     func = call_overload(call)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def made(spec: Sequence) -> torch.Tensor:
-        return _made_up(spec, device)
-
+    sync = _sync(device)
     best = math.inf
     for k in range(REPEATS + 1):
-        args = call_values(call["args"], made, torch.device(device))
-        kwargs = {key: call_values(v, made, torch.device(device)) for key, v in call["kwargs"].items()}
+        args, kwargs = _call_values(call, device)
         sync()
         start = time.perf_counter()
         func(*args, **kwargs)
@@ -127,32 +137,13 @@ def _run_call(call: dict, device: str) -> float:
 
 def _scratch_bytes(call: dict, device: str) -> int:
     """The bytes a call's kernel holds at its peak beyond what it returns: the allocator's largest
-    total during the call less its total when the call returns (the profiler's "Total Allocated"
-    of each allocation and free, on the CPU's allocator and CUDA's), after a first run that warms
-    it (a kernel's one-time caches)."""
+    total during the call less its total when the call returns (`allocator_profile.py`), after a
+    first run that warms it (a kernel's one-time caches)."""
     func = call_overload(call)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-
-    def made(spec: Sequence) -> torch.Tensor:
-        return _made_up(spec, device)
-
-    args = call_values(call["args"], made, torch.device(device))
-    kwargs = {key: call_values(v, made, torch.device(device)) for key, v in call["kwargs"].items()}
+    args, kwargs = _call_values(call, device)
     func(*args, **kwargs)
-    with tempfile.TemporaryDirectory() as folder:
-        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-            out = func(*args, **kwargs)
-        path = os.path.join(folder, "scratch.json")
-        prof.export_chrome_trace(path)
-        with open(path) as file:
-            events = json.load(file)["traceEvents"]
-    del out
-    totals = [
-        int(e["args"].get("Total Allocated", 0))
-        for e in sorted((e for e in events if e.get("name") == MEMORY_EVENT), key=lambda e: e["ts"])
-    ]
+    outputs = []  # held past the profile: what the call returns is not its scratch
+    totals = allocator_totals(profiled_events(lambda: outputs.append(func(*args, **kwargs)), device))
     return max(max(totals) - totals[-1], 0) if totals else 0
 
 
@@ -192,7 +183,6 @@ def probe(samples: Iterable[OpSample], device: str = "cpu", seconds: float = 5.0
 
 
 if __name__ == "__main__":
-    quiet_kineto()
     serve(
         lambda call, request: (_scratch_bytes if request.get("measure") == "scratch" else _run_call)(
             call, request["device"]

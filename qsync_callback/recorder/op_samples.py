@@ -185,6 +185,27 @@ def _recorded_flops(name: str, args_key: str) -> float:
     return float(counter.get_total_flops())
 
 
+@functools.cache
+def op_class(name: str, flops: float = 0.0) -> str:
+    """The kind of op ``name`` is, by torch's own tags: ``"pointwise"``, ``"reduction"``, ``"view"``
+    (returns an alias of an input), ``"compute"`` (has FLOPs: matmuls, convolutions), ``"other"``."""
+    if flops > 0:
+        return "compute"
+    packet = aten_packet(name)
+    overloads = packet.overloads() if packet is not None else []
+    if not overloads:
+        return "other"
+    overload = getattr(packet, overloads[0])
+    tags = set(overload.tags)
+    if torch.Tag.pointwise in tags:
+        return "pointwise"
+    if torch.Tag.reduction in tags:
+        return "reduction"
+    if any(r.alias_info is not None for r in overload._schema.returns):
+        return "view"
+    return "other"
+
+
 def recorded_flops(name: str, args: Mapping[str, Any]) -> float:
     """The FLOPs of a recorded op (its Kineto ``args``) by torch's formula; 0 without one."""
     packet = aten_packet(name)

@@ -61,8 +61,8 @@ from qsync_callback.model_layers import layer_table, layers_of
 from qsync_callback.plan import module_layers
 from qsync_callback.recorder.flop_formulas import flop_registry
 from qsync_callback.recorder.module_calls import activation_refusals
-from qsync_callback.recorder.op_probes import MADE_UP_FLOATS, MAX_PROBE_BYTES, SCRATCH_SECONDS, scratch_bytes
-from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, call_json, call_overload, op_key
+from qsync_callback.recorder.op_probes import MAX_PROBE_BYTES, SCRATCH_SECONDS, made_up, scratch_bytes
+from qsync_callback.recorder.op_samples import KINETO_DTYPES, OpSample, call_json, op_class, op_key
 from qsync_callback.recorder.trace import Op, Step, Trace
 
 STEP_INDEX = 1  # the traced step (the first, untraced, builds the gradients and optimizer state)
@@ -144,6 +144,12 @@ class _StepRecorder(TorchDispatchMode):
             self.memory_events.append([self._clock(), addr, size, op_id])
         self._refs[key] = weakref.ref(storage, self._freed(key, addr, size))
         return addr
+
+    def hold_within(self, op_id: int, nbytes: int) -> None:
+        """An allocation of ``nbytes`` no tensor shows, made as op ``op_id`` starts and freed before
+        the next op (a kernel's scratch)."""
+        addr, self._next_address = self._next_address, self._next_address + 1
+        self.memory_events += [[float(op_id), addr, nbytes, op_id], [op_id + 0.25, addr, -nbytes, op_id]]
 
     def _freed(self, key: int, addr: int, nbytes: int) -> Callable[[weakref.ref], None]:
         def freed(_: weakref.ref) -> None:
@@ -284,7 +290,8 @@ def symbolic_trace(
         batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
     with fake_mode:  # an optimizer that makes its state when built (Adagrad) makes it fake
         optimizers = _optimizers(model)
-    distinct_ops = {} if distinct_ops is None else distinct_ops
+    if distinct_ops is None and scratch_seconds > 0:  # the scratch is measured per distinct call
+        distinct_ops = {}
     recorder = _StepRecorder(model, distinct_ops, fake=fake)
     shapes = [list(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     try:
@@ -308,7 +315,7 @@ def symbolic_trace(
     finally:
         recorder.closed = True
         recorder.remove()
-    scratch = _add_scratch(recorder, distinct_ops.values(), device, scratch_seconds)
+    scratch = _add_scratch(recorder, (distinct_ops or {}).values(), device, scratch_seconds)
     end = float(len(recorder.ops))
     return Trace(
         rank=0,
@@ -341,16 +348,15 @@ def real_output_shapes(
     if sum(t.untyped_storage().nbytes() for t in tensors) > MAX_PROBE_BYTES:
         return None
 
-    def made_up(value: Any) -> Any:
+    def real(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-        return real.uniform_(*MADE_UP_FLOATS) if value.dtype.is_floating_point else real.zero_()
+        return made_up(value.shape, value.stride(), value.dtype, value.device)
 
     # the random numbers a random op draws here are not the run's (a live run's check_fit traces too)
     with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
         try:
-            out = func(*tree_map(made_up, args), **tree_map(made_up, kwargs))
+            out = func(*tree_map(real, args), **tree_map(real, kwargs))
         except (RuntimeError, ValueError, TypeError, IndexError):
             return None
         return [
@@ -362,38 +368,26 @@ def _add_scratch(recorder: _StepRecorder, samples: Iterable[OpSample], device: s
     """Add to the recorder's memory each op's kernel scratch (`op_probes.scratch_bytes`: its
     distinct calls that are neither views nor pointwise, each run on made-up values in a child
     process), allocated as the op starts and freed before the next; what was measured, as a line."""
+    if seconds <= 0:
+        return "not measured"
     calls = {
-        op_key(s.name, s.shapes, s.dtypes): s.call for s in samples if s.call and _may_hold_scratch(s.call)
+        op_key(s.name, s.shapes, s.dtypes): s.call
+        for s in samples
+        if s.call and op_class(s.name) not in ("pointwise", "view")  # those allocate only their outputs
     }
-    if seconds <= 0 or not calls:
+    if not calls:
         return "not measured"
     sized = dict(zip(calls, scratch_bytes(list(calls.values()), device, seconds), strict=True))
     with_scratch = 0
-    for op in list(recorder.ops):
+    for op in recorder.ops:
         nbytes = sized.get(op_key(op.name, op.input_shapes, op.input_dtypes))
         if nbytes:
-            addr, recorder._next_address = recorder._next_address, recorder._next_address + 1
-            recorder.memory_events += [
-                [float(op.id), addr, nbytes, op.id],
-                [op.id + 0.25, addr, -nbytes, op.id],
-            ]
+            recorder.hold_within(op.id, nbytes)
             with_scratch += 1
     measured = sum(v is not None for v in sized.values())
     return (
         f"kernel scratch measured on made-up values for {measured} of {len(calls)} distinct calls "
         f"(recorder/op_probes.py), held by {with_scratch} ops"
-    )
-
-
-def _may_hold_scratch(call: Mapping[str, Any]) -> bool:
-    """Whether a call's kernel may allocate beyond its outputs: not a view, not a pointwise op (nor
-    an op torch.ops does not resolve)."""
-    try:
-        overload = call_overload(call)
-    except (AttributeError, RuntimeError):
-        return False
-    return torch.Tag.pointwise not in overload.tags and not any(
-        r.alias_info is not None for r in overload._schema.returns
     )
 
 
