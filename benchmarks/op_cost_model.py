@@ -49,6 +49,7 @@ from qsync_callback.estimate import PROBE_SECONDS, probe_order
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.predictor.op_costs import priced
 from qsync_callback.predictor.tvm_features import tvm_available
+from qsync_callback.recorder.data_loading import DataLoading
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_samples import OpSample, op_samples, samples_document
 from qsync_callback.recorder.roofline import roofline
@@ -80,12 +81,21 @@ def measured_steps_ms(runs: Path, model: str) -> list[float]:
 
 
 def predicted_step_ms(
-    trace: Trace, model: OpCostModel | None, probed: list[OpSample] = (), calls: dict | None = None
+    trace: Trace,
+    model: OpCostModel | None,
+    probed: list[OpSample] = (),
+    calls: dict | None = None,
+    data: DataLoading | None = None,
 ) -> float:
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
-    return build_report([priced(trace, roofline("cpu", dtypes), model, probed, calls)])["predicted"][
-        "step_ms"
-    ]
+    trace = priced(trace, roofline("cpu", dtypes), model, probed, calls, data)
+    return build_report([trace])["predicted"]["step_ms"]
+
+
+def data_loading(estimate_dir: Path) -> DataLoading | None:
+    """The data loader's fetch the estimate worker timed (None in runs from before it did)."""
+    timed = json.loads((estimate_dir / "estimate.json").read_text()).get("data_loading")
+    return DataLoading(**timed) if timed else None
 
 
 def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[float, float]:
@@ -132,17 +142,18 @@ def held_out(
     trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
     probes = json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())
     probe_s = json.loads((estimate_dir / "estimate.json").read_text())["probe_s"]
+    data = data_loading(estimate_dir)
     probed = timed_within_budget(trace, [OpSample(**p) for p in probes], cost_model, probe_s)
     runs_ms = measured_steps_ms(runs, model)
     measured = statistics.median(runs_ms)
-    learned = predicted_step_ms(trace, cost_model, probed)
-    features_only = predicted_step_ms(trace, cost_model)
-    rooflined = predicted_step_ms(trace, None)
+    learned = predicted_step_ms(trace, cost_model, probed, data=data)
+    features_only = predicted_step_ms(trace, cost_model, data=data)
+    rooflined = predicted_step_ms(trace, None, data=data)
     mape, weighted = op_errors(cost_model, documents[model])
     if tvm_cache is not None:
         tvm_probed = timed_within_budget(trace, [OpSample(**p) for p in probes], tvm_model, probe_s)
-        tvm_learned = predicted_step_ms(trace, tvm_model, tvm_probed, calls)
-        tvm_alone = predicted_step_ms(trace, tvm_model, calls=calls)
+        tvm_learned = predicted_step_ms(trace, tvm_model, tvm_probed, calls, data)
+        tvm_alone = predicted_step_ms(trace, tvm_model, calls=calls, data=data)
         tvm_mape, tvm_weighted = op_errors(tvm_model, documents[model])
         with_tvm |= {
             "tvm_op_mape_pct": tvm_mape,
@@ -174,6 +185,7 @@ def held_out(
         "roofline_error_pct": 100 * (rooflined / measured - 1),
         "host_per_op_us": cost_model.host.per_op_us,
         "host_per_step_ms": cost_model.host.per_step_us / 1e3,
+        "data_loading_ms": None if data is None else data.us / 1e3,
     }
 
 

@@ -65,6 +65,7 @@ def symbolic_calls(model: str, run_dir: Path) -> dict[tuple, dict]:
 def estimate_worker(model: str, run_dir: Path) -> None:
     """The estimate of ``model``'s step, timed, with the bytes of its benchmark data set."""
     from qsync_callback.estimate import estimate
+    from qsync_callback.recorder.data_loading import time_data_loading
     from qsync_callback.recorder.op_probes import probe
     from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
@@ -72,7 +73,8 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     loader = spec.dataloader(MAX_STEPS)
     batch = next(iter(loader))
     start = time.perf_counter()
-    report = estimate(spec.build(), batch, learned=False)
+    data = time_data_loading(loader)
+    report = estimate(spec.build(), batch, learned=False, data=data)
     seconds = time.perf_counter() - start
     distinct_ops: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone
     symbolic_trace(spec.build(), batch, distinct_ops=distinct_ops).save(run_dir / SYMBOLIC_TRACE)
@@ -83,7 +85,13 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     save_calls(distinct_ops, run_dir / CALLS)
     held = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)
     one_batch = sum(t.untyped_storage().nbytes() for t in batch)
-    result = {"estimate": report, "seconds": seconds, "probe_s": probe_s, "data_set_bytes": held - one_batch}
+    result = {
+        "estimate": report,
+        "seconds": seconds,
+        "probe_s": probe_s,
+        "data_set_bytes": held - one_batch,
+        "data_loading": None if data is None else dataclasses.asdict(data),
+    }
     (run_dir / "estimate.json").write_text(json.dumps(result))
 
 

@@ -37,11 +37,18 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.estimate import batch_from_shapes, estimate, first_batch, format_estimate, load_module
+from qsync_callback.estimate import (
+    batch_from_shapes,
+    estimate,
+    format_estimate,
+    load_module,
+    train_dataloader,
+)
 from qsync_callback.liveness_report import format_liveness, liveness_of, write_liveness_files
 from qsync_callback.plan import LEVERS, PRECISIONS, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.predictor.predict import predict
+from qsync_callback.recorder.data_loading import time_data_loading
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import build_report, format_summary
 from qsync_callback.units import format_bytes
@@ -120,12 +127,19 @@ def _parser() -> argparse.ArgumentParser:
 def _estimate(args: argparse.Namespace) -> None:
     """``qsync estimate``: the module's step predicted on fake tensors."""
     module = load_module(args.target)
-    batch = batch_from_shapes(args.batch_shape) if args.batch_shape else first_batch(module)
-    if batch is None:
-        raise QSyncInputError(
-            f"{args.target}: no train_dataloader() to take a batch from; give --batch-shape"
-        )
-    report = estimate(module, batch, args.device, top=args.top, learned=not args.roofline, tvm=args.tvm)
+    data = None
+    if args.batch_shape:
+        batch = batch_from_shapes(args.batch_shape)
+    else:
+        loader = train_dataloader(module)
+        if loader is None:
+            raise QSyncInputError(
+                f"{args.target}: no train_dataloader() to take a batch from; give --batch-shape"
+            )
+        batch, data = next(iter(loader)), time_data_loading(loader)
+    report = estimate(
+        module, batch, args.device, top=args.top, learned=not args.roofline, tvm=args.tvm, data=data
+    )
     _out(json.dumps(report, indent=2) if args.json else format_estimate(report, top=args.top))
 
 

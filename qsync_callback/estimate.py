@@ -16,9 +16,11 @@ A model that needs real values (``.item()``, a shape that depends on the data) c
 tensors: the estimate says which op needed them and traces two real steps of a copy instead
 (``symbolic.tensors`` says so).
 
-The batch is the first batch of the module's own ``train_dataloader()`` (the only real data
-touched: one batch), or one made from ``--batch-shape``: tensors of those shapes, ``float32`` by
-default, ``SHAPE:DTYPE`` for another (``64,784 64:int64`` is an (x, y) pair).
+The batch is the first batch of the module's own ``train_dataloader()``, or one made from
+``--batch-shape``: tensors of those shapes, ``float32`` by default, ``SHAPE:DTYPE`` for another
+(``64,784 64:int64`` is an (x, y) pair). From the loader, a few more batches are fetched and timed
+(`recorder/data_loading.py`: the only other real data touched), as a step also fetches its next
+batch; with ``--batch-shape`` the step's time leaves that out, and ``symbolic.data_loading`` says so.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.predictor.op_cost_model import OpCostModel, device_model
 from qsync_callback.predictor.op_costs import priced
+from qsync_callback.recorder.data_loading import DataLoading
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_dataset import remember_probes
 from qsync_callback.recorder.op_probes import SCRATCH_SECONDS, probe
@@ -70,13 +73,15 @@ def estimate_trace(
     probe_seconds: float = PROBE_SECONDS,
     tvm: bool = False,
     scratch_seconds: float = SCRATCH_SECONDS,
+    data: DataLoading | None = None,
 ) -> Trace:
     """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
     ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
     learned model, its distinct ops are timed alone (`recorder/op_probes.py`, in `probe_order`,
     within ``probe_seconds``) and join the device's data set. ``tvm``: the learned model reads TVM's
     features of each op too (`predictor/tvm_features.py`). ``scratch_seconds``: the most spent
-    measuring its kernels' scratch (`symbolic_trace`)."""
+    measuring its kernels' scratch (`symbolic_trace`). ``data``: the step's data loader's fetch of a
+    batch (`recorder/data_loading.py`), added to the step (`op_costs.priced`)."""
     if cost_model is None and learned:
         cost_model = device_model(device, cache_dir, tvm=tvm)
     wanted = cost_model is not None and (probe_seconds > 0 or cost_model.tvm)
@@ -99,7 +104,7 @@ def estimate_trace(
             remember_probes(probed, device, cache_dir)
     dtypes = {d for op in trace.ops if op.flops for d in op.input_dtypes if d in FLOAT_DTYPES}
     calls = {key: sample.call for key, sample in (distinct_ops or {}).items()}
-    return priced(trace, roofline(device, dtypes, cache_dir), cost_model, probed, calls)
+    return priced(trace, roofline(device, dtypes, cache_dir), cost_model, probed, calls, data)
 
 
 def probe_order(trace: Trace, samples: Iterable[OpSample], cost_model: OpCostModel) -> list[OpSample]:
@@ -128,11 +133,12 @@ def estimate(
     cost_model: OpCostModel | None = None,
     learned: bool = True,
     tvm: bool = False,
+    data: DataLoading | None = None,
 ) -> dict[str, Any]:
     """The estimate of one training step of LightningModule ``module`` on ``batch`` (see the module
-    docstring), as a ``report.json``-shaped dict; ``cost_model``, ``learned`` and ``tvm`` as
-    `estimate_trace`."""
-    trace = estimate_trace(module, batch, device, cost_model=cost_model, learned=learned, tvm=tvm)
+    docstring), as a ``report.json``-shaped dict; ``cost_model``, ``learned``, ``tvm`` and ``data``
+    (`recorder/data_loading.time_data_loading` of the module's loader) as `estimate_trace`."""
+    trace = estimate_trace(module, batch, device, cost_model=cost_model, learned=learned, tvm=tvm, data=data)
     report = build_report([trace], top=top)
     for measured_only in (
         "measured",
@@ -157,6 +163,7 @@ def format_estimate(report: dict[str, Any], top: int = 10) -> str:
         "  peak by kind: "
         + ", ".join(f"{kind} {format_bytes(b)}" for kind, b in predicted["memory_breakdown"].items() if b),
         f"  durations: {report['symbolic']['durations']}",
+        f"  data loading: {report['symbolic']['data_loading']}",
         f"  top ops by predicted time (of {len(report['ops'])} shown):",
     ]
     for op in report["ops"][:top]:
@@ -193,16 +200,15 @@ def load_module(target: str) -> nn.Module:
         raise QSyncInputError(f"{target}: cannot be built with no arguments ({error})") from error
 
 
-def first_batch(module: nn.Module) -> Any:
-    """The first batch of the module's ``train_dataloader()``."""
+def train_dataloader(module: nn.Module) -> Iterable | None:
+    """The module's ``train_dataloader()``, or None where it has none."""
     loader_of = getattr(module, "train_dataloader", None)
     try:
-        loader = loader_of() if callable(loader_of) else None
+        return loader_of() if callable(loader_of) else None
     except Exception as error:  # noqa: BLE001 - Lightning's hook, not overridden, raises its own kind
         if type(error).__name__ == "MisconfigurationException":
             return None
         raise
-    return next(iter(loader)) if loader is not None else None
 
 
 def batch_from_shapes(text: Sequence[str]) -> torch.Tensor | tuple[torch.Tensor, ...]:

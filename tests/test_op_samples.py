@@ -87,6 +87,8 @@ def test_a_recorded_run_adds_its_measured_ops_to_the_devices_data_set(recorded):
     assert document["steps"] and all(
         s["ops"] > 0 and 0 < s["ops_us"] < s["step_us"] for s in document["steps"]
     )
+    # each step fetched its next batch from the loader (TensorDataset's rows, collated): timed apart
+    assert all(0 < s["data_us"] < s["step_us"] - s["ops_us"] for s in document["steps"])
     names = {op["name"] for op in document["ops"]}
     assert {"aten::convolution", "aten::addmm", "aten::convolution_backward"} <= names
     assert all(op["us"] >= 0 and op["count"] >= 1 for op in document["ops"])

@@ -21,6 +21,7 @@ from qsync_callback import QSyncCallback
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.estimate import batch_from_shapes, estimate, estimate_trace
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.data_loading import DataLoading
 from qsync_callback.recorder.live_memory import live_storages
 from qsync_callback.recorder.op_dataset import add_to_dataset
 from qsync_callback.recorder.roofline import roofline
@@ -248,6 +249,57 @@ def test_the_estimate_is_a_report_without_measured_figures():
     # forward: both layers; backward: both weights' gradients and the hidden's (the batch needs none)
     assert report["symbolic"]["flops"] == 4 * BATCH * WIDTH * HIDDEN + 6 * BATCH * HIDDEN * CLASSES
     assert report["ops"][0]["name"] in {"aten::mm", "aten::addmm"}
+
+
+def test_a_timed_data_loader_adds_its_fetch_to_the_step_and_says_so():
+    alone = estimate(Net(), _batch(), learned=False)
+    fetched = estimate(Net(), _batch(), learned=False, data=DataLoading(us=5000.0, batches=4, workers=0))
+    assert alone["symbolic"]["data_loading"].startswith("not timed (no data loader)")
+    assert fetched["symbolic"]["data_loading"] == (
+        "timed from the module's train_dataloader(): 5.00 ms a batch, fetched in the step "
+        "(the median of 4 timed)"
+    )
+    # the roofline's figures are read from its cache: the two steps differ by the fetch alone
+    assert fetched["predicted"]["step_ms"] - alone["predicted"]["step_ms"] == pytest.approx(5.0, abs=0.01)
+
+
+MODULE_WITH_LOADER = """
+import torch
+from torch import nn
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(32, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        x, y = torch.randn(16 * 8, 32), torch.randint(0, 4, (16 * 8,))
+        return DataLoader(TensorDataset(x, y), batch_size=16)
+"""
+
+
+def test_qsync_estimate_takes_its_batch_from_the_modules_loader_and_times_its_fetch(tmp_path):
+    (tmp_path / "with_loader.py").write_text(MODULE_WITH_LOADER)
+    done = subprocess.run(
+        [sys.executable, "-m", "qsync_callback.cli", "estimate", f"{tmp_path / 'with_loader.py'}:Model"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "data loading: timed from the module's train_dataloader():" in done.stdout
+    assert "fetched in the step (the median of 5 timed)" in done.stdout
 
 
 def test_qsync_estimate_on_the_example(tmp_path):

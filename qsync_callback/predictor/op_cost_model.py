@@ -17,7 +17,8 @@ one TVM cannot lower. Their worth is measured, not assumed: `benchmarks/op_cost_
 each family out with and without them.
 
 The host's time between ops (Python, autograd's bookkeeping, the optimizer's loop) is fitted apart,
-from the recorded steps: a step's length less its ops' time is ``per_step_us + per_op_us * ops``,
+from the recorded steps: a step's length less its ops' time and its data loader's fetch (timed
+apart by an estimate, `recorder/data_loading.py`) is ``per_step_us + per_op_us * ops``,
 by non-negative least squares (`HostCost`).
 
 Training data is this device's data set (`recorder/op_dataset.py`): no extra runs. The model is
@@ -99,9 +100,10 @@ class HostCost:
 
 
 def fit_host_cost(steps: Iterable[Mapping[str, float]]) -> HostCost:
-    """`HostCost` fitted on recorded steps (``step_us``, ``ops_us``, ``ops``) by non-negative least
-    squares; one op count alone gives a per-op cost only."""
-    rows = [(s["ops"], s["step_us"] - s["ops_us"]) for s in steps if s["ops"] > 0]
+    """`HostCost` fitted on recorded steps (``step_us``, ``ops_us``, ``ops``, and ``data_us``, the
+    data loader's fetch, which is not the host's here) by non-negative least squares; one op count
+    alone gives a per-op cost only."""
+    rows = [(s["ops"], s["step_us"] - s["ops_us"] - s.get("data_us", 0.0)) for s in steps if s["ops"] > 0]
     if not rows:
         return HostCost(0.0, 0.0)
     if len({n for n, _ in rows}) < 2:

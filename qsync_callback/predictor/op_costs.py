@@ -25,6 +25,7 @@ from typing import Any
 
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
+from qsync_callback.recorder.data_loading import DataLoading
 from qsync_callback.recorder.kineto import FLOAT_DTYPES
 from qsync_callback.recorder.op_samples import OpSample, op_key
 from qsync_callback.recorder.trace import Op, Trace
@@ -47,10 +48,12 @@ def priced(
     model: OpCostModel | None = None,
     probed: Sequence[OpSample] = (),
     calls: Mapping[tuple, Mapping[str, Any]] | None = None,
+    data: DataLoading | None = None,
 ) -> Trace:
     """A copy of symbolic ``trace`` whose ops last `op_us` (or ``model``'s prediction, with its host
     time; or, for an op ``probed`` at its shapes, the time measured), one after another from the
-    step's start, its memory events and step end moved with them. ``calls``: each distinct op's call
+    step's start, its memory events and step end moved with them, and the step ending after what
+    ``data``, its loader's fetch of the next batch, adds to it. ``calls``: each distinct op's call
     by `op_key` (the symbolic trace's ``distinct_ops``), for a model with TVM's features."""
     out = copy.copy(trace)
     out.ops = [copy.copy(op) for op in trace.ops]
@@ -110,7 +113,13 @@ def priced(
 
     out.memory_events = [[moved(ts), addr, nbytes, op_id] for ts, addr, nbytes, op_id in trace.memory_events]
     step = copy.copy(trace.steps[0])
-    step.end_us = max(clock + after_step, step.start_us + 1.0)
+    step.end_us = clock + after_step
+    if data is None:
+        loading = "not timed (no data loader): the step's time leaves out loading its batch"
+    else:
+        step.end_us += data.wait_us(step.end_us - step.start_us)
+        loading = f"timed from the module's train_dataloader(): {data.describe()}"
+    step.end_us = max(step.end_us, step.start_us + 1.0)
     out.steps = [step]
-    out.symbolic = {**trace.symbolic, "durations": source}
+    out.symbolic = {**trace.symbolic, "durations": source, "data_loading": loading}
     return out

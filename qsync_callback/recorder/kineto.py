@@ -47,6 +47,7 @@ BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 OPTIMIZER_ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
+DATA_LOADER_PREFIX = "enumerate(DataLoader)#"  # a DataLoader iterator's fetch of one batch
 DDP_COPY_BACK = "copy_bucket_to_grad"
 C10D_PREFIX = "c10d::"
 _COMM_NAME = re.compile(r"^(gloo|nccl|mpi|ucc):(?!barrier)(\w+)", re.IGNORECASE)

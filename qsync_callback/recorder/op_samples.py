@@ -21,7 +21,9 @@ them without counting. Each such event is one sample:
   features (`predictor/tvm_features.py`) lower and what `op_probes.py` times.
 
 Each recorded step also gives the host's share: the step's length, less the profiler's cost of all
-its events, less its samples' time, over the number of samples (`StepSample`). Samples of one
+its events, less its data loader's fetch of the next batch (``data_us``: what a symbolic trace does
+not see and an estimate times apart, `estimate.data_loading_ms`), less its samples' time, over the
+number of samples (`StepSample`). Samples of one
 trace with the same name, shapes and dtypes are merged (the median of their times, and a count).
 """
 
@@ -41,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from qsync_callback.recorder.flop_formulas import flop_registry
 from qsync_callback.recorder.kineto import (
+    DATA_LOADER_PREFIX,
     DTYPE_BYTES,
     MEMORY_EVENT,
     OPTIMIZER_STEP_PREFIX,
@@ -82,11 +85,12 @@ class OpSample:
 @dataclass
 class StepSample:
     """One recorded step: its length with the profiler's cost taken off, the time of its
-    dispatch-level ops, and how many there were."""
+    dispatch-level ops, how many there were, and its data loader's fetch (the same cost off)."""
 
     step_us: float
     ops_us: float
     ops: int
+    data_us: float = 0.0
 
 
 def op_key(name: str, shapes: Any, dtypes: Any) -> tuple[str, str, str]:
@@ -380,7 +384,12 @@ def op_samples(
                 count += 1
             stack.append((end, not is_aten or decomposes(name)))
         step_us = step_end - step_start - cost_within(step_start, step_end)
-        steps.append(StepSample(step_us=step_us, ops_us=ops_us, ops=count))
+        data_us = sum(
+            float(e.get("dur", 0)) - cost_within(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+            for e in thread[lo:hi]
+            if e.get("ph") == "X" and e.get("name", "").startswith(DATA_LOADER_PREFIX)
+        )
+        steps.append(StepSample(step_us=step_us, ops_us=ops_us, ops=count, data_us=max(data_us, 0.0)))
     samples = [
         OpSample(
             name,

@@ -1,0 +1,64 @@
+"""A data loader's fetch of one batch, timed before any step: the part of a training step that a
+symbolic trace cannot see, as it traces from a batch in hand (`symbolic_trace.py`).
+
+`time_data_loading` draws batches from the loader, as Lightning's loop does once a step, and times
+each ``next()`` in this process after the first (which starts the iterator, and its workers where
+it has any). A loader without workers fetches inside the step, so all of a fetch adds to it. With
+workers, batches are made in other processes while the step runs, and the step waits only for what
+their making takes beyond it (`DataLoading.wait_us`); the first ``prefetch_factor * num_workers``
+fetches after the first come from what the workers made ahead, so they are drawn and not timed.
+In a recorded step the same fetch is the profiler's ``enumerate(DataLoader)#`` range
+(`op_samples.StepSample.data_us`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+BATCHES = 5  # fetches timed, at most
+SECONDS = 1.0  # the most spent timing them
+
+
+@dataclass(frozen=True)
+class DataLoading:
+    """The median time (us) of a batch's fetch in this process, of ``batches`` timed, and the
+    loader's worker processes (0: it fetches in this process)."""
+
+    us: float
+    batches: int
+    workers: int
+
+    def wait_us(self, step_us: float) -> float:
+        """What fetching a batch adds to a step whose other work takes ``step_us``."""
+        return self.us if self.workers == 0 else max(self.us - step_us, 0.0)
+
+    def describe(self) -> str:
+        where = "in the step" if self.workers == 0 else f"by {self.workers} workers, beside the step"
+        return f"{self.us / 1e3:.2f} ms a batch, fetched {where} (the median of {self.batches} timed)"
+
+
+def time_data_loading(
+    loader: Iterable, batches: int = BATCHES, seconds: float = SECONDS
+) -> DataLoading | None:
+    """``loader``'s fetch of a batch timed (see the module docstring), within about ``seconds``;
+    None when it has fewer than two batches."""
+    workers = int(getattr(loader, "num_workers", 0) or 0)
+    ahead = workers * int(getattr(loader, "prefetch_factor", 0) or 0)
+    iterator = iter(loader)
+    deadline = time.monotonic() + seconds
+    times: list[float] = []
+    try:
+        for _ in range(1 + ahead):
+            next(iterator)
+        while len(times) < batches and time.monotonic() < deadline:
+            start = time.perf_counter()
+            next(iterator)
+            times.append((time.perf_counter() - start) * 1e6)
+    except StopIteration:
+        pass
+    finally:
+        del iterator  # a loader's workers stop with their iterator
+    return DataLoading(statistics.median(times), len(times), workers) if times else None

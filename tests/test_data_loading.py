@@ -1,0 +1,52 @@
+"""A data loader's fetch of a batch timed before any step (`recorder/data_loading.py`), and what
+it adds to an estimated step (`predictor/op_costs.priced`)."""
+
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from qsync_callback.recorder.data_loading import DataLoading, time_data_loading
+
+ITEM_SECONDS = 0.002
+
+
+class SlowItems(Dataset):
+    """Items that take at least ``ITEM_SECONDS`` each to make, as decoding a sample does."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.made = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(ITEM_SECONDS)
+        self.made += 1
+        return torch.full((8,), float(i))
+
+
+def test_a_fetch_in_the_step_is_timed_after_the_first_and_adds_all_of_itself():
+    items = SlowItems(4 * 10)
+    timed = time_data_loading(DataLoader(items, batch_size=4), batches=3, seconds=10.0)
+    assert timed is not None and timed.workers == 0 and timed.batches == 3
+    assert timed.us >= 4 * ITEM_SECONDS * 1e6  # four items of a batch, each slept for
+    assert items.made == 4 * (1 + 3)  # the first batch untimed, then three: no more drawn
+    assert timed.wait_us(123.0) == timed.us
+
+
+def test_a_loader_of_one_batch_has_no_fetch_to_time():
+    assert time_data_loading(DataLoader(SlowItems(4), batch_size=4)) is None
+
+
+def test_with_workers_the_step_waits_only_for_what_their_making_takes_beyond_it():
+    loader = DataLoader(SlowItems(4 * 40), batch_size=4, num_workers=2, prefetch_factor=2)
+    timed = time_data_loading(loader, batches=3, seconds=30.0)
+    assert timed is not None and timed.workers == 2 and timed.batches == 3
+    assert timed.wait_us(timed.us + 1.0) == 0.0
+    assert timed.wait_us(timed.us / 4) == pytest.approx(0.75 * timed.us)
+    assert "by 2 workers, beside the step" in timed.describe()
+    in_step = DataLoading(us=2000.0, batches=5, workers=0)
+    assert in_step.wait_us(1e9) == 2000.0 and "in the step" in in_step.describe()
