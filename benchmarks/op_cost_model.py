@@ -183,8 +183,7 @@ def held_out(
         "learned_error_pct": 100 * (learned / measured - 1),
         "roofline_step_ms": rooflined,
         "roofline_error_pct": 100 * (rooflined / measured - 1),
-        "host_per_op_us": cost_model.host.per_op_us,
-        "host_per_step_ms": cost_model.host.per_step_us / 1e3,
+        "host_per_step_ms": cost_model.host_us / 1e3,
         "data_loading_ms": None if data is None else data.us / 1e3,
     }
 

@@ -15,10 +15,9 @@ from qsync_callback.predictor.op_cost_model import (
     NOMINAL_BYTES_PER_US,
     NOMINAL_CALL_US,
     NOMINAL_FLOPS_PER_US,
-    HostCost,
     OpCostModel,
     device_model,
-    fit_host_cost,
+    host_time_us,
     nominal_us,
     op_features,
 )
@@ -53,24 +52,26 @@ def test_too_few_ops_make_no_model_and_the_estimate_says_roofline(tmp_path):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    per_step=st.floats(0, 5e4),
-    per_op=st.floats(0, 50),
-    counts=st.lists(st.integers(1, 5000), min_size=2, max_size=8, unique=True),
+    host=st.floats(0, 5e4),
+    steps=st.lists(
+        st.tuples(st.integers(1, 5000), st.floats(0, 1e6), st.floats(0, 1e4)), min_size=1, max_size=8
+    ),
 )
-def test_the_host_cost_fit_recovers_exact_data(per_step, per_op, counts):
-    steps = [{"ops": n, "ops_us": 1000.0 * n, "step_us": 1000.0 * n + per_step + per_op * n} for n in counts]
-    fitted = fit_host_cost(steps)
-    assert fitted.per_step_us == pytest.approx(per_step, abs=1e-3 * (1 + per_step))
-    assert fitted.per_op_us == pytest.approx(per_op, abs=1e-3 * (1 + per_op))
-
-
-def test_one_op_count_gives_a_per_op_host_cost_only():
-    steps = [
-        {"ops": 100, "ops_us": 1000.0, "step_us": 1500.0},
-        {"ops": 100, "ops_us": 1000.0, "step_us": 1700.0},
+def test_the_host_time_is_what_a_step_spends_outside_its_ops_and_its_data_loaders_fetch(host, steps):
+    recorded = [
+        {"ops": n, "ops_us": ops_us, "data_us": data_us, "step_us": ops_us + data_us + host}
+        for n, ops_us, data_us in steps
     ]
-    assert fit_host_cost(steps) == HostCost(0.0, 6.0)
-    assert fit_host_cost([]) == HostCost(0.0, 0.0)
+    assert host_time_us(recorded) == pytest.approx(host, abs=1e-6 * (1 + host + max(o for _, o, _ in steps)))
+
+
+def test_the_host_time_is_the_steps_median_one_stall_does_not_move_it():
+    gaps = [500.0, 700.0, 600.0, 90_000.0, 650.0]  # one step stalled (a collection, a page fault)
+    steps = [{"ops": 10, "ops_us": 1000.0, "step_us": 1000.0 + gap} for gap in gaps]
+    assert host_time_us(steps) == 650.0
+    # steps recorded before the fetch was kept apart have none; a step with no ops is not a step
+    assert host_time_us([*steps, {"ops": 0, "ops_us": 0.0, "step_us": 5e6}]) == 650.0
+    assert host_time_us([]) == 0.0
 
 
 def test_the_data_set_keeps_one_document_per_source_and_the_newest(tmp_path):

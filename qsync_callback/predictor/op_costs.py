@@ -5,7 +5,7 @@ roofline (`recorder/roofline.py`).
 On the roofline, an op costs the dispatcher's per-op time plus the larger of its FLOPs at the
 matmul rate of its first floating-point input's dtype and its bytes (its tensor inputs read, what it allocates
 written) at the measured bandwidth. The learned model prices each op by its features and adds
-the host's time it fitted: a per-op share before each op, a per-step share at the step's end. The
+the host's time it took from the recorded steps at the step's end. The
 ops run one after another from the step's start, and the trace's memory events move with the op
 they fell in. An op type the learned model never saw measured is timed alone where it could be
 (`recorder/op_probes.py`), its time taken as measured; an op of a type it knows that was timed
@@ -58,7 +58,7 @@ def priced(
     out = copy.copy(trace)
     out.ops = [copy.copy(op) for op in trace.ops]
     if model is None:
-        durations, before_op, after_step = [op_us(op, roofline) for op in out.ops], 0.0, 0.0
+        durations, host_us = [op_us(op, roofline) for op in out.ops], 0.0
         source = f"predicted by this machine's roofline (recorder/roofline.py; {roofline.get('source', '')})"
     else:
         durations = model.predict_us(
@@ -74,7 +74,7 @@ def priced(
                 for op in out.ops
             ]
         )
-        before_op, after_step = model.host.per_op_us, model.host.per_step_us
+        host_us = model.host_us
         measured = {op_key(s.name, s.shapes, s.dtypes): s.us for s in probed}
         blended = set()
         for k, op in enumerate(out.ops):
@@ -102,7 +102,6 @@ def priced(
     starts: list[float] = []
     clock = trace.steps[0].start_us
     for op, duration in zip(out.ops, durations, strict=False):
-        clock += before_op
         starts.append(clock)
         op.start_us, op.dur_us = clock, duration
         clock += op.dur_us
@@ -113,7 +112,7 @@ def priced(
 
     out.memory_events = [[moved(ts), addr, nbytes, op_id] for ts, addr, nbytes, op_id in trace.memory_events]
     step = copy.copy(trace.steps[0])
-    step.end_us = clock + after_step
+    step.end_us = clock + host_us
     if data is None:
         loading = "not timed (no data loader): the step's time leaves out loading its batch"
     else:
