@@ -20,7 +20,7 @@ The host's time between ops (Python, autograd's bookkeeping, the optimizer's and
 is taken apart from the recorded steps: a step's length less its ops' time and its data loader's
 fetch (timed apart by an estimate, `recorder/data_loading.py`), the median over the steps
 (`host_time_us`), one figure a step. A share per op fitted beside it (least squares) extrapolated
-badly to steps of many more ops than the training steps had: a GRU's 3106 against 100-750, 16 ms
+badly to steps of many more ops than the training steps had: a GRU's 3106 against 100-750, 22 ms
 of host time predicted against 7.5 measured (`benchmarks/op_cost_model.py`).
 
 Training data is this device's data set (`recorder/op_dataset.py`): no extra runs. The model is
