@@ -28,13 +28,45 @@ class SlowItems(Dataset):
         return torch.full((8,), float(i))
 
 
+class CountedBatches:
+    """An iterable of batches that counts those drawn, with a DataLoader's worker settings."""
+
+    def __init__(self, num_workers: int, prefetch_factor: int | None):
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.drawn = 0
+
+    def __iter__(self):
+        while True:
+            self.drawn += 1
+            yield self.drawn
+
+
 def test_a_fetch_in_the_step_is_timed_after_the_first_and_adds_all_of_itself():
     items = SlowItems(4 * 10)
+    start = time.perf_counter()
     timed = time_data_loading(DataLoader(items, batch_size=4), batches=3, seconds=10.0)
+    elapsed_us = (time.perf_counter() - start) * 1e6
     assert timed is not None and timed.workers == 0 and timed.batches == 3
     assert timed.us >= 4 * ITEM_SECONDS * 1e6  # four items of a batch, each slept for
+    assert timed.us <= elapsed_us / 2  # the median of three fetches made within the call
     assert items.made == 4 * (1 + 3)  # the first batch untimed, then three: no more drawn
     assert timed.wait_us(123.0) == timed.us
+    assert timed.describe().endswith("ms a batch, fetched in the step (the median of 3 timed)")
+    assert DataLoading(us=12340.0, batches=5, workers=0).describe() == (
+        "12.34 ms a batch, fetched in the step (the median of 5 timed)"
+    )
+
+
+def test_the_batches_workers_made_ahead_are_drawn_before_any_is_timed():
+    ahead = CountedBatches(num_workers=2, prefetch_factor=3)
+    assert time_data_loading(ahead, batches=4).workers == 2
+    assert ahead.drawn == 1 + 2 * 3 + 4
+    plain = CountedBatches(num_workers=0, prefetch_factor=None)
+    assert time_data_loading(plain, batches=4).workers == 0 and plain.drawn == 1 + 4
+    # an iterable that is no DataLoader fetches in this process: no workers, nothing made ahead
+    drawn = []
+    timed = time_data_loading(drawn.append(k) or k for k in range(10))
+    assert timed is not None and timed.workers == 0 and len(drawn) == 1 + timed.batches
 
 
 def test_a_loader_of_one_batch_has_no_fetch_to_time():

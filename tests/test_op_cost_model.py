@@ -71,6 +71,7 @@ def test_the_host_time_is_the_steps_median_one_stall_does_not_move_it():
     assert host_time_us(steps) == 650.0
     # steps recorded before the fetch was kept apart have none; a step with no ops is not a step
     assert host_time_us([*steps, {"ops": 0, "ops_us": 0.0, "step_us": 5e6}]) == 650.0
+    assert host_time_us([{"ops": 1, "ops_us": 10.0, "step_us": 30.0}]) == 20.0
     assert host_time_us([]) == 0.0
 
 
