@@ -7,6 +7,10 @@ it has any). A loader without workers fetches inside the step, so all of a fetch
 workers, batches are made in other processes while the step runs, and the step waits only for what
 their making takes beyond it (`DataLoading.wait_us`); the first ``prefetch_factor * num_workers``
 fetches after the first come from what the workers made ahead, so they are drawn and not timed.
+A fetch in this process is taken as the median of those timed (a stall in one does not move it);
+with workers, as their mean, the rate the workers make batches at: their batches come in bursts
+(two workers that finish together make one wait long and the next not at all), which a median
+reads as either.
 In a recorded step the same fetch is the profiler's ``enumerate(DataLoader)#`` range
 (`op_samples.StepSample.data_us`).
 """
@@ -24,8 +28,8 @@ SECONDS = 1.0  # the most spent timing them
 
 @dataclass(frozen=True)
 class DataLoading:
-    """The median time (us) of a batch's fetch in this process, of ``batches`` timed, and the
-    loader's worker processes (0: it fetches in this process)."""
+    """The time (us) of a batch's fetch in this process, of ``batches`` timed (their median, or
+    with workers their mean), and the loader's worker processes (0: it fetches in this process)."""
 
     us: float
     batches: int
@@ -36,8 +40,12 @@ class DataLoading:
         return self.us if self.workers == 0 else max(self.us - step_us, 0.0)
 
     def describe(self) -> str:
-        where = "in the step" if self.workers == 0 else f"by {self.workers} workers, beside the step"
-        return f"{self.us / 1e3:.2f} ms a batch, fetched {where} (the median of {self.batches} timed)"
+        if self.workers == 0:
+            return f"{self.us / 1e3:.2f} ms a batch, fetched in the step (the median of {self.batches} timed)"
+        return (
+            f"{self.us / 1e3:.2f} ms a batch, made by {self.workers} workers beside the step "
+            f"(the mean of {self.batches} timed)"
+        )
 
 
 def time_data_loading(
@@ -61,4 +69,7 @@ def time_data_loading(
         pass
     finally:
         del iterator  # a loader's workers stop with their iterator
-    return DataLoading(statistics.median(times), len(times), workers) if times else None
+    if not times:
+        return None
+    fetch_us = statistics.median(times) if workers == 0 else statistics.fmean(times)
+    return DataLoading(fetch_us, len(times), workers)
