@@ -81,6 +81,27 @@ def test_with_workers_a_fetch_is_their_rate_the_mean_not_the_median_of_a_burst()
     assert waited_us / 5 <= timed.us <= elapsed_us / 5
 
 
+class OneStall(CountedBatches):
+    """Batches made in this process, one of them stalled (a collection, a page fault)."""
+
+    def __init__(self):
+        super().__init__(num_workers=0, prefetch_factor=None)
+
+    def __iter__(self):
+        for k in super().__iter__():
+            if k == 3:
+                time.sleep(25 * ITEM_SECONDS)
+            yield k
+
+
+def test_in_this_process_a_fetch_is_the_median_one_stall_does_not_move_it():
+    timed = time_data_loading(OneStall(), batches=5, seconds=10.0)
+    assert timed.batches == 5 and timed.us < 5 * ITEM_SECONDS * 1e6  # the mean would be 10 of them
+    assert DataLoading(us=12340.0, batches=3, workers=2).describe() == (
+        "12.34 ms a batch, made by 2 workers beside the step (the mean of 3 timed)"
+    )
+
+
 def test_the_batches_workers_made_ahead_are_drawn_before_any_is_timed():
     ahead = CountedBatches(num_workers=2, prefetch_factor=3)
     assert time_data_loading(ahead, batches=4).workers == 2
