@@ -20,11 +20,11 @@ them without counting. Each such event is one sample:
   stride and dtype), rebuilt from Kineto's arguments where they can be: what the compiler-level
   features (`predictor/tvm_features.py`) lower and what `op_probes.py` times.
 
-Each recorded step also gives the host's share: the step's length, less the profiler's cost of all
+Each recorded step also gives the host's time: the step's length, less the profiler's cost of all
 its events, less its data loader's fetch of the next batch (``data_us``: what a symbolic trace does
-not see and an estimate times apart, `estimate.data_loading_ms`), less its samples' time, over the
-number of samples (`StepSample`). Samples of one
-trace with the same name, shapes and dtypes are merged (the median of their times, and a count).
+not see and an estimate times apart, `data_loading.py`), less its samples' time (`StepSample`).
+Samples of one trace with the same name, shapes and dtypes are merged (the median of their times,
+and a count).
 """
 
 from __future__ import annotations
