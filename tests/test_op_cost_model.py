@@ -15,9 +15,10 @@ from qsync_callback.predictor.op_cost_model import (
     NOMINAL_BYTES_PER_US,
     NOMINAL_CALL_US,
     NOMINAL_FLOPS_PER_US,
+    HostTime,
     OpCostModel,
     device_model,
-    host_time_us,
+    fit_host_time,
     nominal_us,
     op_features,
 )
@@ -62,17 +63,59 @@ def test_the_host_time_is_what_a_step_spends_outside_its_ops_and_its_data_loader
         {"ops": n, "ops_us": ops_us, "data_us": data_us, "step_us": ops_us + data_us + host}
         for n, ops_us, data_us in steps
     ]
-    assert host_time_us(recorded) == pytest.approx(host, abs=1e-6 * (1 + host + max(o for _, o, _ in steps)))
+    fitted = fit_host_time([{"steps": recorded}])  # one trace: one figure a step
+    assert fitted.per_op_us == fitted.per_byte_us == 0.0
+    assert fitted.per_step_us == pytest.approx(host, abs=1e-6 * (1 + host + max(o for _, o, _ in steps)))
 
 
-def test_the_host_time_is_the_steps_median_one_stall_does_not_move_it():
+@settings(max_examples=40, deadline=None)
+@given(
+    per_step=st.floats(0, 1e4),
+    per_op=st.floats(0, 20),
+    per_mib=st.floats(0, 50),
+    traces=st.lists(
+        st.tuples(st.integers(1, 5000), st.integers(0, 2**30), st.floats(0, 1e5)),
+        min_size=3,
+        max_size=8,
+        unique_by=(lambda t: t[0], lambda t: t[1]),
+    ),
+)
+def test_the_host_time_grows_with_the_steps_ops_and_the_bytes_they_allocate(
+    per_step, per_op, per_mib, traces
+):
+    truth = HostTime(per_step, per_op, per_mib / 2**20)
+    recorded = [
+        {
+            "steps": [
+                {"ops": n, "out_bytes": nbytes, "ops_us": ops_us, "data_us": 9.0, "step_us": ops_us + 9 + gap}
+                for gap in (truth.at(n, nbytes), truth.at(n, nbytes) + 1e5, truth.at(n, nbytes))  # one stall
+            ]
+        }
+        for n, nbytes, ops_us in traces
+    ]
+    fitted = fit_host_time(recorded)
+    for n, nbytes, _ in traces:  # exact data: the fit goes through every trace's median
+        assert fitted.at(n, nbytes) == pytest.approx(truth.at(n, nbytes), rel=1e-6, abs=1e-3)
+    assert min(fitted.per_step_us, fitted.per_op_us, fitted.per_byte_us) >= 0.0
+
+
+def test_the_host_time_is_one_figure_a_step_where_too_few_traces_differ_and_the_steps_median():
     gaps = [500.0, 700.0, 600.0, 90_000.0, 650.0]  # one step stalled (a collection, a page fault)
     steps = [{"ops": 10, "ops_us": 1000.0, "step_us": 1000.0 + gap} for gap in gaps]
-    assert host_time_us(steps) == 650.0
-    # steps recorded before the fetch was kept apart have none; a step with no ops is not a step
-    assert host_time_us([*steps, {"ops": 0, "ops_us": 0.0, "step_us": 5e6}]) == 650.0
-    assert host_time_us([{"ops": 1, "ops_us": 10.0, "step_us": 30.0}]) == 20.0
-    assert host_time_us([]) == 0.0
+    assert fit_host_time([{"steps": steps}]) == HostTime(650.0)
+    # a step with no ops is not a step
+    assert fit_host_time([{"steps": [*steps, {"ops": 0, "ops_us": 0.0, "step_us": 5e6}]}]) == HostTime(650.0)
+    assert fit_host_time([{"steps": [{"ops": 1, "ops_us": 10.0, "step_us": 30.0}]}]) == HostTime(20.0)
+    assert fit_host_time([]) == HostTime(0.0) == fit_host_time([{"steps": []}])
+    # three traces of distinct op counts, recorded before steps kept their bytes: no per-byte term
+    # can be fitted, so none is
+    old = [{"steps": [{"ops": n, "ops_us": 0.0, "step_us": 100.0 + n}]} for n in (10, 100, 1000)]
+    assert fit_host_time(old) == HostTime(200.0)
+    # two traces that differ are still too few to fit three figures to
+    two = [{"steps": [{"ops": n, "out_bytes": 9 * n, "ops_us": 0, "step_us": 100.0 + n}]} for n in (10, 1000)]
+    assert fit_host_time(two) == HostTime(605.0)
+    said = HostTime(2000.0, 3.0, 1e-5).describe()
+    assert said == "2.00 ms a step + 3.00 us an op + 10.5 us a MiB allocated"
 
 
 def test_the_data_set_keeps_one_document_per_source_and_the_newest(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsync_callback.predictor.op_cost_model import OpCostModel
+from qsync_callback.predictor.op_cost_model import HostTime, OpCostModel
 from qsync_callback.predictor.op_costs import op_us, priced
 from qsync_callback.recorder.op_samples import OpSample
 from qsync_callback.recorder.trace import Op, Step, Trace
@@ -65,9 +65,18 @@ def test_priced_ops_tile_the_step_and_each_event_stays_inside_its_op(figures, fr
 
 
 def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
-    steps = [{"ops": n, "ops_us": 100.0 * n, "step_us": 100.0 * n + 500.0} for n in (10, 40)]
-    model = OpCostModel([{"source": "hand-made", "ops": op_samples(60), "steps": steps}])
-    assert model.host_us == pytest.approx(500.0)
+    host = HostTime(500.0, 4.0, 0.01)  # a step, an op, a byte allocated
+    traces = [
+        {
+            "source": f"hand-made {n}",
+            "ops": op_samples(60),
+            "steps": [{"ops": n, "out_bytes": b, "ops_us": 100.0 * n, "step_us": 100.0 * n + host.at(n, b)}],
+        }
+        for n, b in ((10, 4096), (40, 1024), (200, 65536), (90, 0))
+    ]
+    model = OpCostModel(traces)
+    for n, b in ((4, 896), (1000, 10**6)):
+        assert model.host.at(n, b) == pytest.approx(host.at(n, b))
     ops = [
         _op(0, "aten::mm", ((8, 16), (16, 4)), ("float", "float"), flops=2.0 * 8 * 16 * 4, nbytes=128),
         _op(1, "aten::add", ((8, 16), (8, 16)), ("float", "float"), nbytes=512),
@@ -97,7 +106,8 @@ def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
         starts.append(clock)
         assert op.start_us == pytest.approx(clock) and op.dur_us == pytest.approx(duration)
         clock += duration
-    assert out.steps[0].end_us == pytest.approx(clock + 500.0)  # and the host's time at its end
+    # and the host's time at its end, for its 4 ops and the 896 bytes they allocate
+    assert out.steps[0].end_us == pytest.approx(clock + host.at(4, 128 + 512 + 256))
     assert [e[0] for e in out.memory_events] == pytest.approx(
         [starts[1] + 0.5 * expected[1], starts[2] + 0.25 * expected[2]]
     )

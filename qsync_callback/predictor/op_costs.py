@@ -5,7 +5,7 @@ roofline (`recorder/roofline.py`).
 On the roofline, an op costs the dispatcher's per-op time plus the larger of its FLOPs at the
 matmul rate of its first floating-point input's dtype and its bytes (its tensor inputs read, what it allocates
 written) at the measured bandwidth. The learned model prices each op by its features and adds
-the host's time it took from the recorded steps at the step's end. The
+the host's time for the step's ops and the bytes they allocate (its `HostTime`) at the step's end. The
 ops run one after another from the step's start, and the trace's memory events move with the op
 they fell in. An op type the learned model never saw measured is timed alone where it could be
 (`recorder/op_probes.py`), its time taken as measured; an op of a type it knows that was timed
@@ -74,7 +74,7 @@ def priced(
                 for op in out.ops
             ]
         )
-        host_us = model.host_us
+        host_us = model.host.at(len(out.ops), sum(op.bytes for op in out.ops))
         measured = {op_key(s.name, s.shapes, s.dtypes): s.us for s in probed}
         blended = set()
         for k, op in enumerate(out.ops):

@@ -22,7 +22,8 @@ them without counting. Each such event is one sample:
 
 Each recorded step also gives the host's time: the step's length, less the profiler's cost of all
 its events, less its data loader's fetch of the next batch (``data_us``: what a symbolic trace does
-not see and an estimate times apart, `data_loading.py`), less its samples' time (`StepSample`).
+not see and an estimate times apart, `data_loading.py`), less its samples' time, beside their
+count and the bytes they allocated and kept (`StepSample`).
 Samples of one trace with the same name, shapes and dtypes are merged (the median of their times,
 and a count).
 """
@@ -85,12 +86,14 @@ class OpSample:
 @dataclass
 class StepSample:
     """One recorded step: its length with the profiler's cost taken off, the time of its
-    dispatch-level ops, how many there were, and its data loader's fetch (the same cost off)."""
+    dispatch-level ops, how many there were, the bytes they allocated and kept (their
+    ``out_bytes``), and its data loader's fetch (the same cost off)."""
 
     step_us: float
     ops_us: float
     ops: int
     data_us: float = 0.0
+    out_bytes: int = 0
 
 
 def op_key(name: str, shapes: Any, dtypes: Any) -> tuple[str, str, str]:
@@ -358,7 +361,7 @@ def op_samples(
         if span is None:
             continue
         stack: list[tuple[float, bool]] = []  # (end, decomposes or not an aten op)
-        ops_us, count = 0.0, 0
+        ops_us, count, kept = 0.0, 0, 0
         for i in range(lo, hi):
             e = thread[i]
             if e.get("ph") != "X" or e.get("cat") != "cpu_op":
@@ -382,6 +385,7 @@ def op_samples(
                 merged.setdefault(key, [name, shapes, dtypes, args, allocated, []])[5].append(us)
                 ops_us += us
                 count += 1
+                kept += allocated
             stack.append((end, not is_aten or decomposes(name)))
         step_us = step_end - step_start - cost_within(step_start, step_end)
         data_us = sum(
@@ -389,7 +393,9 @@ def op_samples(
             for e in thread[lo:hi]
             if e.get("ph") == "X" and e.get("name", "").startswith(DATA_LOADER_PREFIX)
         )
-        steps.append(StepSample(step_us=step_us, ops_us=ops_us, ops=count, data_us=max(data_us, 0.0)))
+        steps.append(
+            StepSample(step_us=step_us, ops_us=ops_us, ops=count, data_us=max(data_us, 0.0), out_bytes=kept)
+        )
     samples = [
         OpSample(
             name,
