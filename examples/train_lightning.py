@@ -102,6 +102,8 @@ def main() -> None:
     )
     loader = DataLoader(cluster_data(), batch_size=args.batch_size, shuffle=True)
     trainer.fit(Classifier(), loader)
+    if torch.distributed.is_initialized():  # else gloo's threads can abort the exit (pytorch#190489)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

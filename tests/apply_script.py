@@ -74,6 +74,8 @@ def main() -> None:
         "steps": trainer.global_step,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # else gloo's threads can abort the exit (pytorch#190489)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -120,6 +120,8 @@ def main() -> None:
     trainer.fit(model, DataLoader(data, batch_size=32))
     result = {"bucket_sizes": last.sizes, "compiled": last.compiled, "losses": model.losses}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # else gloo's threads can abort the exit (pytorch#190489)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -171,6 +171,8 @@ def main() -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     result = {"losses": model.losses, "digest": digest, **callback.results}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # else gloo's threads can abort the exit (pytorch#190489)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
