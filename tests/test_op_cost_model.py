@@ -97,6 +97,12 @@ def test_the_host_time_grows_with_the_steps_ops_and_the_bytes_they_allocate(
     for n, nbytes, _ in traces:  # exact data: the fit goes through every trace's median
         assert fitted.at(n, nbytes) == pytest.approx(truth.at(n, nbytes), rel=1e-6, abs=1e-3)
     assert min(fitted.per_step_us, fitted.per_op_us, fitted.per_byte_us) >= 0.0
+    # beyond the op counts and bytes fitted on, they count as the nearest fitted
+    ops = sorted(n for n, _, _ in traces)
+    nbytes = sorted(b for _, b, _ in traces)
+    assert fitted.ops_range == (ops[0], ops[-1]) and fitted.bytes_range == (nbytes[0], nbytes[-1])
+    assert fitted.at(10 * ops[-1], 10 * nbytes[-1] + 1) == fitted.at(ops[-1], nbytes[-1])
+    assert fitted.at(0, -1) == fitted.at(ops[0], nbytes[0])
 
 
 def test_the_host_time_is_one_figure_a_step_where_too_few_traces_differ_and_the_steps_median():

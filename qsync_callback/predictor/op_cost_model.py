@@ -21,9 +21,11 @@ optimizer's and Lightning's loops) is taken apart from the recorded steps: a ste
 ops' time and its data loader's fetch (timed apart by an estimate, `recorder/data_loading.py`).
 It grows with the step's ops and with the bytes they allocate (`HostTime`, fitted over the
 recorded traces by `fit_host_time`; a single figure a step where too few traces differ to fit
-more). Held out in turn over 13 families, the fit's host time erred 1.5 ms a step on average
-against 2.3 ms for one figure a step (`benchmarks/op_cost_model.py`'s runs): 3.3 ms for a small
-LSTM's step, 12 ms for a MobileNet's, whose ops allocate 470 MB a step.
+more): the 13 benchmark families' steps spent 3.1-3.2 ms outside their ops (an LSTM's, an
+embedding model's: 175 ops allocating 35-40 MB) to 8-12 ms (a MobileNet's 320 ops allocating 470
+MB, a GRU's 2600 ops, an MLP-Mixer's 880). Against each family's own steps, held out of the fit,
+the fitted host time's median error was 0.6-1.5 ms a step, one figure a step's 0.9-2.3 ms
+(`benchmarks/op_cost_model.py`).
 
 Training data is this device's data set (`recorder/op_dataset.py`): no extra runs. The model is
 refitted from it when asked (a second or less), never stored: the data set is JSON, the model is
@@ -101,8 +103,8 @@ class HostTime:
     """The host's time in a step outside its ops (see the module docstring): ``per_step_us``, plus
     ``per_op_us`` for each of its ops and ``per_byte_us`` for each byte they allocate, both counted
     within the ranges the figures were fitted on (``ops_range``, ``bytes_range``): a fitted line
-    is not trusted beyond its data (a GRU's 3106 ops against training steps of 100-750 priced
-    its host time at 2.3 times what its steps measured, `benchmarks/op_cost_model.py`)."""
+    is not trusted beyond its data (counted as they were, a GRU's 3106 ops against training steps
+    of 100-750 priced its host time at 1.6-1.8 times what its steps measured)."""
 
     per_step_us: float
     per_op_us: float = 0.0
