@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import symbolic_estimate
+import torch
 from models import FRESH_MODELS, HELD_OUT_MODELS, MODELS
 from runs import bench_environment, range_noise_pct, write_results
 
@@ -59,8 +60,9 @@ from qsync_callback.report import build_report
 STEP_TARGET_PCT = 10.0
 
 
-def recorded_documents(runs: Path, model: str) -> list[dict[str, Any]]:
-    """The op samples of each recorded run of ``model`` in ``runs``."""
+def recorded_documents(runs: Path, model: str, threads: int | None = None) -> list[dict[str, Any]]:
+    """The op samples of each recorded run of ``model`` in ``runs`` (run at ``threads`` intra-op
+    threads; None: this process's)."""
     documents = []
     for run_dir in sorted(runs.glob(f"{model}-record-*")):
         rank0 = run_dir / "trace" / "rank0"
@@ -68,7 +70,7 @@ def recorded_documents(runs: Path, model: str) -> list[dict[str, Any]]:
             continue
         raw = json.loads((rank0 / "kineto.json").read_text())
         overhead = json.loads((rank0 / "trace.json").read_text())["profiler_overhead_us"]
-        documents.append(samples_document(*op_samples(raw, overhead), run_dir.name))
+        documents.append(samples_document(*op_samples(raw, overhead), run_dir.name, threads))
     return documents
 
 
@@ -100,7 +102,9 @@ def data_loading(estimate_dir: Path) -> DataLoading | None:
 
 def op_errors(model: OpCostModel, documents: list[dict[str, Any]]) -> tuple[float, float]:
     """Per-op MAPE (%) over distinct ops, and the same weighted by measured time in the step."""
-    ops = [op for doc in documents for op in doc["ops"] if op["us"] >= MIN_US]
+    ops = [
+        {**op, "threads": doc.get("threads")} for doc in documents for op in doc["ops"] if op["us"] >= MIN_US
+    ]
     predicted = model.predict_us(ops)
     errors = [abs(p / op["us"] - 1) for p, op in zip(predicted, ops, strict=False)]
     weights = [op["us"] * op["count"] for op in ops]
@@ -190,6 +194,73 @@ def held_out(
         "host_one_figure_ms": one_figure.per_step_us / 1e3,
         "data_loading_ms": None if data is None else data.us / 1e3,
     }
+
+
+def across_threads(
+    model: str, trained: dict[str, list[dict[str, Any]]], targets: dict[str, list[dict[str, Any]]], runs: Path
+) -> dict[str, Any]:
+    """``model``'s row at another thread count (its runs in ``runs``, its documents in ``targets``):
+    its step priced by models trained on ``trained`` (the other families at the main thread count),
+    on those and the other ``targets`` (both thread counts), and on the other ``targets`` alone,
+    each with the ops its estimate timed alone at its thread count; beside them the roofline its
+    estimate priced at that thread count (what an estimate had without a data set of its threads)."""
+    estimate_dir = runs / f"{model}-estimate"
+    trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
+    probes = [OpSample(**p) for p in json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())]
+    estimated = json.loads((estimate_dir / "estimate.json").read_text())
+    data = data_loading(estimate_dir)
+    measured = statistics.median(measured_steps_ms(runs, model))
+    others = [doc for other, docs in targets.items() if other != model for doc in docs]
+    training = {
+        "other": [doc for docs in trained.values() for doc in docs],
+        "both": [doc for docs in trained.values() for doc in docs] + others,
+        "same": others,
+    }
+    row: dict[str, Any] = {
+        "model": model,
+        "threads": trace.symbolic.get("threads"),
+        "measured_step_ms": measured,
+        "roofline_error_pct": 100 * (estimated["estimate"]["predicted"]["step_ms"] / measured - 1),
+    }
+    for name, documents in training.items():
+        cost_model = OpCostModel(documents)
+        probed = timed_within_budget(trace, probes, cost_model, estimated["probe_s"])
+        step = predicted_step_ms(trace, cost_model, probed, data=data)
+        row[f"{name}_error_pct"] = 100 * (step / measured - 1)
+        row[f"{name}_traces"] = len(documents)
+        row[f"{name}_op_mape_pct"], row[f"{name}_op_weighted_mape_pct"] = op_errors(
+            cost_model, targets[model]
+        )
+    return row
+
+
+def threads_table(rows: list[dict[str, Any]], threads: int) -> str:
+    lines = [
+        f"| family at {rows[0]['threads']} thread(s) | measured step ms | trained at {threads} threads "
+        "(error; time-weighted MAPE) | trained at both (error; MAPE) | trained at its own alone "
+        "(error; MAPE) | roofline at its own (error) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cells = [
+            f"{row[f'{k}_error_pct']:+.1f}%; {row[f'{k}_op_weighted_mape_pct']:.1f}%"
+            for k in ("other", "both", "same")
+        ]
+        lines.append(
+            f"| {row['model']} | {row['measured_step_ms']:.1f} | {' | '.join(cells)} | "
+            f"{row['roofline_error_pct']:+.1f}% |"
+        )
+    medians = ", ".join(
+        f"{what} {_median(rows, f'{k}_error_pct', abs):.1f}%"
+        for what, k in (
+            (f"trained at {threads} threads", "other"),
+            ("at both", "both"),
+            ("at its own alone", "same"),
+            ("the roofline", "roofline"),
+        )
+    )
+    lines.append(f"\nAcross thread counts ({len(rows)} families), median |step error|: {medians}.")
+    return "\n".join(lines) + "\n"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -295,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
     parser.add_argument("--no-tvm", action="store_true", help="leave out the model with TVM's features")
+    parser.add_argument(
+        "--cross-threads",
+        type=int,
+        help="also run the --fresh families at this many threads and price them across thread counts",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         models, fresh, repeats = ["mlp", "cnn"], ["conv1d"], 1
@@ -312,7 +388,18 @@ def main(argv: list[str] | None = None) -> int:
         if with_it[model]:
             group = "fresh" if model in FRESH_MODELS else "held out"
             rows.append(held_out(model, with_it, runs, group=group, tvm_cache=tvm_cache))
-    write_results(args.out, "op_cost_model", table(rows), {"environment": environment, "rows": rows})
+    text, results = table(rows), {"environment": environment, "rows": rows}
+    if args.cross_threads:
+        cross_out = args.out / f"threads-{args.cross_threads}"
+        cross_args = ["--models", ",".join(fresh), "--repeats", str(repeats), "--out", str(cross_out)]
+        rc |= symbolic_estimate.main(
+            [*cross_args, "--threads", str(args.cross_threads), *(["--resume"] if args.resume else [])]
+        )
+        targets = {m: recorded_documents(cross_out / "runs", m, args.cross_threads) for m in fresh}
+        cross_rows = [across_threads(m, documents, targets, cross_out / "runs") for m in fresh if targets[m]]
+        text += "\n" + threads_table(cross_rows, torch.get_num_threads())
+        results["across_threads"] = cross_rows
+    write_results(args.out, "op_cost_model", text, results)
     return rc if len(rows) == len(models) + len(fresh) else 1
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp, 1 run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads in every run (OMP_NUM_THREADS)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -204,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     global RESUME
     RESUME = args.resume
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runs' torch (and their children's)
     say_allocator()
     models, repeats = (["mlp"], 1) if args.quick else (args.models.split(","), args.repeats)
     rows = [bench_model(model, repeats, args.out) for model in models]
-    environment = bench_environment(repeats=repeats, max_steps=MAX_STEPS)
+    environment = bench_environment(repeats=repeats, max_steps=MAX_STEPS, threads=args.threads)
     write_results(args.out, "symbolic_estimate", table(rows), {"environment": environment, "rows": rows})
     return 0 if all("failed" not in row for row in rows) else 1
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,7 +151,7 @@ def test_probes_join_the_data_set_and_a_later_probe_replaces_an_earlier(tmp_path
     other = OpSample("aten::bernoulli_", [[8, 64]], ["float"], 0.0, 0, 9.0)
     remember_probes([first, other], "cpu", tmp_path)
     remember_probes([OpSample(**{**asdict(first), "us": 80.0})], "cpu", tmp_path)
-    (probes,) = [t for t in load_dataset("cpu", tmp_path) if t["source"] == "probes"]
+    (probes,) = [t for t in load_dataset("cpu", tmp_path) if t["source"].startswith("probes")]
     assert sorted((o["name"], o["us"]) for o in probes["ops"]) == [
         ("aten::bernoulli_", 9.0),
         ("aten::max_pool2d_with_indices", 80.0),
@@ -168,7 +169,9 @@ def test_an_op_class_comes_from_torchs_own_tags():
 
 def test_the_features_of_a_matmul():
     features = dict(
-        zip(FEATURES, op_features("aten::mm", [[4, 8], [8, 2]], ["float", "float"], 128.0, 32), strict=True)
+        zip(
+            FEATURES, op_features("aten::mm", [[4, 8], [8, 2]], ["float", "float"], 128.0, 32, 3), strict=True
+        )
     )
     read = (32 + 16) * 4
     assert features == {
@@ -183,8 +186,13 @@ def test_the_features_of_a_matmul():
         "tensor inputs": 2,
         "log2 FLOPs per byte": math.log2(129 / (1 + read + 32)),
         "in place": 0.0,
+        "threads": 3.0,
         "log2 nominal us": math.log2(nominal_us(128.0, read + 32)),
     }
+    # without a thread count, this process's
+    assert op_features("aten::mm", [[4, 8], [8, 2]], ["float", "float"], 128.0, 32)[
+        FEATURES.index("threads")
+    ] == float(torch.get_num_threads())
     assert nominal_us(0.0, 0.0) == NOMINAL_CALL_US
     assert nominal_us(2 * NOMINAL_FLOPS_PER_US, NOMINAL_BYTES_PER_US) == NOMINAL_CALL_US + 2
     assert nominal_us(NOMINAL_FLOPS_PER_US, 3 * NOMINAL_BYTES_PER_US) == NOMINAL_CALL_US + 3
@@ -240,3 +248,42 @@ def test_with_tvm_the_model_reads_each_calls_kernels_and_leaves_the_rest_missing
     assert all(us > 0 for us in both)  # an op with no call is priced on the framework's features
     plain = OpCostModel([{"source": "mm", "ops": train, "steps": []}])
     assert plain.lowered == 0 and "TVM" not in plain.describe()
+
+
+def test_one_data_set_holds_every_thread_count_and_the_model_learns_what_threads_change(tmp_path):
+    """The same ops recorded at 1 thread take twice their time at 2: one data set keeps both
+    documents, and the model prices each op at the thread count it is asked for."""
+    threads_before = torch.get_num_threads()
+    paths = []
+    try:
+        for threads, slowdown in ((1, 2.0), (2, 1.0)):
+            torch.set_num_threads(threads)
+            ops = [{**op, "us": op["us"] * slowdown} for op in op_samples(150)]
+            paths.append(
+                add_to_dataset({"source": f"at {threads}", "threads": threads, "ops": ops}, "cpu", tmp_path)
+            )
+            remember_probes(
+                [OpSample("aten::mm", [[8, 8], [8, 8]], ["float", "float"], 1024.0, 256, 3.0)],
+                "cpu",
+                tmp_path,
+            )
+    finally:
+        torch.set_num_threads(threads_before)
+    assert paths[0] == paths[1] == dataset_path("cpu", tmp_path)
+    documents = load_dataset("cpu", tmp_path)
+    assert sorted((t["source"], t["threads"]) for t in documents) == [
+        ("at 1", 1), ("at 2", 2), ("probes at 1 thread(s)", 1), ("probes at 2 thread(s)", 2),
+    ]  # fmt: skip
+    model = device_model("cpu", tmp_path)
+    assert model.threads == [1, 2] and "at 1, 2 thread(s)" in model.describe()
+    held_out = op_samples(40, seed=1)
+    at_one = model.predict_us([{**op, "threads": 1} for op in held_out])
+    at_two = model.predict_us([{**op, "threads": 2} for op in held_out])
+    ratios = sorted(a / b for a, b in zip(at_one, at_two, strict=True))
+    assert 1.7 < ratios[len(ratios) // 2] < 2.3
+    # an op with no thread count is priced at this process's
+    torch.set_num_threads(1)
+    try:
+        assert model.predict_us(held_out[:4]) == pytest.approx(at_one[:4])
+    finally:
+        torch.set_num_threads(threads_before)

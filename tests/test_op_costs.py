@@ -116,3 +116,26 @@ def test_the_learned_model_prices_each_op_and_adds_the_host_time_it_fitted():
     assert "timed alone on made-up tensors: aten::bernoulli_;" in said
     assert "; 1 distinct ops of types it knows also timed alone, each at the geometric mean" in said
     assert said.endswith("priced from their features alone: aten::max_pool2d_with_indices")
+
+
+def test_a_trace_is_priced_at_the_thread_count_it_was_traced_at():
+    """A data set recorded at 1 and 2 threads (the same ops, twice as long at 1): a trace traced
+    at 1 thread is priced at 1, one at 2 at 2, whatever this process runs at."""
+    traces = [
+        {
+            "source": f"at {threads}",
+            "threads": threads,
+            "ops": [{**op, "us": op["us"] * slowdown} for op in op_samples(80)],
+        }
+        for threads, slowdown in ((1, 2.0), (2, 1.0))
+    ]
+    model = OpCostModel(traces)
+    ops = [
+        _op(i, "aten::mm", ((64, 128), (128, 32)), ("float", "float"), flops=2.0 * 64 * 128 * 32)
+        for i in range(3)
+    ]
+    steps = {}
+    for threads in (1, 2):
+        trace = Trace(0, 1, "cpu", [Step(1, 0.0, 3.0)], ops, symbolic={"threads": threads})
+        steps[threads] = priced(trace, COSTS, model).ops[0].dur_us
+    assert 1.6 < steps[1] / steps[2] < 2.4

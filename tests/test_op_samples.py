@@ -208,7 +208,9 @@ def test_an_estimate_times_its_ops_alone_the_types_its_model_never_saw_first_and
     assert "aten::mm" not in timed  # the model has measured matmuls: blended with its time alone
     assert f"; {sum(known)} distinct ops of types it knows also timed alone" in durations
     (probes,) = load_dataset("cpu")
-    assert probes["source"] == "probes" and {o["name"] for o in probes["ops"]} == {s.name for s in order}
+    assert probes["source"] == f"probes at {torch.get_num_threads()} thread(s)" and {
+        o["name"] for o in probes["ops"]
+    } == {s.name for s in order}
 
 
 def test_an_rnn_layers_flops_are_its_gates_matmuls_recorded_or_symbolic(tmp_path):

@@ -4,7 +4,9 @@ this device, for ops and models never profiled, trained on the ops this device h
 Features of an op (`op_features`): its type and its first float input's dtype (categories), its
 FLOPs, the bytes its tensor inputs read and the bytes it allocates, the largest input's element
 count and rank, the number of tensor inputs, its arithmetic intensity (FLOPs per byte moved), and
-whether it writes in place, and its time on a nominal machine (`nominal_us`). A gradient-boosted
+whether it writes in place, the intra-op threads it ran on (a data set holds every thread count
+its device was recorded at, `recorder/op_dataset.py`: what threads change is learned where it
+holds more than one), and its time on a nominal machine (`nominal_us`). A gradient-boosted
 tree ensemble (scikit-learn's ``HistGradientBoostingRegressor``, absolute error: a median) predicts the
 log of its time over the nominal one, each distinct op of a trace weighted by how often it ran.
 (Its loss and leaf size were chosen by holding each benchmark family out in turn,
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.tvm_features import TVM_FEATURES, features_of
@@ -52,7 +55,7 @@ from qsync_callback.recorder.op_samples import op_class
 FEATURES = (
     "type", "class", "dtype", "log2 FLOPs", "log2 bytes read", "log2 bytes allocated",
     "log2 largest input elements", "largest input rank", "tensor inputs", "log2 FLOPs per byte",
-    "in place", "log2 nominal us",
+    "in place", "threads", "log2 nominal us",
 )  # fmt: skip
 # the nominal machine an op's time is learned against (its target is the log of the measured time
 # over the nominal one): 1 us a call, 100 GFLOP/s, 20 GB/s. Trees do not extrapolate: learned as a
@@ -69,9 +72,15 @@ TVM_SECONDS = 600.0  # at most this long lowering calls not cached yet (about 0.
 
 
 def op_features(
-    name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[str], flops: float, out_bytes: int
+    name: str,
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[str],
+    flops: float,
+    out_bytes: int,
+    threads: int | None = None,
 ) -> list[Any]:
-    """The features of one op (see the module docstring), the two categories as strings."""
+    """The features of one op (see the module docstring), the two categories as strings;
+    ``threads``: torch's intra-op threads it ran on (None: this process's)."""
     sizes = [math.prod(s) for s in shapes]
     read = sum(input_bytes(shapes, dtypes))
     largest = max(range(len(sizes)), key=sizes.__getitem__) if sizes else None
@@ -88,6 +97,7 @@ def op_features(
         len(shapes),
         math.log2((1 + flops) / (1 + read + out_bytes)),
         float(name.endswith("_")),
+        float(threads or torch.get_num_threads()),
         math.log2(nominal_us(flops, read + out_bytes)),
     ]
 
@@ -171,13 +181,14 @@ class OpCostModel:
     ):
         from sklearn.ensemble import HistGradientBoostingRegressor
 
-        samples = [op for trace in traces for op in trace["ops"]]
+        samples = [{**op, "threads": trace.get("threads")} for trace in traces for op in trace["ops"]]
         self.tvm = tvm
         self._cache_dir, self._tvm_seconds = cache_dir, tvm_seconds
         self.lowered = 0  # ops with TVM's features among the samples
         if len(samples) < MIN_OPS:
             raise ValueError(f"{len(samples)} measured ops: too few to learn from (at least {MIN_OPS})")
         self.sources = [str(t.get("source", "")) for t in traces]
+        self.threads = sorted({int(t["threads"]) for t in traces if t.get("threads")})
         self.samples = len(samples)
         self.known_types = {op["name"] for op in samples}
         self._codes: list[dict[str, int]] = [{} for _ in CATEGORICAL]
@@ -208,7 +219,10 @@ class OpCostModel:
     def _all_features(self, ops: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
         """Each op's features, TVM's after the framework's where the model uses them."""
         features = [
-            op_features(op["name"], op["shapes"], op["dtypes"], op["flops"], op["out_bytes"]) for op in ops
+            op_features(
+                op["name"], op["shapes"], op["dtypes"], op["flops"], op["out_bytes"], op.get("threads")
+            )
+            for op in ops
         ]
         if not self.tvm:
             return features
@@ -230,7 +244,8 @@ class OpCostModel:
 
     def predict_us(self, ops: Sequence[Mapping[str, Any]]) -> list[float]:
         """Predicted times (us) of ``ops``, each a mapping with an op sample's fields
-        (``name``, ``shapes``, ``dtypes``, ``flops``, ``out_bytes``, and ``call`` for TVM's)."""
+        (``name``, ``shapes``, ``dtypes``, ``flops``, ``out_bytes``, ``call`` for TVM's, and
+        ``threads``, the intra-op threads it will run on: this process's where it has none)."""
         if not ops:
             return []
         features = self._all_features(ops)
@@ -243,9 +258,10 @@ class OpCostModel:
     def describe(self) -> str:
         """What the model was trained on, for a prediction to say."""
         lowered = f", TVM's features of {self.lowered} of them" if self.tvm else ""
+        at_threads = f" at {', '.join(map(str, self.threads))} thread(s)" if self.threads else ""
         return (
             f"learned per-op model (predictor/op_cost_model.py): {self.samples} distinct measured ops "
-            f"of {len(self.sources)} recorded trace(s) on this device{lowered}; host time "
+            f"of {len(self.sources)} recorded trace(s) on this device{at_threads}{lowered}; host time "
             f"{self.host.describe()}"
         )
 

@@ -70,6 +70,7 @@ def priced(
                     "flops": op.flops,
                     "out_bytes": op.bytes,
                     "call": (calls or {}).get(op_key(op.name, op.input_shapes, op.input_dtypes)),
+                    "threads": trace.symbolic.get("threads"),
                 }
                 for op in out.ops
             ]

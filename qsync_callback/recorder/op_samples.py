@@ -412,11 +412,14 @@ def op_samples(
     return samples, steps
 
 
-def samples_document(samples: list[OpSample], steps: list[StepSample], source: str) -> dict[str, Any]:
-    """One trace's samples as the JSON document the per-device data set keeps (`op_dataset.py`)."""
+def samples_document(
+    samples: list[OpSample], steps: list[StepSample], source: str, threads: int | None = None
+) -> dict[str, Any]:
+    """One trace's samples as the JSON document the per-device data set keeps (`op_dataset.py`);
+    ``threads``: the intra-op threads the trace ran on (None: this process's)."""
     return {
         "source": source,
-        "threads": torch.get_num_threads(),
+        "threads": threads or torch.get_num_threads(),
         "ops": [asdict(s) for s in samples],
         "steps": [asdict(s) for s in steps],
     }

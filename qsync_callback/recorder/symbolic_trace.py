@@ -334,6 +334,7 @@ def symbolic_trace(
             "batch": f"shapes {shapes}",
             "tensors": "fake" if fake else "real",
             "scratch": scratch,
+            "threads": torch.get_num_threads(),  # the intra-op threads its ops are priced at
         },
     )
 
