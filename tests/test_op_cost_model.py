@@ -250,25 +250,20 @@ def test_with_tvm_the_model_reads_each_calls_kernels_and_leaves_the_rest_missing
     assert plain.lowered == 0 and "TVM" not in plain.describe()
 
 
-def test_one_data_set_holds_every_thread_count_and_the_model_learns_what_threads_change(tmp_path):
+def test_one_data_set_holds_every_thread_count_and_the_model_learns_what_threads_change(
+    tmp_path, monkeypatch
+):
     """The same ops recorded at 1 thread take twice their time at 2: one data set keeps both
-    documents, and the model prices each op at the thread count it is asked for."""
-    threads_before = torch.get_num_threads()
+    documents, and the model prices each op at the thread count it is asked for. (The process's
+    thread count is patched, not set: OpenMP's pool is not to be resized in a forked test.)"""
     paths = []
-    try:
-        for threads, slowdown in ((1, 2.0), (2, 1.0)):
-            torch.set_num_threads(threads)
-            ops = [{**op, "us": op["us"] * slowdown} for op in op_samples(150)]
-            paths.append(
-                add_to_dataset({"source": f"at {threads}", "threads": threads, "ops": ops}, "cpu", tmp_path)
-            )
-            remember_probes(
-                [OpSample("aten::mm", [[8, 8], [8, 8]], ["float", "float"], 1024.0, 256, 3.0)],
-                "cpu",
-                tmp_path,
-            )
-    finally:
-        torch.set_num_threads(threads_before)
+    for threads, slowdown in ((1, 2.0), (2, 1.0)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        ops = [{**op, "us": op["us"] * slowdown} for op in op_samples(150)]
+        document = {"source": f"at {threads}", "threads": threads, "ops": ops}
+        paths.append(add_to_dataset(document, "cpu", tmp_path))
+        probed = OpSample("aten::mm", [[8, 8], [8, 8]], ["float", "float"], 1024.0, 256, 3.0)
+        remember_probes([probed], "cpu", tmp_path)
     assert paths[0] == paths[1] == dataset_path("cpu", tmp_path)
     documents = load_dataset("cpu", tmp_path)
     assert sorted((t["source"], t["threads"]) for t in documents) == [
@@ -282,8 +277,5 @@ def test_one_data_set_holds_every_thread_count_and_the_model_learns_what_threads
     ratios = sorted(a / b for a, b in zip(at_one, at_two, strict=True))
     assert 1.7 < ratios[len(ratios) // 2] < 2.3
     # an op with no thread count is priced at this process's
-    torch.set_num_threads(1)
-    try:
-        assert model.predict_us(held_out[:4]) == pytest.approx(at_one[:4])
-    finally:
-        torch.set_num_threads(threads_before)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert model.predict_us(held_out[:4]) == pytest.approx(at_one[:4])

@@ -139,3 +139,26 @@ def test_a_trace_is_priced_at_the_thread_count_it_was_traced_at():
         trace = Trace(0, 1, "cpu", [Step(1, 0.0, 3.0)], ops, symbolic={"threads": threads})
         steps[threads] = priced(trace, COSTS, model).ops[0].dur_us
     assert 1.6 < steps[1] / steps[2] < 2.4
+
+
+def test_at_a_thread_count_the_data_set_never_ran_the_prices_shift_by_what_the_probes_took():
+    """A model recorded at 2 threads only, pricing a trace traced at 1 thread: every price it
+    gives is scaled by the ops of types it knows timed alone over its prices of them; at 2
+    threads, none is."""
+    model = OpCostModel([{"source": "at 2", "threads": 2, "ops": op_samples(80)}])
+    mm = _op(
+        0, "aten::mm", ((64, 128), (128, 32)), ("float", "float"), flops=2.0 * 64 * 128 * 32, nbytes=8192
+    )
+    add = _op(1, "aten::add", ((64, 32), (64, 32)), ("float", "float"), nbytes=8192)
+    as_sample = {"name": "aten::mm", "shapes": mm.input_shapes, "dtypes": mm.input_dtypes, "flops": mm.flops}
+    price = model.predict_us([{**as_sample, "out_bytes": mm.bytes}])[0]
+    probed = [OpSample("aten::mm", mm.input_shapes, mm.input_dtypes, mm.flops, mm.bytes, 3.0 * price)]
+    durations, said = {}, {}
+    for threads in (1, 2):
+        trace = Trace(0, 1, "cpu", [Step(1, 0.0, 2.0)], [mm, add], symbolic={"threads": threads})
+        out = priced(trace, COSTS, model, probed)
+        durations[threads], said[threads] = [op.dur_us for op in out.ops], out.symbolic["durations"]
+    assert durations[1][0] == pytest.approx(3.0 * price)  # the probe, and the shifted price: the same
+    assert durations[1][1] == pytest.approx(3.0 * durations[2][1])  # an op not timed alone, shifted
+    assert durations[2][0] == pytest.approx((3.0 * price * price) ** 0.5)  # at 2 threads: the blend
+    assert "none at 1 thread(s): its prices times 3.00" in said[1] and "none at" not in said[2]

@@ -23,6 +23,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.recorder.data_loading import DataLoading
@@ -40,6 +42,25 @@ def op_us(op: Op, roofline: Mapping[str, Any]) -> float:
         rates = roofline["flops_per_us"]
         compute = op.flops / rates.get(dtype, rates["float"])
     return roofline["op_us"] + max(compute, moved / roofline["bytes_per_us"])
+
+
+def thread_shift(
+    ops: Sequence[Op], prices: Sequence[float], measured: Mapping[tuple, float], model: OpCostModel
+) -> float | None:
+    """How much slower than ``model`` prices them ``ops`` ran timed alone (``measured``, by
+    `op_key`): the time alone of the ops of types it knows over its ``prices`` of them, each op as
+    often as it runs; None with none timed alone. A model with no recorded step at a trace's thread
+    count prices it as the thread counts it has data at run: this is the shift to the thread count
+    at hand (CDMPP's cross-device transfer, calibrated by the estimate's own measurements)."""
+    pairs = [
+        (measured[key], price)
+        for op, price in zip(ops, prices, strict=True)
+        if op.name in model.known_types
+        and (key := op_key(op.name, op.input_shapes, op.input_dtypes)) in measured
+    ]
+    if not pairs:
+        return None
+    return sum(max(m, MIN_US) for m, _ in pairs) / sum(price for _, price in pairs)
 
 
 def priced(
@@ -77,6 +98,11 @@ def priced(
         )
         host_us = model.host.at(len(out.ops), sum(op.bytes for op in out.ops))
         measured = {op_key(s.name, s.shapes, s.dtypes): s.us for s in probed}
+        threads = trace.symbolic.get("threads") or torch.get_num_threads()
+        unseen_threads = bool(model.threads) and threads not in model.threads
+        shift = thread_shift(out.ops, durations, measured, model) if unseen_threads else None
+        if shift is not None:
+            durations = [d * shift for d in durations]
         blended = set()
         for k, op in enumerate(out.ops):
             key = op_key(op.name, op.input_shapes, op.input_dtypes)
@@ -90,6 +116,11 @@ def priced(
         unseen = {op.name for op in out.ops} - model.known_types
         probed_types = unseen & {s.name for s in probed}
         source = f"predicted by the {model.describe()}"
+        if shift is not None:
+            source += (
+                f"; none at {threads} thread(s): its prices times {shift:.2f}, what the ops of types it "
+                "knows took timed alone over its prices of them"
+            )
         if probed_types:
             timed = ", ".join(sorted(probed_types))
             source += f"; op types never measured here, timed alone on made-up tensors: {timed}"
