@@ -24,7 +24,11 @@ FLOPs, the probes' made-up values and their blend with the model); `models.FRESH
 convolutional autoencoder, a ViT, an MLP-Mixer) were written after those changes.
 
     python benchmarks/op_cost_model.py [--models mlp,cnn,...] [--repeats 2] [--quick]
-        [--out benchmarks/results] [--resume] [--no-tvm]
+        [--out benchmarks/results] [--resume] [--no-tvm] [--cross-threads 1]
+
+Across thread counts (the issue's cross-device case on a CPU): the ``--fresh`` families also run at
+``--cross-threads`` intra-op threads (0: not), each priced by models trained at this process's
+thread count, at both, and at theirs alone, with the ops its estimate timed alone at its count.
 
 With TVM installed (the ``tvm`` extra) each split is also measured with TVM's features of each op
 (`predictor/tvm_features.py`; lowered once per distinct call, kept in ``--out``'s ``tvm_cache``):
@@ -44,7 +48,7 @@ from typing import Any
 import symbolic_estimate
 import torch
 from models import FRESH_MODELS, HELD_OUT_MODELS, MODELS
-from runs import bench_environment, range_noise_pct, write_results
+from runs import bench_environment, na, range_noise_pct, write_results
 
 from qsync_callback.estimate import PROBE_SECONDS, probe_order
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel, fit_host_time
@@ -223,11 +227,15 @@ def across_threads(
         "roofline_error_pct": 100 * (estimated["estimate"]["predicted"]["step_ms"] / measured - 1),
     }
     for name, documents in training.items():
-        cost_model = OpCostModel(documents)
+        row[f"{name}_traces"] = len(documents)
+        try:
+            cost_model = OpCostModel(documents)
+        except ValueError:  # too few ops to learn from (one target family: none of its count)
+            row[f"{name}_error_pct"] = row[f"{name}_op_weighted_mape_pct"] = None
+            continue
         probed = timed_within_budget(trace, probes, cost_model, estimated["probe_s"])
         step = predicted_step_ms(trace, cost_model, probed, data=data)
         row[f"{name}_error_pct"] = 100 * (step / measured - 1)
-        row[f"{name}_traces"] = len(documents)
         row[f"{name}_op_mape_pct"], row[f"{name}_op_weighted_mape_pct"] = op_errors(
             cost_model, targets[model]
         )
@@ -243,7 +251,7 @@ def threads_table(rows: list[dict[str, Any]], threads: int) -> str:
     ]
     for row in rows:
         cells = [
-            f"{row[f'{k}_error_pct']:+.1f}%; {row[f'{k}_op_weighted_mape_pct']:.1f}%"
+            f"{na(row[f'{k}_error_pct'], '+.1f')}%; {na(row[f'{k}_op_weighted_mape_pct'], '.1f')}%"
             for k in ("other", "both", "same")
         ]
         lines.append(
@@ -251,7 +259,7 @@ def threads_table(rows: list[dict[str, Any]], threads: int) -> str:
             f"{row['roofline_error_pct']:+.1f}% |"
         )
     medians = ", ".join(
-        f"{what} {_median(rows, f'{k}_error_pct', abs):.1f}%"
+        f"{what} {na(_median_known(rows, f'{k}_error_pct'), '.1f')}%"
         for what, k in (
             (f"trained at {threads} threads", "other"),
             ("at both", "both"),
@@ -353,6 +361,12 @@ def _median(rows: list[dict[str, Any]], key: str, of: Any = float) -> float:
     return statistics.median(of(r[key]) for r in rows)
 
 
+def _median_known(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The median |value| of ``key`` over the rows that have one; None where none has."""
+    values = [abs(r[key]) for r in rows if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -369,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cross-threads",
         type=int,
-        help="also run the --fresh families at this many threads and price them across thread counts",
+        default=1,
+        help="also run the --fresh families at this many threads, priced across thread counts (0: not)",
     )
     args = parser.parse_args(argv)
     if args.quick:
