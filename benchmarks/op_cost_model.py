@@ -86,6 +86,11 @@ def measured_steps_ms(runs: Path, model: str) -> list[float]:
     ]
 
 
+def steps_median_host_ms(documents: list[dict[str, Any]]) -> float:
+    """The median host time (ms) of all the recorded steps of ``documents``, one figure a step."""
+    return fit_host_time([{"steps": [step for doc in documents for step in doc["steps"]]}]).per_step_us / 1e3
+
+
 def predicted_step_ms(
     trace: Trace,
     model: OpCostModel | None,
@@ -158,8 +163,9 @@ def held_out(
     features_only = predicted_step_ms(trace, cost_model, data=data)
     rooflined = predicted_step_ms(trace, None, data=data)
     mape, weighted = op_errors(cost_model, documents[model])
-    # the host time's rule before the fit: one figure a step, the training steps' median
-    one_figure = fit_host_time([{"steps": [step for doc in train for step in doc["steps"]]}])
+    host_ms = cost_model.host.at(len(trace.ops), sum(op.bytes for op in trace.ops)) / 1e3
+    host_measured_ms = steps_median_host_ms(documents[model])
+    host_one_figure_ms = steps_median_host_ms(train)  # the rule before the fit
     if tvm_cache is not None:
         tvm_probed = timed_within_budget(trace, [OpSample(**p) for p in probes], tvm_model, probe_s)
         tvm_learned = predicted_step_ms(trace, tvm_model, tvm_probed, calls, data)
@@ -193,9 +199,11 @@ def held_out(
         "learned_error_pct": 100 * (learned / measured - 1),
         "roofline_step_ms": rooflined,
         "roofline_error_pct": 100 * (rooflined / measured - 1),
-        "host_per_step_ms": cost_model.host.at(len(trace.ops), sum(op.bytes for op in trace.ops)) / 1e3,
-        "host_measured_ms": fit_host_time(documents[model]).per_step_us / 1e3,
-        "host_one_figure_ms": one_figure.per_step_us / 1e3,
+        "host_per_step_ms": host_ms,
+        "host_measured_ms": host_measured_ms,
+        "host_one_figure_ms": host_one_figure_ms,
+        "host_fit_error_ms": host_ms - host_measured_ms,
+        "host_one_figure_error_ms": host_one_figure_ms - host_measured_ms,
         "data_loading_ms": None if data is None else data.us / 1e3,
     }
 
@@ -214,12 +222,9 @@ def across_threads(
     estimated = json.loads((estimate_dir / "estimate.json").read_text())
     data = data_loading(estimate_dir)
     measured = statistics.median(measured_steps_ms(runs, model))
+    at_main = [doc for docs in trained.values() for doc in docs]
     others = [doc for other, docs in targets.items() if other != model for doc in docs]
-    training = {
-        "other": [doc for docs in trained.values() for doc in docs],
-        "both": [doc for docs in trained.values() for doc in docs] + others,
-        "same": others,
-    }
+    training = {"other": at_main, "both": at_main + others, "same": others}
     row: dict[str, Any] = {
         "model": model,
         "threads": trace.symbolic.get("threads"),
@@ -291,9 +296,6 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{row['features_only_step_ms']:.1f} ({row['features_only_error_pct']:+.1f}%) | "
             f"{row['roofline_step_ms']:.1f} ({row['roofline_error_pct']:+.1f}%) |"
         )
-    for row in rows:
-        row["host_fit_error_ms"] = row["host_per_step_ms"] - row["host_measured_ms"]
-        row["host_one_figure_error_ms"] = row["host_one_figure_ms"] - row["host_measured_ms"]
     for what, group in _groups(rows):
         signed = statistics.fmean(r["learned_error_pct"] for r in group)
         noise = statistics.median(r["run_noise_pct"] or 0.0 for r in group)

@@ -206,11 +206,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     global RESUME
     RESUME = args.resume
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runs' torch (and their children's)
     say_allocator()
     models, repeats = (["mlp"], 1) if args.quick else (args.models.split(","), args.repeats)
-    rows = [bench_model(model, repeats, args.out) for model in models]
+    threads_before = os.environ.get("OMP_NUM_THREADS")
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runs' torch (and their children's)
+    try:
+        rows = [bench_model(model, repeats, args.out) for model in models]
+    finally:  # a caller's later runs keep their own thread count
+        if threads_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads_before
     environment = bench_environment(repeats=repeats, max_steps=MAX_STEPS, threads=args.threads)
     write_results(args.out, "symbolic_estimate", table(rows), {"environment": environment, "rows": rows})
     return 0 if all("failed" not in row for row in rows) else 1

@@ -24,7 +24,7 @@ ops' time and its data loader's fetch (timed apart by an estimate, `recorder/dat
 It grows with the step's ops and with the bytes they allocate (`HostTime`, fitted over the
 recorded traces by `fit_host_time`; a single figure a step where too few traces differ to fit
 more): the 13 benchmark families' steps spent 3.1-3.2 ms outside their ops (an LSTM's, an
-embedding model's: 175 ops allocating 35-40 MB) to 8-12 ms (a MobileNet's 320 ops allocating 470
+embedding model's: 175 ops allocating 33-38 MB) to 8-12 ms (a MobileNet's 320 ops allocating 470
 MB, a GRU's 2600 ops, an MLP-Mixer's 880). Against each family's own steps, held out of the fit,
 the fitted host time's median error was 0.6-1.5 ms a step, one figure a step's 0.9-2.3 ms
 (`benchmarks/op_cost_model.py`).
@@ -148,19 +148,24 @@ def fit_host_time(traces: Sequence[Mapping[str, Any]]) -> HostTime:
     figure a step (0 with none)."""
     traced = [[s for s in trace.get("steps", []) if s["ops"] > 0] for trace in traces]
     traced = [steps for steps in traced if steps]
-    gaps = [_host_gap_us(s) for steps in traced for s in steps]
+    gaps = [[_host_gap_us(s) for s in steps] for steps in traced]
     if not gaps:
         return HostTime(0.0)
-    medians = [
-        (statistics.median(s["ops"] for s in steps), statistics.median(s.get("out_bytes", 0) for s in steps))
-        for steps in traced
-    ]
-    rows = np.array([[1.0, ops, nbytes] for ops, nbytes in medians])
+    rows = np.array(
+        [
+            [
+                1.0,
+                statistics.median(s["ops"] for s in steps),
+                statistics.median(s.get("out_bytes", 0) for s in steps),
+            ]
+            for steps in traced
+        ]
+    )
     if len(traced) < MIN_HOST_TRACES or any(len(set(rows[:, k])) < MIN_HOST_TRACES for k in (1, 2)):
-        return HostTime(max(statistics.median(gaps), 0.0))
+        return HostTime(max(statistics.median(g for trace_gaps in gaps for g in trace_gaps), 0.0))
     from scipy.optimize import nnls
 
-    hosts = np.array([statistics.median(_host_gap_us(s) for s in steps) for steps in traced])
+    hosts = np.array([statistics.median(trace_gaps) for trace_gaps in gaps])
     scale = rows.max(axis=0)
     coefficients, _ = nnls(rows / scale, hosts)
     per_step, per_op, per_byte = (float(c) for c in coefficients / scale)

@@ -82,6 +82,7 @@ def priced(
         durations, host_us = [op_us(op, roofline) for op in out.ops], 0.0
         source = f"predicted by this machine's roofline (recorder/roofline.py; {roofline.get('source', '')})"
     else:
+        threads = trace.symbolic.get("threads") or torch.get_num_threads()  # what it was traced at
         durations = model.predict_us(
             [
                 {
@@ -91,14 +92,13 @@ def priced(
                     "flops": op.flops,
                     "out_bytes": op.bytes,
                     "call": (calls or {}).get(op_key(op.name, op.input_shapes, op.input_dtypes)),
-                    "threads": trace.symbolic.get("threads"),
+                    "threads": threads,
                 }
                 for op in out.ops
             ]
         )
         host_us = model.host.at(len(out.ops), sum(op.bytes for op in out.ops))
         measured = {op_key(s.name, s.shapes, s.dtypes): s.us for s in probed}
-        threads = trace.symbolic.get("threads") or torch.get_num_threads()
         unseen_threads = bool(model.threads) and threads not in model.threads
         shift = thread_shift(out.ops, durations, measured, model) if unseen_threads else None
         if shift is not None:
