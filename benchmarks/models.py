@@ -555,13 +555,14 @@ def timed_fit(
     procs: int = 1,
     batches: int | None = None,
     prepare: Callable[[pl.LightningModule], pl.LightningModule] | None = None,
+    precision: str = "32-true",
 ) -> tuple[pl.Trainer, StepTimer, pl.LightningModule, DataLoader]:
     """Fit ``spec``'s model for ``max_steps`` on CPU (DDP over gloo when ``procs`` > 1) with
     ``callbacks`` and a `StepTimer` after them: work a callback does at the start of step b is then
     timed in step b - 1. No logger, progress bar or checkpoints. ``batches``: a data set of that
     many batches, gone through for as many epochs as the steps need (default: one batch per step,
     all of them in memory for the whole run). ``prepare``: what the model is given to fit as, from the
-    model built (a compiled module, say)."""
+    model built (a compiled module, say). ``precision``: the Trainer's."""
     pl.seed_everything(SEED, verbose=False)
     timer = StepTimer()
     trainer = pl.Trainer(
@@ -569,6 +570,7 @@ def timed_fit(
         devices=procs,
         strategy="ddp" if procs > 1 else "auto",
         max_steps=max_steps,
+        precision=precision,
         callbacks=[*callbacks, timer],
         enable_progress_bar=False,
         enable_checkpointing=False,

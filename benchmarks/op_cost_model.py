@@ -24,11 +24,13 @@ FLOPs, the probes' made-up values and their blend with the model); `models.FRESH
 convolutional autoencoder, a ViT, an MLP-Mixer) were written after those changes.
 
     python benchmarks/op_cost_model.py [--models mlp,cnn,...] [--repeats 2] [--quick]
-        [--out benchmarks/results] [--resume] [--no-tvm] [--cross-threads 1]
+        [--out benchmarks/results] [--resume] [--no-tvm] [--cross-threads 1] [--cross-precision bf16-mixed]
 
-Across thread counts (the issue's cross-device case on a CPU): the ``--fresh`` families also run at
-``--cross-threads`` intra-op threads (0: not), each priced by models trained at this process's
-thread count, at both, and at theirs alone, with the ops its estimate timed alone at its count.
+Across thread counts and precisions (the issue's cross-device cases on a CPU): the ``--fresh``
+families also run at ``--cross-threads`` intra-op threads (0: not), and at the Trainer's
+``--cross-precision`` (``none``: not), each priced by models trained on the main runs (this
+process's thread count, fp32), on those and the other families' runs at the setting, and on the
+latter alone, with the ops its estimate timed alone at the setting.
 
 With TVM installed (the ``tvm`` extra) each split is also measured with TVM's features of each op
 (`predictor/tvm_features.py`; lowered once per distinct call, kept in ``--out``'s ``tvm_cache``):
@@ -208,14 +210,18 @@ def held_out(
     }
 
 
-def across_threads(
-    model: str, trained: dict[str, list[dict[str, Any]]], targets: dict[str, list[dict[str, Any]]], runs: Path
+def across_setting(
+    model: str,
+    trained: dict[str, list[dict[str, Any]]],
+    targets: dict[str, list[dict[str, Any]]],
+    runs: Path,
+    setting: str,
 ) -> dict[str, Any]:
-    """``model``'s row at another thread count (its runs in ``runs``, its documents in ``targets``):
-    its step priced by models trained on ``trained`` (the other families at the main thread count),
-    on those and the other ``targets`` (both thread counts), and on the other ``targets`` alone,
-    each with the ops its estimate timed alone at its thread count; beside them the roofline its
-    estimate priced at that thread count (what an estimate had without a data set of its threads)."""
+    """``model``'s row at another ``setting`` (a thread count, a precision; its runs in ``runs``, its
+    documents in ``targets``): its step priced by models trained on ``trained`` (the other families
+    at the main setting), on those and the other ``targets`` (both settings), and on the other
+    ``targets`` alone, each with the ops its estimate timed alone at the setting; beside them the
+    roofline its estimate priced at the setting (what an estimate had without a data set of it)."""
     estimate_dir = runs / f"{model}-estimate"
     trace = Trace.load(estimate_dir / symbolic_estimate.SYMBOLIC_TRACE)
     probes = [OpSample(**p) for p in json.loads((estimate_dir / symbolic_estimate.PROBES).read_text())]
@@ -227,7 +233,7 @@ def across_threads(
     training = {"other": at_main, "both": at_main + others, "same": others}
     row: dict[str, Any] = {
         "model": model,
-        "threads": trace.symbolic.get("threads"),
+        "setting": setting,
         "measured_step_ms": measured,
         "roofline_error_pct": 100 * (estimated["estimate"]["predicted"]["step_ms"] / measured - 1),
     }
@@ -247,9 +253,11 @@ def across_threads(
     return row
 
 
-def threads_table(rows: list[dict[str, Any]], threads: int) -> str:
+def across_table(rows: list[dict[str, Any]], main: str) -> str:
+    """The rows of `across_setting` at one setting, against models trained at ``main``."""
+    setting = rows[0]["setting"]
     lines = [
-        f"| family at {rows[0]['threads']} thread(s) | measured step ms | trained at {threads} threads "
+        f"| family at {setting} | measured step ms | trained at {main} "
         "(error; time-weighted MAPE) | trained at both (error; MAPE) | trained at its own alone "
         "(error; MAPE) | roofline at its own (error) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -266,13 +274,13 @@ def threads_table(rows: list[dict[str, Any]], threads: int) -> str:
     medians = ", ".join(
         f"{what} {na(_median_known(rows, f'{k}_error_pct'), '.1f')}%"
         for what, k in (
-            (f"trained at {threads} threads", "other"),
+            (f"trained at {main}", "other"),
             ("at both", "both"),
             ("at its own alone", "same"),
             ("the roofline", "roofline"),
         )
     )
-    lines.append(f"\nAcross thread counts ({len(rows)} families), median |step error|: {medians}.")
+    lines.append(f"\nAt {setting} ({len(rows)} families), median |step error|: {medians}.")
     return "\n".join(lines) + "\n"
 
 
@@ -388,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="also run the --fresh families at this many threads, priced across thread counts (0: not)",
     )
+    parser.add_argument(
+        "--cross-precision",
+        default="bf16-mixed",
+        help="also run the --fresh families at this Trainer precision, priced across precisions (none: not)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         models, fresh, repeats = ["mlp", "cnn"], ["conv1d"], 1
@@ -406,16 +419,26 @@ def main(argv: list[str] | None = None) -> int:
             group = "fresh" if model in FRESH_MODELS else "held out"
             rows.append(held_out(model, with_it, runs, group=group, tvm_cache=tvm_cache))
     text, results = table(rows), {"environment": environment, "rows": rows}
+    settings = []
     if args.cross_threads:
-        cross_out = args.out / f"threads-{args.cross_threads}"
-        cross_args = ["--models", ",".join(fresh), "--repeats", str(repeats), "--out", str(cross_out)]
-        rc |= symbolic_estimate.main(
-            [*cross_args, "--threads", str(args.cross_threads), *(["--resume"] if args.resume else [])]
+        settings.append(
+            ("across_threads", f"{args.cross_threads} thread(s)", "--threads", str(args.cross_threads))
         )
-        targets = {m: recorded_documents(cross_out / "runs", m, args.cross_threads) for m in fresh}
-        cross_rows = [across_threads(m, documents, targets, cross_out / "runs") for m in fresh if targets[m]]
-        text += "\n" + threads_table(cross_rows, torch.get_num_threads())
-        results["across_threads"] = cross_rows
+    if args.cross_precision != "none":
+        settings.append(("across_precisions", args.cross_precision, "--precision", args.cross_precision))
+    main_setting = f"{torch.get_num_threads()} threads, 32-true"
+    for key, setting, flag, value in settings:
+        cross_out = args.out / f"{flag.strip('-')}-{value}"
+        cross_args = ["--models", ",".join(fresh), "--repeats", str(repeats), "--out", str(cross_out)]
+        rc |= symbolic_estimate.main([*cross_args, flag, value, *(["--resume"] if args.resume else [])])
+        threads = args.cross_threads if flag == "--threads" else None
+        targets = {m: recorded_documents(cross_out / "runs", m, threads) for m in fresh}
+        cross_rows = [
+            across_setting(m, documents, targets, cross_out / "runs", setting) for m in fresh if targets[m]
+        ]
+        if cross_rows:
+            text += "\n" + across_table(cross_rows, main_setting)
+        results[key] = cross_rows
     write_results(args.out, "op_cost_model", text, results)
     return rc if len(rows) == len(models) + len(fresh) else 1
 

@@ -13,7 +13,10 @@ the roofline alone: its error is the roofline's (`op_cost_model.py` prices the s
 learned per-op model, trained on the other families' recorded runs).
 
     python benchmarks/symbolic_estimate.py [--models mlp,cnn,...] [--repeats 2] [--quick]
-        [--out benchmarks/results] [--resume]
+        [--out benchmarks/results] [--resume] [--threads N] [--precision bf16-mixed]
+
+``--threads``: torch's intra-op threads in every run; ``--precision``: the Trainer's in every run, and
+the estimate's (`symbolic_trace` at that precision).
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ def save_calls(distinct_ops: dict, path: Path) -> None:
     path.write_text(json.dumps([{"key": list(key), "call": s.call} for key, s in distinct_ops.items()]))
 
 
-def symbolic_calls(model: str, run_dir: Path) -> dict[tuple, dict]:
-    """The calls of ``model``'s symbolic trace by `op_key` (`CALLS` in ``run_dir``; traced again and
-    saved there where a run made before it was written has none)."""
+def symbolic_calls(model: str, run_dir: Path, precision: str = "32-true") -> dict[tuple, dict]:
+    """The calls of ``model``'s symbolic trace at ``precision`` by `op_key` (`CALLS` in ``run_dir``;
+    traced again and saved there where a run made before it was written has none)."""
     from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
     if not (run_dir / CALLS).exists():
@@ -58,13 +61,14 @@ def symbolic_calls(model: str, run_dir: Path) -> dict[tuple, dict]:
             get_model(model).build(),
             next(iter(get_model(model).dataloader(MAX_STEPS))),
             distinct_ops=distinct_ops,
+            precision=precision,
         )
         save_calls(distinct_ops, run_dir / CALLS)
     return {tuple(row["key"]): row["call"] for row in json.loads((run_dir / CALLS).read_text())}
 
 
-def estimate_worker(model: str, run_dir: Path) -> None:
-    """The estimate of ``model``'s step, timed, with the bytes of its benchmark data set."""
+def estimate_worker(model: str, run_dir: Path, precision: str) -> None:
+    """The estimate of ``model``'s step at ``precision``, timed, with the bytes of its benchmark data set."""
     from qsync_callback.estimate import estimate
     from qsync_callback.recorder.data_loading import time_data_loading
     from qsync_callback.recorder.op_probes import probe
@@ -75,10 +79,12 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     batch = next(iter(loader))
     start = time.perf_counter()
     data = time_data_loading(loader)
-    report = estimate(spec.build(), batch, learned=False, data=data)
+    report = estimate(spec.build(), batch, learned=False, data=data, precision=precision)
     seconds = time.perf_counter() - start
     distinct_ops: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone
-    symbolic_trace(spec.build(), batch, distinct_ops=distinct_ops).save(run_dir / SYMBOLIC_TRACE)
+    symbolic_trace(spec.build(), batch, distinct_ops=distinct_ops, precision=precision).save(
+        run_dir / SYMBOLIC_TRACE
+    )
     probe_start = time.perf_counter()
     probed = probe(distinct_ops.values(), seconds=120)
     probe_s = time.perf_counter() - probe_start
@@ -96,8 +102,8 @@ def estimate_worker(model: str, run_dir: Path) -> None:
     (run_dir / "estimate.json").write_text(json.dumps(result))
 
 
-def record_worker(model: str, run_dir: Path) -> None:
-    """A real run with the callback reporting its measured figures."""
+def record_worker(model: str, run_dir: Path, precision: str) -> None:
+    """A real run at the Trainer's ``precision`` with the callback reporting its measured figures."""
     from qsync_callback.integrations.lightning import QSyncCallback
 
     callback = QSyncCallback(
@@ -108,7 +114,7 @@ def record_worker(model: str, run_dir: Path) -> None:
         output_dir=run_dir,
         plan_cache=False,
     )
-    timed_fit(get_model(model), MAX_STEPS, [callback])
+    timed_fit(get_model(model), MAX_STEPS, [callback], precision=precision)
 
 
 RESUME = False  # `--resume`: a run whose directory holds its output already is not run again
@@ -125,15 +131,18 @@ def _run(script: Path, args: list[str], run_dir: Path, out_file: str) -> dict[st
     return json.loads(path.read_text())
 
 
-def bench_model(model: str, repeats: int, out: Path) -> dict[str, Any]:
+def bench_model(model: str, repeats: int, out: Path, precision: str = "32-true") -> dict[str, Any]:
     script = Path(__file__).resolve()
     runs = out / "runs"
-    estimated = _run(script, ["--worker", "estimate", model], runs / f"{model}-estimate", "estimate.json")
+    at = ["--precision", precision]
+    estimated = _run(
+        script, ["--worker", "estimate", model, *at], runs / f"{model}-estimate", "estimate.json"
+    )
     if estimated is None:
         return {"model": model, "failed": "the estimate"}
     steps, peaks = [], []
     for r in range(repeats):
-        report = _run(script, ["--worker", "record", model], runs / f"{model}-record-{r}", "report.json")
+        report = _run(script, ["--worker", "record", model, *at], runs / f"{model}-record-{r}", "report.json")
         if report is not None:
             steps.append(report["measured"]["step_ms"])
             peaks.append(report["measured"]["peak_bytes"])
@@ -197,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
     parser.add_argument("--threads", type=int, help="torch's intra-op threads in every run (OMP_NUM_THREADS)")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's precision in every run")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         kind, model = args.worker
-        (estimate_worker if kind == "estimate" else record_worker)(model, args.worker_dir)
+        (estimate_worker if kind == "estimate" else record_worker)(model, args.worker_dir, args.precision)
         return 0
     global RESUME
     RESUME = args.resume
@@ -212,13 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runs' torch (and their children's)
     try:
-        rows = [bench_model(model, repeats, args.out) for model in models]
+        rows = [bench_model(model, repeats, args.out, args.precision) for model in models]
     finally:  # a caller's later runs keep their own thread count
         if threads_before is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = threads_before
-    environment = bench_environment(repeats=repeats, max_steps=MAX_STEPS, threads=args.threads)
+    environment = bench_environment(
+        repeats=repeats, max_steps=MAX_STEPS, threads=args.threads, precision=args.precision
+    )
     write_results(args.out, "symbolic_estimate", table(rows), {"environment": environment, "rows": rows})
     return 0 if all("failed" not in row for row in rows) else 1
 

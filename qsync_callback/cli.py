@@ -12,7 +12,7 @@
                                                     CSV, a Perfetto counter track and PNG plots
                                                     (`liveness_report.py`)
     qsync estimate FILE:CLASS [--batch-shape 64,784 64:int64] [--device cpu] [--json] [--top N]
-                   [--roofline | --tvm]
+                   [--precision bf16-mixed] [--roofline | --tvm]
                                                     one training step predicted before any runs:
                                                     peak memory by kind, step time, FLOPs, top ops
                                                     (`estimate.py`: a symbolic trace, priced)
@@ -49,6 +49,7 @@ from qsync_callback.plan import LEVERS, PRECISIONS, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.data_loading import time_data_loading
+from qsync_callback.recorder.symbolic_trace import lightning_precision
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import build_report, format_summary
 from qsync_callback.units import format_bytes
@@ -107,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         "module's train_dataloader()",
     )
     estimate.add_argument("--device", default="cpu", help="the device to price for (default: cpu)")
+    estimate.add_argument(
+        "--precision",
+        default="32-true",
+        help="the Trainer's precision= (Lightning's: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, "
+        "64-true; default 32-true)",
+    )
     estimate.add_argument("--json", action="store_true", help="the report.json schema, predicted only")
     estimate.add_argument("--top", type=int, default=10, help="ops to list (default 10)")
     pricing = estimate.add_mutually_exclusive_group()
@@ -126,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _estimate(args: argparse.Namespace) -> None:
     """``qsync estimate``: the module's step predicted on fake tensors."""
+    precision = lightning_precision(args.precision, args.device)  # refused before the module is built
     module = load_module(args.target)
     data = None
     if args.batch_shape:
@@ -138,7 +146,14 @@ def _estimate(args: argparse.Namespace) -> None:
             )
         batch, data = next(iter(loader)), time_data_loading(loader)
     report = estimate(
-        module, batch, args.device, top=args.top, learned=not args.roofline, tvm=args.tvm, data=data
+        module,
+        batch,
+        args.device,
+        top=args.top,
+        learned=not args.roofline,
+        tvm=args.tvm,
+        data=data,
+        precision=precision,
     )
     _out(json.dumps(report, indent=2) if args.json else format_estimate(report, top=args.top))
 

@@ -74,8 +74,10 @@ def estimate_trace(
     tvm: bool = False,
     scratch_seconds: float = SCRATCH_SECONDS,
     data: DataLoading | None = None,
+    precision: str | int = "32-true",
 ) -> Trace:
-    """The symbolic trace of one training step of ``module`` on ``batch``, its ops priced by
+    """The symbolic trace of one training step of ``module`` on ``batch`` at the Trainer's
+    ``precision`` (`symbolic_trace`), its ops priced by
     ``cost_model``, else this device's learned model (``learned``), else the roofline. With a
     learned model, its distinct ops are timed alone (`recorder/op_probes.py`, in `probe_order`,
     within ``probe_seconds``) and join the device's data set. ``tvm``: the learned model reads TVM's
@@ -88,13 +90,24 @@ def estimate_trace(
     distinct_ops: dict[tuple, OpSample] | None = {} if wanted else None
     try:
         trace = symbolic_trace(
-            module, batch, device, distinct_ops=distinct_ops, scratch_seconds=scratch_seconds
+            module,
+            batch,
+            device,
+            distinct_ops=distinct_ops,
+            scratch_seconds=scratch_seconds,
+            precision=precision,
         )
     except SymbolicTraceError as error:  # the model needs values: two real steps instead
         warnings.warn(f"{error}; tracing two real steps of a copy of the model instead", stacklevel=2)
         distinct_ops = None if distinct_ops is None else {}
         trace = symbolic_trace(
-            module, batch, device, fake=False, distinct_ops=distinct_ops, scratch_seconds=scratch_seconds
+            module,
+            batch,
+            device,
+            fake=False,
+            distinct_ops=distinct_ops,
+            scratch_seconds=scratch_seconds,
+            precision=precision,
         )
         trace.symbolic["tensors"] = f"real: {error}"
     probed = []
@@ -134,11 +147,15 @@ def estimate(
     learned: bool = True,
     tvm: bool = False,
     data: DataLoading | None = None,
+    precision: str | int = "32-true",
 ) -> dict[str, Any]:
     """The estimate of one training step of LightningModule ``module`` on ``batch`` (see the module
-    docstring), as a ``report.json``-shaped dict; ``cost_model``, ``learned``, ``tvm`` and ``data``
-    (`recorder/data_loading.time_data_loading` of the module's loader) as `estimate_trace`."""
-    trace = estimate_trace(module, batch, device, cost_model=cost_model, learned=learned, tvm=tvm, data=data)
+    docstring), as a ``report.json``-shaped dict; ``cost_model``, ``learned``, ``tvm``, ``data``
+    (`recorder/data_loading.time_data_loading` of the module's loader) and ``precision`` (the
+    Trainer's) as `estimate_trace`."""
+    trace = estimate_trace(
+        module, batch, device, cost_model=cost_model, learned=learned, tvm=tvm, data=data, precision=precision
+    )
     report = build_report([trace], top=top)
     for measured_only in (
         "measured",
@@ -156,7 +173,8 @@ def format_estimate(report: dict[str, Any], top: int = 10) -> str:
     """The estimate as lines for a terminal."""
     predicted = report["predicted"]
     lines = [
-        f"qsync estimate (symbolic: no step run; {report['symbolic']['batch']})",
+        f"qsync estimate (symbolic: no step run; {report['symbolic']['batch']}; "
+        f"precision {report['symbolic']['precision']})",
         f"  predicted step time {predicted['step_ms']:.2f} ms   "
         f"peak memory {format_bytes(predicted['peak_bytes'])}",
         f"  FLOPs per step {report['symbolic']['flops'] / 1e9:.2f} G over {report['symbolic']['ops']} ops",

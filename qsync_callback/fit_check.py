@@ -65,12 +65,13 @@ def check_fit(
     constraints: Constraints,
     device: str = "cpu",
     processes: int = 1,
+    precision: str | int = "32-true",
 ) -> FitCheck:
-    """``module``'s step on ``batch`` traced symbolically, its peak checked against
-    ``constraints.memory_budget`` and ``device``'s memory, shared by ``processes`` on the CPU (see
-    the module docstring)."""
+    """``module``'s step on ``batch`` traced symbolically at the Trainer's ``precision``, its peak
+    checked against ``constraints.memory_budget`` and ``device``'s memory, shared by ``processes``
+    on the CPU (see the module docstring)."""
     # no child process in a live run: no op timed alone, no kernel's scratch measured
-    trace = estimate_trace(module, batch, device, probe_seconds=0.0, scratch_seconds=0.0)
+    trace = estimate_trace(module, batch, device, probe_seconds=0.0, scratch_seconds=0.0, precision=precision)
     peak = Predictor([trace]).predict().peak_bytes
     if device.startswith("cuda") or processes <= 1:
         limits = {f"the device's memory ({device})": device_memory_bytes(device)}

@@ -61,11 +61,12 @@ def _batch():
     return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
 
 
-def _fit(model, callback, steps=3):
+def _fit(model, callback, steps=3, precision="32-true"):
     x, y = (torch.cat([t] * steps) for t in _batch())
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
+        precision=precision,
         callbacks=[callback],
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -124,3 +125,12 @@ def test_a_module_the_check_cannot_trace_warns_once_and_trains(tmp_path):
 def test_without_the_activation_lever_no_plan_is_looked_for(peak):
     check = check_fit(Deep(), _batch(), Constraints(memory_budget=peak // 2, levers=("precision",)))
     assert not check.fits and "activation lever is not allowed" in check.plan_text
+
+
+def test_the_check_traces_the_step_at_the_trainers_precision(tmp_path, peak):
+    """Under ``Trainer(precision="bf16-mixed")`` the checked step is the autocast one: its peak is
+    the symbolic bf16-mixed step's, not the fp32 one's."""
+    callback = QSyncCallback(mode="record", output_dir=tmp_path, memory_budget="1GB", check_fit=True)
+    _fit(Deep(), callback, precision="bf16-mixed")
+    mixed = check_fit(Deep(), _batch(), Constraints(), precision="bf16-mixed").peak_bytes
+    assert callback.fit_check.peak_bytes == mixed != peak

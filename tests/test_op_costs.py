@@ -162,3 +162,51 @@ def test_at_a_thread_count_the_data_set_never_ran_the_prices_shift_by_what_the_p
     assert durations[1][1] == pytest.approx(3.0 * durations[2][1])  # an op not timed alone, shifted
     assert durations[2][0] == pytest.approx((3.0 * price * price) ** 0.5)  # at 2 threads: the blend
     assert "none at 1 thread(s): its prices times 3.00" in said[1] and "none at" not in said[2]
+
+
+def test_ops_of_a_dtype_the_model_never_measured_shift_by_what_their_type_took_timed_alone():
+    """A model trained on fp32 ops only, pricing a bf16 step (a bf16-mixed Trainer's): a bf16 op's
+    price is scaled by what the bf16 ops of its type took timed alone over its prices of them, by
+    all the bf16 ops timed alone where none of its type was; fp32 ops keep their prices; a model
+    that measured bf16 ops shifts none."""
+    fp32 = op_samples(80)
+    muls = [{**op, "name": "aten::mul"} for op in fp32 if op["name"] == "aten::add"]
+    model = OpCostModel([{"source": "fp32", "threads": 2, "ops": fp32 + muls}])
+    bf16 = ("c10::BFloat16", "c10::BFloat16")
+    mm = _op(0, "aten::mm", ((64, 128), (128, 32)), bf16, flops=2.0 * 64 * 128 * 32, nbytes=4096)
+    mm_other = _op(1, "aten::mm", ((32, 64), (64, 16)), bf16, flops=2.0 * 32 * 64 * 16, nbytes=1024)
+    add = _op(2, "aten::add", ((64, 32), (64, 32)), bf16, nbytes=4096)
+    mul = _op(3, "aten::mul", ((64, 32), (64, 32)), bf16, nbytes=4096)
+    add_fp32 = _op(4, "aten::add", ((64, 32), (64, 32)), ("float", "float"), nbytes=8192)
+    ops = [mm, mm_other, add, mul, add_fp32]
+    prices = model.predict_us(
+        [
+            {"name": o.name, "shapes": o.input_shapes, "dtypes": o.input_dtypes, "flops": o.flops}
+            | {"out_bytes": o.bytes, "threads": 2}
+            for o in ops
+        ]
+    )
+    probed = [
+        OpSample(o.name, o.input_shapes, o.input_dtypes, o.flops, o.bytes, ratio * prices[o.id])
+        for o, ratio in ((mm, 0.4), (add, 2.0))
+    ]
+    trace = Trace(0, 1, "cpu", [Step(1, 0.0, 5.0)], ops, symbolic={"threads": 2})
+    out = priced(trace, COSTS, model, probed)
+    durations = [op.dur_us for op in out.ops]
+    assert durations[0] == pytest.approx(0.4 * prices[0])  # its probe and its shifted price agree
+    assert durations[1] == pytest.approx(0.4 * prices[1])  # not timed alone: its type's factor
+    assert durations[2] == pytest.approx(2.0 * prices[2])
+    all_bf16 = (0.4 * prices[0] + 2.0 * prices[2]) / (prices[0] + prices[2])
+    assert durations[3] == pytest.approx(all_bf16 * prices[3])  # none of its type timed alone
+    assert durations[4] == pytest.approx(prices[4])  # fp32: measured, not shifted
+    assert f"c10::BFloat16 times {all_bf16:.2f}" in out.symbolic["durations"]
+
+    measured_bf16 = [{**op, "dtypes": list(bf16)} for op in fp32]
+    knows_bf16 = OpCostModel([{"source": "both", "threads": 2, "ops": fp32 + muls + measured_bf16}])
+    again = priced(trace, COSTS, knows_bf16, probed)
+    unshifted = knows_bf16.predict_us(
+        [{"name": o.name, "shapes": o.input_shapes, "dtypes": o.input_dtypes, "flops": o.flops}
+         | {"out_bytes": o.bytes, "threads": 2} for o in ops]
+    )  # fmt: skip
+    assert again.ops[3].dur_us == pytest.approx(unshifted[3])
+    assert "dtype measured" not in again.symbolic["durations"]

@@ -140,10 +140,13 @@ class LSTMNet(Net):
         return nn.functional.cross_entropy(self.net(out[-1]), y)
 
 
-@pytest.mark.parametrize("module", [Net, LSTMNet])
-def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path, module):
-    """A real Lightning run of the same module records its measured peak (live tensors and the
-    allocator's counter, nothing from the predictor); the symbolic step predicts it within 5%."""
+@pytest.mark.parametrize(
+    ("module", "precision"), [(Net, "32-true"), (LSTMNet, "32-true"), (Net, "bf16-mixed"), (Net, "bf16-true")]
+)
+def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path, module, precision):
+    """A real Lightning run of the same module at the Trainer's precision records its measured
+    peak (live tensors and the allocator's counter, nothing from the predictor); the symbolic step
+    at that precision predicts it within 5%."""
     # the recorder counts every CPU tensor of the process: those earlier tests left alive are not the run's
     gc.collect()  # not the garbage of earlier tests, which the run may collect before its first count
     unrelated = sum(live_storages("cpu").values())
@@ -151,6 +154,7 @@ def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path, module):
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=30,
+        precision=precision,
         callbacks=[QSyncCallback(mode="record", output_dir=tmp_path, plan_cache=False)],
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -160,10 +164,53 @@ def test_the_symbolic_peak_is_the_real_runs_measured_peak(tmp_path, module):
     trainer.fit(module(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
     (recorded,) = load_trace_dir(tmp_path / "trace")
     measured = recorded.measured["peak_bytes"]
-    symbolic = Predictor([estimate_trace(module(), _batch(), cache_dir=tmp_path)]).predict()
+    symbolic = Predictor(
+        [estimate_trace(module(), _batch(), cache_dir=tmp_path, precision=precision)]
+    ).predict()
     # the real run also holds its data set (30 batches) resident; the symbolic step holds one batch
     data_set = (x.numel() * 4 + y.numel() * 8) * 29 // 30
     assert symbolic.peak_bytes == pytest.approx(measured - unrelated - data_set, rel=0.05)
+
+
+def test_a_mixed_precision_step_casts_in_training_step_and_keeps_fp32_parameters(traced):
+    """bf16-mixed, as Lightning runs it: training_step under autocast (its Linear layers in bf16 on
+    bf16 copies of the fp32 weights and input), backward's matmuls in bf16, the parameters, their
+    gradients and Adam's state fp32, the optimizer step in fp32."""
+    mixed = symbolic_trace(Net(), _batch(), precision="bf16-mixed", scratch_seconds=0)
+    assert mixed.symbolic["precision"] == "bf16-mixed" and traced.symbolic["precision"] == "32-true"
+    addmm = [op for op in mixed.ops if op.name == "aten::addmm"]
+    assert [op.input_dtypes for op in addmm] == [["c10::BFloat16"] * 3] * 2
+    casts = [op for op in mixed.ops if op.name == "aten::_to_copy" and op.kind == "forward"]
+    # each Linear's weight and bias to bf16 (2 x 2), the input, the logits back to fp32 for the loss
+    assert (
+        len(casts) == 6 and sum(op.bytes for op in casts[:3]) == (HIDDEN * WIDTH + HIDDEN + BATCH * WIDTH) * 2
+    )
+    backward_mm = [op for op in mixed.ops if op.name == "aten::mm" and op.kind == "backward"]
+    assert backward_mm and all(op.input_dtypes == ["c10::BFloat16"] * 2 for op in backward_mm)
+    assert all("c10::BFloat16" not in op.input_dtypes for op in mixed.ops if op.kind == "update")
+    assert mixed.resident_bytes == traced.resident_bytes
+
+
+def test_a_true_half_precision_step_runs_the_module_and_its_batch_in_that_dtype(traced):
+    half = symbolic_trace(Net(), _batch(), precision="bf16-true", scratch_seconds=0)
+    assert all(op.input_dtypes == ["c10::BFloat16"] * 3 for op in half.ops if op.name == "aten::addmm")
+    assert not any(op.name == "aten::_to_copy" and op.kind == "forward" for op in half.ops)
+    for kind in ("parameters", "gradients", "optimizer_state"):
+        assert half.resident_bytes[kind] < traced.resident_bytes[kind]
+    assert half.resident_bytes["parameters"] * 2 == traced.resident_bytes["parameters"]
+    x, y = _batch()
+    assert half.resident_bytes["other"] == x.numel() * 2 + y.numel() * 8  # the floats converted
+
+
+def test_a_precision_is_named_as_lightning_runs_it_or_refused():
+    assert symbolic_trace(Net(), _batch(), precision="16-mixed", scratch_seconds=0).symbolic["precision"] == (
+        "bf16-mixed"  # on a CPU, as Lightning makes it
+    )
+    assert symbolic_trace(Net(), _batch(), precision=32, scratch_seconds=0).symbolic["precision"] == "32-true"
+    with pytest.raises(
+        QSyncInputError, match="precision 'fp8': expected one of Lightning's: 64-true, 32-true"
+    ):
+        symbolic_trace(Net(), _batch(), precision="fp8")
 
 
 def test_a_workspace_a_fake_kernel_leaves_empty_has_its_real_size_and_kernel_scratch_is_added():
@@ -343,3 +390,10 @@ def test_qsync_estimate_on_the_example(tmp_path):
     assert learned.startswith("predicted by the learned per-op model")
     rooflined = json.loads(subprocess.run([*command, *shapes, "--roofline"], **quiet).stdout)
     assert rooflined["symbolic"]["durations"].startswith("predicted by this machine's roofline")
+    # at a precision the data set never ran (fp32 ops only): the bf16 ops' prices shift by the probes
+    mixed = json.loads(subprocess.run([*command, *shapes, "--precision", "bf16-mixed"], **quiet).stdout)
+    assert mixed["symbolic"]["precision"] == "bf16-mixed"
+    assert "none of their dtype measured" in mixed["symbolic"]["durations"]
+    assert "c10::BFloat16 times" in mixed["symbolic"]["durations"]
+    unknown = subprocess.run([*command, *shapes, "--precision", "fp8"], **quiet)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("qsync: error: precision 'fp8': expected")

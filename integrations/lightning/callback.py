@@ -172,7 +172,14 @@ class QSyncCallback(pl.Callback):
     def _check_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         device = str(pl_module.device)
         try:
-            check = check_fit(pl_module, batch, self._loop.settings.constraints, device, trainer.num_devices)
+            check = check_fit(
+                pl_module,
+                batch,
+                self._loop.settings.constraints,
+                device,
+                trainer.num_devices,
+                trainer.precision,
+            )
         except Exception as error:  # noqa: BLE001 - the check must never break training
             rank_zero_warn(
                 f"QSyncCallback could not check the fit before step 1: {type(error).__name__}: {error}"

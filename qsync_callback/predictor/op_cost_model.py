@@ -48,7 +48,7 @@ import torch
 
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.tvm_features import TVM_FEATURES, features_of
-from qsync_callback.recorder.kineto import FLOAT_DTYPES
+from qsync_callback.recorder.kineto import float_dtype
 from qsync_callback.recorder.op_dataset import load_dataset
 from qsync_callback.recorder.op_samples import op_class
 
@@ -84,7 +84,7 @@ def op_features(
     sizes = [math.prod(s) for s in shapes]
     read = sum(input_bytes(shapes, dtypes))
     largest = max(range(len(sizes)), key=sizes.__getitem__) if sizes else None
-    dtype = next((d for d in dtypes if d in FLOAT_DTYPES), dtypes[0] if dtypes else "none")
+    dtype = float_dtype(dtypes) or (dtypes[0] if dtypes else "none")
     return [
         name,
         op_class(name, flops),
@@ -196,6 +196,7 @@ class OpCostModel:
         self.threads = sorted({int(t["threads"]) for t in traces if t.get("threads")})
         self.samples = len(samples)
         self.known_types = {op["name"] for op in samples}
+        self.float_dtypes = {d for op in samples if (d := float_dtype(op["dtypes"]))}
         self._codes: list[dict[str, int]] = [{} for _ in CATEGORICAL]
         # each op also as an op of its class with no type, what an op type never measured is priced as
         features = self._all_features(samples)
@@ -264,9 +265,11 @@ class OpCostModel:
         """What the model was trained on, for a prediction to say."""
         lowered = f", TVM's features of {self.lowered} of them" if self.tvm else ""
         at_threads = f" at {', '.join(map(str, self.threads))} thread(s)" if self.threads else ""
+        dtypes = ", ".join(sorted(self.float_dtypes)) or "none"
         return (
             f"learned per-op model (predictor/op_cost_model.py): {self.samples} distinct measured ops "
-            f"of {len(self.sources)} recorded trace(s) on this device{at_threads}{lowered}; host time "
+            f"of {len(self.sources)} recorded trace(s) on this device{at_threads}{lowered} (float "
+            f"dtypes: {dtypes}); host time "
             f"{self.host.describe()}"
         )
 

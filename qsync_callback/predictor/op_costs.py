@@ -12,8 +12,14 @@ they fell in. An op type the learned model never saw measured is timed alone whe
 alone too is priced at the geometric mean of the two: the model's price and the time alone are
 two estimates of its time in the step with errors of their own (the model's from other ops and
 families, the probe's from made-up values outside a step: each was 3x off on some op here), so
-neither is taken over the other. The trace's ``symbolic.durations`` says where the durations came
-from, and which op types were timed alone or priced from features only.
+neither is taken over the other. Where the model has no data of the trace's setting, the ops
+timed alone also carry its prices across (CDMPP's cross-device transfer, calibrated on the
+estimate's own measurements): at a thread count it never ran, every price is scaled by what the ops
+of types it knows took alone over its prices of them (`thread_shift`); at a floating-point dtype it
+never measured (a bf16-mixed step priced from fp32 runs), each such op's price by the same ratio
+over the ops of its type and dtype, or of its dtype (`precision_shifts`). The trace's
+``symbolic.durations`` says where the durations came from, which op types were timed alone or
+priced from features only, and each shift.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 from qsync_callback.predictor.compiled_regions import input_bytes
 from qsync_callback.predictor.op_cost_model import MIN_US, OpCostModel
 from qsync_callback.recorder.data_loading import DataLoading
-from qsync_callback.recorder.kineto import FLOAT_DTYPES
+from qsync_callback.recorder.kineto import float_dtype
 from qsync_callback.recorder.op_samples import OpSample, op_key
 from qsync_callback.recorder.trace import Op, Trace
 
@@ -38,7 +44,7 @@ def op_us(op: Op, roofline: Mapping[str, Any]) -> float:
     moved = sum(input_bytes(op.input_shapes, op.input_dtypes)) + op.bytes
     compute = 0.0
     if op.flops:
-        dtype = next((d for d in op.input_dtypes if d in FLOAT_DTYPES), "float")
+        dtype = float_dtype(op.input_dtypes) or "float"
         rates = roofline["flops_per_us"]
         compute = op.flops / rates.get(dtype, rates["float"])
     return roofline["op_us"] + max(compute, moved / roofline["bytes_per_us"])
@@ -52,12 +58,47 @@ def thread_shift(
     often as it runs; None with none timed alone. A model with no recorded step at a trace's thread
     count prices it as the thread counts it has data at run: this is the shift to the thread count
     at hand (CDMPP's cross-device transfer, calibrated by the estimate's own measurements)."""
-    pairs = [
-        (measured[key], price)
-        for op, price in zip(ops, prices, strict=True)
-        if op.name in model.known_types
-        and (key := op_key(op.name, op.input_shapes, op.input_dtypes)) in measured
-    ]
+    return _time_alone_over_price(
+        [
+            (measured[key], price)
+            for op, price in zip(ops, prices, strict=True)
+            if op.name in model.known_types
+            and (key := op_key(op.name, op.input_shapes, op.input_dtypes)) in measured
+        ]
+    )
+
+
+def precision_shifts(
+    ops: Sequence[Op], prices: Sequence[float], measured: Mapping[tuple, float], model: OpCostModel
+) -> tuple[list[float], dict[str, float]]:
+    """The factor each of ``ops``' ``prices`` is scaled by where ``model`` never measured an op of its
+    floating-point dtype (a model trained on fp32 runs pricing a bf16-mixed step: the trees treat
+    the dtype as a category they never saw), as `thread_shift` does across thread counts: what the
+    ops of its type and dtype took timed alone (``measured``) over its prices of them, or, where
+    none of its type was, those of every type of its dtype; 1 for the others and where no op of
+    the dtype was timed alone. Also each such dtype's own factor."""
+    timed: dict[str, dict[str, list[tuple[float, float]]]] = {}  # dtype -> type -> (alone, price)
+    for op, price in zip(ops, prices, strict=True):
+        dtype = float_dtype(op.input_dtypes)
+        key = op_key(op.name, op.input_shapes, op.input_dtypes)
+        if dtype and dtype not in model.float_dtypes and op.name in model.known_types and key in measured:
+            timed.setdefault(dtype, {}).setdefault(op.name, []).append((measured[key], price))
+    by_dtype = {
+        dtype: _time_alone_over_price([pair for pairs in types.values() for pair in pairs])
+        for dtype, types in timed.items()
+    }
+    factors = []
+    for op in ops:
+        dtype = float_dtype(op.input_dtypes)
+        if dtype in timed:
+            factors.append(_time_alone_over_price(timed[dtype].get(op.name, [])) or by_dtype[dtype])
+        else:
+            factors.append(1.0)
+    return factors, by_dtype
+
+
+def _time_alone_over_price(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """The (time alone, price) pairs' summed times alone over their summed prices; None with none."""
     if not pairs:
         return None
     return sum(max(m, MIN_US) for m, _ in pairs) / sum(price for _, price in pairs)
@@ -103,6 +144,8 @@ def priced(
         shift = thread_shift(out.ops, durations, measured, model) if unseen_threads else None
         if shift is not None:
             durations = [d * shift for d in durations]
+        factors, dtype_shifts = precision_shifts(out.ops, durations, measured, model)
+        durations = [d * f for d, f in zip(durations, factors, strict=True)]
         blended = set()
         for k, op in enumerate(out.ops):
             key = op_key(op.name, op.input_shapes, op.input_dtypes)
@@ -120,6 +163,14 @@ def priced(
             source += (
                 f"; none at {threads} thread(s): its prices times {shift:.2f}, what the ops of types it "
                 "knows took timed alone over its prices of them"
+            )
+        if dtype_shifts:
+            shifted = ", ".join(
+                f"{dtype} times {factor:.2f}" for dtype, factor in sorted(dtype_shifts.items())
+            )
+            source += (
+                f"; none of their dtype measured: the prices of its ops, by type, times what those timed "
+                f"alone took over its prices of them (of all their types: {shifted})"
             )
         if probed_types:
             timed = ", ".join(sorted(probed_types))

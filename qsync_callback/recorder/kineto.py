@@ -29,7 +29,7 @@ import bisect
 import math
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qsync_callback.recorder.trace import Op, Step
@@ -64,6 +64,13 @@ DTYPE_BYTES = {  # bytes per element, by Kineto's dtype names
     "bool": 1,
     "short int": 2,
 }
+
+
+def float_dtype(dtypes: Sequence[str]) -> str | None:
+    """The first floating-point dtype of an op's inputs (Kineto's names), None where it has none."""
+    return next((d for d in dtypes if d in FLOAT_DTYPES), None)
+
+
 _DEVICE_TYPE = {"cpu": 0, "cuda": 1}
 
 

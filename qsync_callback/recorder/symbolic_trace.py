@@ -25,6 +25,13 @@ state); the second is traced, as the recorder records a step after its warm-up:
   shows, is measured per distinct call in a child process (`op_probes.scratch_bytes`) and added
   as an allocation freed before the next op.
 
+The step runs at the Trainer's ``precision`` as Lightning runs it: ``bf16-mixed`` and ``16-mixed``
+run ``training_step`` under ``torch.autocast`` (so its casts and its low-precision ops are the
+trace's, the backward and the optimizer step outside it, the parameters and their optimizer state
+fp32; ``16-mixed`` on a CPU is ``bf16-mixed``, as Lightning makes it); ``bf16-true``, ``16-true`` and
+``64-true`` convert the module and the batch's floating-point tensors to that dtype and run
+``training_step`` with it as the default dtype.
+
 Durations are not known here: each op gets 1 us, one after the other, and the estimate prices them
 (`predictor/op_costs.py`) and says so in the trace's ``symbolic`` field. The module and batch given
 are not changed, and no real tensor is made: a model too large for this machine can be traced.
@@ -74,6 +81,28 @@ UNRECORDED_OPS = {  # not ops of the step: queries of a tensor's metadata (fake 
     # ranges, not ops
     "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
 }  # fmt: skip
+
+
+LIGHTNING_PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    # Lightning's precision settings: (training_step's autocast dtype, the module's and batch's dtype)
+    "64-true": (None, torch.float64),
+    "32-true": (None, None),
+    "bf16-mixed": (torch.bfloat16, None),
+    "16-mixed": (torch.float16, None),
+    "bf16-true": (None, torch.bfloat16),
+    "16-true": (None, torch.float16),
+}
+LIGHTNING_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's
+
+
+def lightning_precision(precision: str | int, device: str = "cpu") -> str:
+    """``precision`` (a ``Trainer(precision=...)`` value) as Lightning runs it on ``device``: its
+    full name, ``16-mixed`` on a CPU as ``bf16-mixed``; `QSyncInputError` for one it does not take."""
+    name = LIGHTNING_ALIASES.get(str(precision), str(precision))
+    if name not in LIGHTNING_PRECISIONS:
+        accepted = ", ".join([*LIGHTNING_PRECISIONS, *LIGHTNING_ALIASES])
+        raise QSyncInputError(f"precision {precision!r}: expected one of Lightning's: {accepted}")
+    return "bf16-mixed" if name == "16-mixed" and not device.startswith("cuda") else name
 
 
 class SymbolicTraceError(QSyncInputError):
@@ -275,21 +304,31 @@ def symbolic_trace(
     fake: bool = True,
     distinct_ops: dict[tuple, OpSample] | None = None,
     scratch_seconds: float = SCRATCH_SECONDS,
+    precision: str | int = "32-true",
 ) -> Trace:
     """The trace of one training step of LightningModule ``module`` on ``batch`` (any nest of
-    tensors), on fake tensors (see the module docstring); its ops last 1 us each until priced.
+    tensors), on fake tensors, at the Trainer's ``precision`` (see the module docstring); its ops
+    last 1 us each until priced.
     ``fake=False``: on real tensors, a copy of the module's (for a module that needs real values:
     the same trace, at the cost of two real steps and the copy's memory). ``distinct_ops``, where given,
     gets each distinct op (by name, input shapes and dtypes) as an `OpSample` with its ``call``, to
     time alone or to lower. ``scratch_seconds``: the most spent measuring the kernels' scratch in a
     child process (0: not measured, as in a live run)."""
+    precision = lightning_precision(precision, device)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with FakeCopyMode(fake_mode) if fake else contextlib.nullcontext():
         model = copy.deepcopy(module)
     if fake:
         batch = tree_map(lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
+    dtype = LIGHTNING_PRECISIONS[precision][1]
     with fake_mode:  # an optimizer that makes its state when built (Adagrad) makes it fake
+        if dtype is not None:  # Lightning's "-true" precisions: the module and the batch's floats
+            _convert_floats(model, dtype)
+            batch = tree_map(
+                lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, batch
+            )
         optimizers = _optimizers(model)
+    in_training_step = _precision_context(precision, device)
     if distinct_ops is None and scratch_seconds > 0:  # the scratch is measured per distinct call
         distinct_ops = {}
     recorder = _StepRecorder(model, distinct_ops, fake=fake)
@@ -297,7 +336,7 @@ def symbolic_trace(
     try:
         with fake_mode, _quiet_outside_a_trainer():
             try:
-                _train_step(model, batch, optimizers, None)
+                _train_step(model, batch, optimizers, None, in_training_step)
             except (RuntimeError, ValueError, IndexError) as error:
                 if isinstance(error, DataDependentOutputException):
                     raise
@@ -308,7 +347,7 @@ def symbolic_trace(
             resident = _resident(recorder, model, optimizers, batch)
             recorder.calls.clear()  # the traced step's calls only
             with recorder:
-                _train_step(model, batch, optimizers, recorder)
+                _train_step(model, batch, optimizers, recorder, in_training_step)
             recorder.closed = True
     except DataDependentOutputException as error:
         raise _needs_values(error) from error
@@ -335,6 +374,7 @@ def symbolic_trace(
             "tensors": "fake" if fake else "real",
             "scratch": scratch,
             "threads": torch.get_num_threads(),  # the intra-op threads its ops are priced at
+            "precision": precision,
         },
     )
 
@@ -440,17 +480,62 @@ def _quiet_outside_a_trainer() -> Iterator[None]:
         fake_log.setLevel(level)
 
 
+def _convert_floats(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` as Lightning's "-true" precisions convert it (floating-point parameters and
+    buffers; a parameter shared by two modules stays shared), by replacing them: ``Module.to`` swaps
+    a fake tensor in place, which the fake mode's own references to it refuse."""
+    converted: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                if id(tensor) not in converted:
+                    data = tensor.detach().to(dtype)
+                    if isinstance(tensor, nn.Parameter):
+                        data = nn.Parameter(data, requires_grad=tensor.requires_grad)
+                    converted[id(tensor)] = data
+                table[name] = converted[id(tensor)]
+
+
+def _precision_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """What Lightning's precision plugin runs ``training_step`` under at ``precision``: autocast
+    (``-mixed``), the module's dtype as the default dtype (``-true``), or nothing (``32-true``)."""
+    autocast, dtype = LIGHTNING_PRECISIONS[precision]
+    if autocast is not None:
+        return lambda: torch.autocast(torch.device(device).type, dtype=autocast, cache_enabled=False)
+    if dtype is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def default_dtype() -> Iterator[None]:
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(before)
+
+    return default_dtype
+
+
 def _train_step(
-    model: nn.Module, batch: Any, optimizers: Sequence[torch.optim.Optimizer], recorder: _StepRecorder | None
+    model: nn.Module,
+    batch: Any,
+    optimizers: Sequence[torch.optim.Optimizer],
+    recorder: _StepRecorder | None,
+    in_training_step: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> None:
-    """Lightning's automatic-optimization step: training_step, zero_grad, backward, step."""
+    """Lightning's automatic-optimization step: training_step (under ``in_training_step``, the
+    precision's context), zero_grad, backward, step."""
 
     def phase(name: str) -> None:
         if recorder is not None:
             recorder.phase = name
 
     phase("forward")
-    out = model.training_step(batch, 0)
+    with in_training_step():
+        out = model.training_step(batch, 0)
     loss = out["loss"] if isinstance(out, Mapping) else out
     if not isinstance(loss, torch.Tensor):
         raise QSyncInputError(f"training_step returned {type(out).__name__}, not a loss tensor")
