@@ -70,15 +70,14 @@ def symbolic_calls(model: str, run_dir: Path, precision: str = "32-true") -> dic
 def estimate_worker(model: str, run_dir: Path, precision: str) -> None:
     """The estimate of ``model``'s step at ``precision``, timed, with the bytes of its benchmark data set."""
     from qsync_callback.estimate import estimate
-    from qsync_callback.recorder.data_loading import time_data_loading
+    from qsync_callback.recorder.data_loading import first_batch_and_fetch
     from qsync_callback.recorder.op_probes import probe
     from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
     spec = get_model(model)
     loader = spec.dataloader(MAX_STEPS)
-    batch = next(iter(loader))
     start = time.perf_counter()
-    data = time_data_loading(loader)
+    batch, data = first_batch_and_fetch(loader)
     report = estimate(spec.build(), batch, learned=False, data=data, precision=precision)
     seconds = time.perf_counter() - start
     distinct_ops: dict = {}  # for op_cost_model.py: the trace, and each distinct op timed alone

@@ -48,7 +48,7 @@ from qsync_callback.liveness_report import format_liveness, liveness_of, write_l
 from qsync_callback.plan import LEVERS, PRECISIONS, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.predictor.predict import predict
-from qsync_callback.recorder.data_loading import time_data_loading
+from qsync_callback.recorder.data_loading import first_batch_and_fetch
 from qsync_callback.recorder.symbolic_trace import lightning_precision
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import build_report, format_summary
@@ -144,7 +144,7 @@ def _estimate(args: argparse.Namespace) -> None:
             raise QSyncInputError(
                 f"{args.target}: no train_dataloader() to take a batch from; give --batch-shape"
             )
-        batch, data = next(iter(loader)), time_data_loading(loader)
+        batch, data = first_batch_and_fetch(loader)
     report = estimate(
         module,
         batch,

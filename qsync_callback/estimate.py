@@ -151,7 +151,7 @@ def estimate(
 ) -> dict[str, Any]:
     """The estimate of one training step of LightningModule ``module`` on ``batch`` (see the module
     docstring), as a ``report.json``-shaped dict; ``cost_model``, ``learned``, ``tvm``, ``data``
-    (`recorder/data_loading.time_data_loading` of the module's loader) and ``precision`` (the
+    (`recorder/data_loading.first_batch_and_fetch` of the module's loader) and ``precision`` (the
     Trainer's) as `estimate_trace`."""
     trace = estimate_trace(
         module, batch, device, cost_model=cost_model, learned=learned, tvm=tvm, data=data, precision=precision

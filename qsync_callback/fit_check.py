@@ -1,9 +1,9 @@
 """Will the run fit? Checked before its first step, on a symbolic trace of it (`estimate.py`).
 
-The peak of one training step traced on fake tensors (no real compute, no memory; its ops priced
-as `estimate` prices them, but none timed alone and no kernel's scratch measured: the run is live,
-and those run in a child process) is compared
-with the memory budget given in bytes (a budget given as a share of the recorded peak cannot be
+The peak of one training step traced on fake tensors at the Trainer's precision (no real
+compute, no memory; its ops priced as `estimate` prices them, but none timed alone and no kernel's
+scratch measured: the run is live, and those run in a child process) is compared with the memory
+budget given in bytes (a budget given as a share of the recorded peak cannot be
 resolved before anything is recorded, and is said to be skipped) and with the device's memory:
 a CUDA device's total memory, or the machine's physical memory for the CPU. Where the step does
 not fit, the activation planner (`planner/memory_plan.py`, recompute only: offload's copy costs

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from qsync_callback.recorder.data_loading import DataLoading, time_data_loading
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.recorder.data_loading import DataLoading, first_batch_and_fetch
 
 ITEM_SECONDS = 0.002
 
@@ -44,7 +45,7 @@ class CountedBatches:
 def test_a_fetch_in_the_step_is_timed_after_the_first_and_adds_all_of_itself():
     items = SlowItems(4 * 10)
     start = time.perf_counter()
-    timed = time_data_loading(DataLoader(items, batch_size=4), batches=3, seconds=10.0)
+    _, timed = first_batch_and_fetch(DataLoader(items, batch_size=4), batches=3, seconds=10.0)
     elapsed_us = (time.perf_counter() - start) * 1e6
     assert timed is not None and timed.workers == 0 and timed.batches == 3
     assert timed.us >= 4 * ITEM_SECONDS * 1e6  # four items of a batch, each slept for
@@ -73,7 +74,7 @@ class Bursts(CountedBatches):
 def test_with_workers_a_fetch_is_their_rate_the_mean_not_the_median_of_a_burst():
     bursts = Bursts()
     start = time.perf_counter()
-    timed = time_data_loading(bursts, batches=5, seconds=10.0)
+    _, timed = first_batch_and_fetch(bursts, batches=5, seconds=10.0)
     elapsed_us = (time.perf_counter() - start) * 1e6
     assert bursts.drawn == 1 + 2 + 5
     # of the timed fetches 4 to 8, two waited (5 and 7) and three did not: their median is no wait
@@ -95,7 +96,7 @@ class OneStall(CountedBatches):
 
 
 def test_in_this_process_a_fetch_is_the_median_one_stall_does_not_move_it():
-    timed = time_data_loading(OneStall(), batches=5, seconds=10.0)
+    _, timed = first_batch_and_fetch(OneStall(), batches=5, seconds=10.0)
     assert timed.batches == 5 and timed.us < 5 * ITEM_SECONDS * 1e6  # the mean would be 10 of them
     assert DataLoading(us=12340.0, batches=3, workers=2).describe() == (
         "12.34 ms a batch, made by 2 workers beside the step (the mean of 3 timed)"
@@ -104,23 +105,28 @@ def test_in_this_process_a_fetch_is_the_median_one_stall_does_not_move_it():
 
 def test_the_batches_workers_made_ahead_are_drawn_before_any_is_timed():
     ahead = CountedBatches(num_workers=2, prefetch_factor=3)
-    assert time_data_loading(ahead, batches=4).workers == 2
+    first, timed = first_batch_and_fetch(ahead, batches=4)
+    assert first == 1 and timed.workers == 2  # the first batch drawn is the one given back
     assert ahead.drawn == 1 + 2 * 3 + 4
     plain = CountedBatches(num_workers=0, prefetch_factor=None)
-    assert time_data_loading(plain, batches=4).workers == 0 and plain.drawn == 1 + 4
+    first, timed = first_batch_and_fetch(plain, batches=4)
+    assert first == 1 and timed.workers == 0 and plain.drawn == 1 + 4
     # an iterable that is no DataLoader fetches in this process: no workers, nothing made ahead
     drawn = []
-    timed = time_data_loading(drawn.append(k) or k for k in range(10))
+    _, timed = first_batch_and_fetch(drawn.append(k) or k for k in range(10))
     assert timed is not None and timed.workers == 0 and len(drawn) == 1 + timed.batches
 
 
-def test_a_loader_of_one_batch_has_no_fetch_to_time():
-    assert time_data_loading(DataLoader(SlowItems(4), batch_size=4)) is None
+def test_a_loader_of_one_batch_has_no_fetch_to_time_and_one_of_none_is_refused():
+    first, timed = first_batch_and_fetch(DataLoader(SlowItems(4), batch_size=4))
+    assert timed is None and torch.equal(first, torch.arange(4.0)[:, None].expand(4, 8))
+    with pytest.raises(QSyncInputError, match="the data loader gave no batch"):
+        first_batch_and_fetch(DataLoader(SlowItems(0), batch_size=4))
 
 
 def test_with_workers_the_step_waits_only_for_what_their_making_takes_beyond_it():
     loader = DataLoader(SlowItems(4 * 40), batch_size=4, num_workers=2, prefetch_factor=2)
-    timed = time_data_loading(loader, batches=3, seconds=30.0)
+    _, timed = first_batch_and_fetch(loader, batches=3, seconds=30.0)
     assert timed is not None and timed.workers == 2 and timed.batches == 3
     assert timed.wait_us(timed.us + 1.0) == 0.0
     assert timed.wait_us(timed.us / 4) == pytest.approx(0.75 * timed.us)

@@ -62,9 +62,10 @@ class QSyncCallback(pl.Callback):
         plan: a plan file to apply at step 0, without recording or planning.
         plan_cache: where kept plans live between launches: True for the user's cache directory,
             a directory, or False for none.
-        check_fit: before step 1, trace the step on fake tensors (`qsync_callback.fit_check`) and
-            warn when its predicted peak is over ``memory_budget`` (in bytes or a size) or the
-            device's memory, naming a plan that would fit; the result is `fit_check`.
+        check_fit: before step 1, trace the step on fake tensors at the Trainer's precision
+            (`qsync_callback.fit_check`) and warn when its predicted peak is over ``memory_budget``
+            (in bytes or a size) or the device's memory, naming a plan that would fit; the result
+            is `fit_check`.
         strict: with ``check_fit``, raise `DoesNotFit` instead of warning.
     """
 

@@ -1,12 +1,14 @@
 """A data loader's fetch of one batch, timed before any step: the part of a training step that a
 symbolic trace cannot see, as it traces from a batch in hand (`symbolic_trace.py`).
 
-`time_data_loading` draws batches from the loader, as Lightning's loop does once a step, and times
-each ``next()`` in this process after the first (which starts the iterator, and its workers where
-it has any). A loader without workers fetches inside the step, so all of a fetch adds to it. With
-workers, batches are made in other processes while the step runs, and the step waits only for what
-their making takes beyond it (`DataLoading.wait_us`); the first ``prefetch_factor * num_workers``
-fetches after the first come from what the workers made ahead, so they are drawn and not timed.
+`first_batch_and_fetch` draws batches from the loader, as Lightning's loop does once a step, keeps
+the first (the batch an estimate traces its step on: one iterator, so the first batch is fetched
+once and the workers started once) and times each ``next()`` in this process after it (the first
+starts the iterator, and its workers where it has any). A loader without workers fetches inside the
+step, so all of a fetch adds to it. With workers, batches are made in other processes while the
+step runs, and the step waits only for what their making takes beyond it (`DataLoading.wait_us`);
+the first ``prefetch_factor * num_workers`` fetches after the first come from what the workers made
+ahead, so they are drawn and not timed.
 A fetch in this process is taken as the median of those timed (a stall in one does not move it);
 with workers, as their mean, the rate the workers make batches at: their batches come in bursts
 (two workers that finish together make one wait long and the next not at all), which a median
@@ -21,6 +23,9 @@ import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from qsync_callback.errors import QSyncInputError
 
 BATCHES = 5  # fetches timed, at most
 SECONDS = 1.0  # the most spent timing them
@@ -48,18 +53,22 @@ class DataLoading:
         )
 
 
-def time_data_loading(
+def first_batch_and_fetch(
     loader: Iterable, batches: int = BATCHES, seconds: float = SECONDS
-) -> DataLoading | None:
-    """``loader``'s fetch of a batch timed (see the module docstring), within about ``seconds``;
-    None when it has fewer than two batches."""
+) -> tuple[Any, DataLoading | None]:
+    """``loader``'s first batch, and its fetch of a batch timed (see the module docstring) within
+    about ``seconds``: None when it has one batch only; `QSyncInputError` when it has none."""
     workers = int(getattr(loader, "num_workers", 0) or 0)
     ahead = workers * int(getattr(loader, "prefetch_factor", 0) or 0)
     iterator = iter(loader)
-    deadline = time.monotonic() + seconds
     times: list[float] = []
     try:
-        for _ in range(1 + ahead):
+        first = next(iterator)
+    except StopIteration:
+        raise QSyncInputError("the data loader gave no batch") from None
+    deadline = time.monotonic() + seconds
+    try:
+        for _ in range(ahead):
             next(iterator)
         while len(times) < batches and time.monotonic() < deadline:
             start = time.perf_counter()
@@ -70,6 +79,6 @@ def time_data_loading(
     finally:
         del iterator  # a loader's workers stop with their iterator
     if not times:
-        return None
+        return first, None
     fetch_us = statistics.median(times) if workers == 0 else statistics.fmean(times)
-    return DataLoading(fetch_us, len(times), workers)
+    return first, DataLoading(fetch_us, len(times), workers)
