@@ -120,7 +120,7 @@ def test_the_batches_workers_made_ahead_are_drawn_before_any_is_timed():
 def test_a_loader_of_one_batch_has_no_fetch_to_time_and_one_of_none_is_refused():
     first, timed = first_batch_and_fetch(DataLoader(SlowItems(4), batch_size=4))
     assert timed is None and torch.equal(first, torch.arange(4.0)[:, None].expand(4, 8))
-    with pytest.raises(QSyncInputError, match="the data loader gave no batch"):
+    with pytest.raises(QSyncInputError, match="^the data loader gave no batch$"):
         first_batch_and_fetch(DataLoader(SlowItems(0), batch_size=4))
 
 
