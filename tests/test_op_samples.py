@@ -232,6 +232,46 @@ def test_an_rnn_layers_flops_are_its_gates_matmuls_recorded_or_symbolic(tmp_path
     assert backward == symbolic["aten::mkldnn_rnn_layer_backward"] == 2 * forward
 
 
+HEADS = 4
+
+
+class AttentionNet(pl.LightningModule):
+    """One self-attention of ``HEADS`` heads by ``scaled_dot_product_attention``: on a CPU, the
+    flash-attention kernel torch registers no FLOP formula for."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 3 * 16)
+        self.out = nn.Linear(16, CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # (batch, tokens, 16)
+        q, k, v = (t.unflatten(-1, (HEADS, 16 // HEADS)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return nn.functional.cross_entropy(self.out(attended.mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_cpu_attentions_flops_are_its_matmuls_recorded_or_symbolic(tmp_path):
+    """The CPU's flash attention (`flop_formulas.py`): ``Q K^T`` and the scores times ``V``, each
+    2 * batch * heads * tokens^2 * head size FLOPs; its backward five such matmuls; the recorded
+    op and the symbolic one count alike."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 12, 16, generator=g), torch.randint(0, CLASSES, (8,), generator=g)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        AttentionNet().training_step((x, y), 0).backward()
+    prof.export_chrome_trace(str(tmp_path / "kineto.json"))
+    events = json.loads((tmp_path / "kineto.json").read_text())["traceEvents"]
+    recorded = {e["name"]: recorded_flops(e["name"], e["args"]) for e in events if e.get("cat") == "cpu_op"}
+    symbolic = {op.name: op.flops for op in symbolic_trace(AttentionNet(), (x, y)).ops}
+    name = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    matmul = 2 * 8 * HEADS * 12 * 12 * (16 // HEADS)
+    assert recorded[name] == symbolic[name] == 2 * matmul
+    assert recorded[f"{name}_backward"] == symbolic[f"{name}_backward"] == 5 * matmul
+
+
 def test_a_kernels_scratch_is_measured_in_a_child_and_a_call_too_large_is_left_out():
     mm = {"op": "aten::mm.default", "args": [{"tensor": [[64, 32], [32, 1], "float"]}] * 2, "kwargs": {}}
     mm["args"][1] = {"tensor": [[32, 64], [64, 1], "float"]}

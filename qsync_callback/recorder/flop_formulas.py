@@ -10,6 +10,12 @@ op's, `op_samples.recorded_flops`) prices them alike.
   matmul's bias.
 - ``aten::mkldnn_rnn_layer_backward``: twice the forward's: the gradients of the input and hidden
   state, and those of the weights.
+- ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward: what
+  ``scaled_dot_product_attention`` runs on a CPU (``nn.MultiheadAttention`` too), by torch's own
+  formulas for its other attention kernels (`sdpa_flop_count`: the two batched matmuls, ``Q K^T``
+  and the scores times ``V``; the backward's five), which torch does not register for this one.
+  Without them the CPU's attention counted no FLOPs: the learned model priced a ViT's attention
+  from its bytes, at a fifth to a quarter of its time in the step.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry, register_flop_formula
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 aten = torch.ops.aten
 
@@ -42,6 +53,32 @@ def _backward(input_shape: Sequence[int], weight1_shape: Sequence[int], *args: A
     return 2 * rnn_layer_flops(input_shape, weight1_shape, hidden_size)
 
 
-for _packet, _formula in ((aten.mkldnn_rnn_layer, _forward), (aten.mkldnn_rnn_layer_backward, _backward)):
+def _attention(
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    *args: Any,
+    **kwargs: Any,
+) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _attention_backward(
+    grad_out_shape: Sequence[int],
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    *args: Any,
+    **kwargs: Any,
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+for _packet, _formula in (
+    (aten.mkldnn_rnn_layer, _forward),
+    (aten.mkldnn_rnn_layer_backward, _backward),
+    (aten._scaled_dot_product_flash_attention_for_cpu, _attention),
+    (aten._scaled_dot_product_flash_attention_for_cpu_backward, _attention_backward),
+):
     if _packet not in flop_registry:  # torch may gain its own: keep torch's
         register_flop_formula(_packet)(_formula)
