@@ -50,9 +50,9 @@ def save_calls(distinct_ops: dict, path: Path) -> None:
     path.write_text(json.dumps([{"key": list(key), "call": s.call} for key, s in distinct_ops.items()]))
 
 
-def symbolic_calls(model: str, run_dir: Path, precision: str = "32-true") -> dict[tuple, dict]:
-    """The calls of ``model``'s symbolic trace at ``precision`` by `op_key` (`CALLS` in ``run_dir``;
-    traced again and saved there where a run made before it was written has none)."""
+def symbolic_calls(model: str, run_dir: Path) -> dict[tuple, dict]:
+    """The calls of ``model``'s symbolic trace by `op_key` (`CALLS` in ``run_dir``; traced again and
+    saved there where a run made before it was written has none)."""
     from qsync_callback.recorder.symbolic_trace import symbolic_trace
 
     if not (run_dir / CALLS).exists():
@@ -61,7 +61,6 @@ def symbolic_calls(model: str, run_dir: Path, precision: str = "32-true") -> dic
             get_model(model).build(),
             next(iter(get_model(model).dataloader(MAX_STEPS))),
             distinct_ops=distinct_ops,
-            precision=precision,
         )
         save_calls(distinct_ops, run_dir / CALLS)
     return {tuple(row["key"]): row["call"] for row in json.loads((run_dir / CALLS).read_text())}

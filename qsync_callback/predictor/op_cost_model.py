@@ -23,9 +23,9 @@ optimizer's and Lightning's loops) is taken apart from the recorded steps: a ste
 ops' time and its data loader's fetch (timed apart by an estimate, `recorder/data_loading.py`).
 It grows with the step's ops and with the bytes they allocate (`HostTime`, fitted over the
 recorded traces by `fit_host_time`; a single figure a step where too few traces differ to fit
-more): the 13 benchmark families' steps spent 3.1-3.2 ms outside their ops (an LSTM's, an
-embedding model's: 175 ops allocating 33-38 MB) to 8-12 ms (a MobileNet's 320 ops allocating 470
-MB, a GRU's 2600 ops, an MLP-Mixer's 880). Against each family's own steps, held out of the fit,
+more): the 13 benchmark families' recorded steps spent 3.1-3.2 ms outside their ops (an LSTM's,
+an embedding model's: 175 ops allocating 33-38 MB) to 8.8-9.3 ms (a MobileNet's 320 ops allocating
+470 MB, a GRU's 2600 ops, an MLP-Mixer's 880). Against each family's own steps, held out of the fit,
 the fitted host time's median error was 0.6-1.5 ms a step, one figure a step's 0.9-2.3 ms
 (`benchmarks/op_cost_model.py`).
 

@@ -15,7 +15,7 @@ op's, `op_samples.recorded_flops`) prices them alike.
   formulas for its other attention kernels (`sdpa_flop_count`: the two batched matmuls, ``Q K^T``
   and the scores times ``V``; the backward's five), which torch does not register for this one.
   Without them the CPU's attention counted no FLOPs: the learned model priced a ViT's attention
-  from its bytes, at a fifth to a quarter of its time in the step.
+  from its bytes, at a fifth to a seventh of its time in the step.
 """
 
 from __future__ import annotations
