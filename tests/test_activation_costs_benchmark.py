@@ -1,0 +1,72 @@
+"""benchmarks/activation_costs.py: the single-module options it measures and their two prices, on
+the hand-written step of `test_activation_plans.py` (a block ``b`` of two layers, then a ``head``)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from activation_costs import chosen_options, markdown, without_trials  # noqa: E402
+from test_activation_plans import COPY, _step  # noqa: E402
+
+from qsync_callback.predictor.predict import Predictor  # noqa: E402
+
+DISK = {**COPY, "tier": "disk"}
+
+
+def _predictor(offload_factor: float) -> Predictor:
+    recompute = {"modules": ["b"], "rounds": 6, "baseline_ms": 0.08, "change_ms": 0.05, "noise_ms": 0.001}
+    costs = {
+        "copy": {**DISK, "in_step": {"modules": ["b"], "factor": offload_factor}},
+        "recompute": {"in_step": recompute},
+    }
+    return Predictor([_step(costs)])
+
+
+def test_the_trials_modules_are_left_out_and_the_others_priced_with_and_without_the_trials():
+    predictor = _predictor(2.5)
+    # the block b is the step's one module with something to free, under either policy
+    tried_elsewhere = {"offload": {"modules": ["head"]}, "recompute": {"modules": ["head"]}}
+    rows = {r["policy"]: r for r in chosen_options(predictor, 3, tried_elsewhere)}
+    assert {r["module"] for r in rows.values()} == {"b"}
+    # offload on the disk tier: its copies (10 us by the fit) times the trial's factor
+    assert rows["offload"]["untried_cost_ms"] * 1e3 == pytest.approx(10.0)
+    assert rows["offload"]["predicted_cost_ms"] * 1e3 == pytest.approx(25.0)
+    assert rows["offload"]["predicted_change_pct"] == pytest.approx(100 * 25 / 80)
+    # recompute: b's recorded forward (25 us) times the trial's 0.05 ms over it
+    assert rows["recompute"]["untried_cost_ms"] * 1e3 == pytest.approx(25.0)
+    assert rows["recompute"]["predicted_cost_ms"] * 1e3 == pytest.approx(50.0)
+    tried_here = {"offload": {"modules": ["b"]}, "recompute": {"modules": ["b"]}}
+    assert chosen_options(predictor, 3, tried_here) == []
+    # without the trials the traces keep everything else (the copy-cost fit); the originals stay
+    bare = without_trials(predictor.traces)
+    assert "in_step" not in bare[0].activation_costs["copy"]
+    assert "in_step" not in bare[0].activation_costs["recompute"]
+    assert bare[0].activation_costs["copy"]["to_store"] == DISK["to_store"]
+    assert "in_step" in predictor.traces[0].activation_costs["copy"]
+
+
+def test_the_table_counts_the_costs_within_ten_percent_and_within_the_noise():
+    def row(policy, predicted, measured, noise):
+        return {
+            "module": "m",
+            "policy": policy,
+            "freed_bytes": 2**20,
+            "predicted_cost_ms": predicted,
+            "untried_cost_ms": predicted / 2,
+            "measured_cost_ms": measured,
+            "noise_ms": noise,
+            "cost_error_pct": 100 * (predicted / measured - 1),
+        }
+
+    rows = [
+        row("offload", 10.5, 10.0, 0.1),
+        row("offload", 13.0, 10.0, 4.0),
+        row("recompute", 5.0, 10.0, 1.0),
+    ]
+    table = markdown([{"model": "x", "rows": rows, "trials": {}}], rounds=24, repeats=2)
+    assert "offload: median |cost error| 18% over 2 modules (mean signed +18%); within 10%: 1 of 2; " in table
+    assert "predicted within the measured noise: 1 of 2." in table
+    assert "recompute: median |cost error| 50% over 1 modules (mean signed -50%); within 10%: 0 of 1" in table
+    assert "| x | m | offload | 1.0 MiB | +10.50 | +10.00 (+-0.10) | +5% | no | +5.25 | 1.90 |" in table
