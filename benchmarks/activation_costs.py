@@ -1,11 +1,10 @@
 """What offloading or recomputing one module costs a step, predicted against measured in turns.
 
 A memory plan's price is the time its activation policies add. Between fresh processes that cost
-cannot be measured to better than what separates two processes (glibc's allocator regime: the plan's
-runs and the recorded configuration's reruns take different numbers of page faults a step, which
-`memory_plans.py` shows), so here it is measured the way the loop measures a plan: in turns with the
-recorded configuration in one process (`plan_turns.py`), over enough rounds for a cost of a few
-milliseconds to be told to about a tenth.
+cannot be measured to better than what separates two processes (a drift of the machine's speed,
+glibc's allocator regime), so here it is measured the way the loop measures a plan: in turns with
+the recorded configuration in one process (`plan_turns.py`), over more rounds than the loop's
+(24 rounds in each of 2 processes by default: +-0.6 to +-2.1 ms on this VM, `benchmarks/README.md`).
 
 For each model: one recording, the one `memory_plans.py` makes (``QSyncCallback(mode="apply")``
 under a 100% budget: the offload store's copy-cost fit and the offload and recompute trials of
