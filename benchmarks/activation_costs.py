@@ -4,7 +4,7 @@ A memory plan's price is the time its activation policies add. Between fresh pro
 cannot be measured to better than what separates two processes (a drift of the machine's speed,
 glibc's allocator regime), so here it is measured the way the loop measures a plan: in turns with
 the recorded configuration in one process (`plan_turns.py`), over more rounds than the loop's
-(24 rounds in each of 2 processes by default: +-0.6 to +-2.1 ms on this VM, `benchmarks/README.md`).
+(24 rounds in each of 2 processes by default: +-0.8 to +-1.5 ms a cost here, `benchmarks/README.md`).
 
 For each model: one recording, the one `memory_plans.py` makes (``QSyncCallback(mode="apply")``
 under a 100% budget: the offload store's copy-cost fit and the offload and recompute trials of
@@ -12,10 +12,10 @@ under a 100% budget: the offload store's copy-cost fit and the offload and recom
 every module that can be offloaded or recomputed alone; the ``--options`` that free the most of
 each policy, other than the modules its trial ran (priced by that trial's own measurement), are
 priced (the plan's predicted step less the recorded configuration's, both predicted) and run in
-turns, ``--rounds`` rounds in each of ``--repeats`` fresh processes. The
-measured cost is the change in turns (`alternation.paired_change`, mean over the processes, noise
-combined) times the recorded configuration's predicted step, so that it reads in milliseconds; its
-error is the predicted cost against it.
+turns, ``--rounds`` rounds in each of ``--repeats`` fresh processes. The measured cost is the change
+in turns (`alternation.paired_change`, mean over the processes, noise combined) times the recorded
+configuration's predicted step, so that it reads in milliseconds; its error is the predicted cost
+against it.
 
     python benchmarks/activation_costs.py [--models resnet,attention,mlp] [--options 3]
         [--rounds 24] [--repeats 2] [--quick] [--out benchmarks/results]
@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memory_plans import recording_trials
 from models import get_model
 from plan_turns import in_turns_change, measure_in_turns
 from runs import bench_environment, na, run_report, say_allocator, write_results
@@ -57,13 +58,12 @@ def without_trials(traces: list[Trace]) -> list[Trace]:
     return out
 
 
-def chosen_options(
-    predictor: Predictor, per_policy: int, trials: dict[str, dict[str, Any] | None]
-) -> list[dict[str, Any]]:
+def chosen_options(predictor: Predictor, per_policy: int) -> list[dict[str, Any]]:
     """The ``per_policy`` single-module options of each policy that free the most, each with its
     plan, its predicted cost (ms) and change (%) against the recorded configuration, and its cost
-    priced without the trials (``untried_cost_ms``). The modules a policy's trial ran (``trials``)
-    are left out: their price is that trial's measurement."""
+    priced without the trials (``untried_cost_ms``). The modules a policy's trial ran
+    (`memory_plans.recording_trials`) are left out: their price is that trial's measurement."""
+    trials = recording_trials(predictor)
     options, _ = activation_options(predictor, {})
     recorded = predictor.predict()
     untried = Predictor(without_trials(predictor.traces))
@@ -100,11 +100,7 @@ def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: 
         raise RuntimeError(f"recording {model} failed")
     predictor = Predictor(load_trace_dir(record_dir / "trace"))
     recorded_ms = predictor.predict().step_ms
-    trials = {
-        OFFLOAD: predictor.traces[0].activation_costs.get("copy", {}).get("in_step"),
-        RECOMPUTE: predictor.activation.recompute_trials[0],
-    }
-    rows = chosen_options(predictor, per_policy, trials)
+    rows = chosen_options(predictor, per_policy)
     files = {}
     for i, row in enumerate(rows):
         files[str(i)] = runs_dir / f"{model}-option{i}.json"
@@ -122,7 +118,12 @@ def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: 
             row["measured_cost_ms"] = measured[0] / 100 * recorded_ms
             row["noise_ms"] = measured[1] / 100 * recorded_ms
             row["cost_error_pct"] = change_pct(row["predicted_cost_ms"], row["measured_cost_ms"])
-    return {"model": model, "recorded_step_ms": recorded_ms, "rows": rows, "trials": trials}
+    return {
+        "model": model,
+        "recorded_step_ms": recorded_ms,
+        "rows": rows,
+        "trials": recording_trials(predictor),
+    }
 
 
 def markdown(results: list[dict[str, Any]], rounds: int, repeats: int) -> str:

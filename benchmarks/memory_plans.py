@@ -57,7 +57,7 @@ from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, s
 
 from qsync_callback.activation_trial import TRIAL_LOOKS, TRIAL_ROUNDS
 from qsync_callback.alternation import BLOCK_STEPS, SETTLE_STEPS
-from qsync_callback.plan import Constraints, Plan
+from qsync_callback.plan import OFFLOAD, RECOMPUTE, Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.predictor.activation import nested_pairs
@@ -109,6 +109,15 @@ def run_worker(model: str, run_dir: Path, mode: str, plan: Path | None) -> None:
     if mode == "report":  # step k of the run is timer.step_ms[k]
         after = timer.step_ms[MAX_STEPS + AFTER_SETTLE :]
         (run_dir / STEADY_FILE).write_text(json.dumps({"step_ms": after}))
+
+
+def recording_trials(predictor: Predictor) -> dict[str, dict[str, Any] | None]:
+    """The recording's offload and recompute trials (`activation_trial.py`), by policy, as the
+    predictor prices with them (the recompute's with its factor); None where none ran."""
+    return {
+        OFFLOAD: predictor.traces[0].activation_costs.get("copy", {}).get("in_step"),
+        RECOMPUTE: predictor.activation.recompute_trials[0],
+    }
 
 
 def _sac_plans(model: str, budgets: dict[float, int], measured_peak: int) -> dict[float, dict[str, Any]]:
@@ -267,10 +276,7 @@ def measure_model(model: str, out: Path, shares: list[float], repeats: int, time
             "after_noise_pct": range_noise_pct(base_after) if base_after else None,
         },
         "rows": rows,
-        "trials": {
-            "offload": predictor.traces[0].activation_costs.get("copy", {}).get("in_step"),
-            "recompute": predictor.activation.recompute_trials[0],
-        },
+        "trials": recording_trials(predictor),
     }
 
 

@@ -15,30 +15,31 @@ from qsync_callback.predictor.predict import Predictor  # noqa: E402
 DISK = {**COPY, "tier": "disk"}
 
 
-def _predictor(offload_factor: float) -> Predictor:
-    recompute = {"modules": ["b"], "rounds": 6, "baseline_ms": 0.08, "change_ms": 0.05, "noise_ms": 0.001}
+def _predictor(tried: str) -> Predictor:
+    """The step with an offload trial (factor 2.5) and a recompute trial (0.02 ms over the 10 us
+    its module's forward prices: factor 2) on the module ``tried``."""
+    recompute = {"modules": [tried], "rounds": 6, "baseline_ms": 0.08, "change_ms": 0.02, "noise_ms": 0.001}
     costs = {
-        "copy": {**DISK, "in_step": {"modules": ["b"], "factor": offload_factor}},
+        "copy": {**DISK, "in_step": {"modules": [tried], "factor": 2.5}},
         "recompute": {"in_step": recompute},
     }
     return Predictor([_step(costs)])
 
 
 def test_the_trials_modules_are_left_out_and_the_others_priced_with_and_without_the_trials():
-    predictor = _predictor(2.5)
-    # the block b is the step's one module with something to free, under either policy
-    tried_elsewhere = {"offload": {"modules": ["head"]}, "recompute": {"modules": ["head"]}}
-    rows = {r["policy"]: r for r in chosen_options(predictor, 3, tried_elsewhere)}
+    # the trials ran on the head; the block b is the step's one module with something to free
+    predictor = _predictor("head")
+    rows = {r["policy"]: r for r in chosen_options(predictor, 3)}
     assert {r["module"] for r in rows.values()} == {"b"}
     # offload on the disk tier: its copies (10 us by the fit) times the trial's factor
     assert rows["offload"]["untried_cost_ms"] * 1e3 == pytest.approx(10.0)
     assert rows["offload"]["predicted_cost_ms"] * 1e3 == pytest.approx(25.0)
     assert rows["offload"]["predicted_change_pct"] == pytest.approx(100 * 25 / 80)
-    # recompute: b's recorded forward (25 us) times the trial's 0.05 ms over it
+    # recompute: b's recorded forward (25 us) times the head's trial's factor
     assert rows["recompute"]["untried_cost_ms"] * 1e3 == pytest.approx(25.0)
     assert rows["recompute"]["predicted_cost_ms"] * 1e3 == pytest.approx(50.0)
-    tried_here = {"offload": {"modules": ["b"]}, "recompute": {"modules": ["b"]}}
-    assert chosen_options(predictor, 3, tried_here) == []
+    # trials on b itself leave nothing to measure: b's price would be its trials' own measurement
+    assert chosen_options(_predictor("b"), 3) == []
     # without the trials the traces keep everything else (the copy-cost fit); the originals stay
     bare = without_trials(predictor.traces)
     assert "in_step" not in bare[0].activation_costs["copy"]
