@@ -14,7 +14,7 @@ cancels), the plan's block slower by ``change`` times a factor drawn normal with
 session 21's run of `horovod_tf_plans.py`, at `faeb1c5`, spread 14.3% and 10.6%, standard
 deviations), and
 each step's time jittered by ``STEP_JITTER``. The rules: "student", the code as it is (the rounds'
-noise a 95% band on Student's t, `alternation.band_factor`); "normal", 2 standard errors whatever
+noise a 95% band on Student's t, `mean_band.band_factor`); "normal", 2 standard errors whatever
 the rounds (the rule before session 20), handed to `paired_change` as its band.
 
     python benchmarks/turns_decisions.py [--runs 2000] [--quick] [--out benchmarks/results]
@@ -34,7 +34,8 @@ from typing import Any
 
 from runs import bench_environment, write_results
 
-from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, Alternation, band_factor, paired_change
+from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, Alternation, paired_change
+from qsync_callback.mean_band import band_factor
 from qsync_callback.verify import can_tell
 
 FIRST_ROUNDS = 3  # the loop's default (`alternate_rounds`)

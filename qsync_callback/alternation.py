@@ -12,13 +12,11 @@ within a round, so a drift cancels in that round's change.
 
 When ``rounds`` rounds cannot tell the plan from the baseline (the change within its noise, see
 `verify.can_tell`), the turns go on by ``rounds`` more, up to ``looks`` times as many (the loop's
-`LOOKS`). The rounds' noise is a 95% band of their mean on Student's t with one degree of freedom
-fewer than the rounds: their spread is estimated from them, so a band of 2 standard errors (a
-normal's) is too narrow over a few rounds and lets chance decide (at 3 rounds Student's factor is
-4.30, at 6 2.57, at 18 2.11). Looking more than once lets chance decide a little more often; the
-wider band at the first looks more than pays for six looks: `benchmarks/turns_decisions.py` runs
-this code on simulated rounds against 2 standard errors at 3 and 6 looks (its table in
-`benchmarks/README.md`).
+`LOOKS`). The rounds' noise is a 95% band of their mean on Student's t (`mean_band.band_factor`):
+a band of 2 standard errors (a normal's) is too narrow over a few rounds and lets chance decide.
+Looking more than once lets chance decide a little more often; the wider band at the first looks
+more than pays for six looks: `benchmarks/turns_decisions.py` runs this code on simulated rounds
+against 2 standard errors at 3 and 6 looks (its table in `benchmarks/README.md`).
 
 `Alternation` is the schedule (which boundary switches, which step is timed in which block);
 `BlockTimes` is one rank's step clock over it; `paired_change` turns every rank's times into the
@@ -31,11 +29,9 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
-from scipy import stats
-
+from qsync_callback.mean_band import band_factor
 from qsync_callback.report import change_pct, median_band, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
@@ -116,13 +112,6 @@ class BlockTimes:
     def restart(self) -> None:
         """The next step starts now (after the loop's own work at this boundary)."""
         self._last = time.perf_counter()
-
-
-@cache
-def band_factor(rounds: int) -> float:
-    """How many standard errors of the rounds' mean their 95% band spans: Student's t at 97.5% with
-    ``rounds - 1`` degrees of freedom (at least 2 rounds)."""
-    return float(stats.t.ppf(0.975, rounds - 1))
 
 
 def paired_change(

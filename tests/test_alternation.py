@@ -20,9 +20,9 @@ from qsync_callback.alternation import (
     SETTLE_STEPS,
     Alternation,
     BlockTimes,
-    band_factor,
     paired_change,
 )
+from qsync_callback.mean_band import band_factor, mean_band
 from qsync_callback.plan import Plan
 from qsync_callback.report import median_band, median_noise_pct
 
@@ -137,6 +137,8 @@ def test_the_rounds_noise_is_a_95_percent_band_on_students_t():
     result = paired_change([_rank([[10.0] * 4] * 3, [[10.0 * (1 + c / 100)] * 4 for c in changes])])
     assert result["change_pct"] == pytest.approx(-10.0)
     assert result["noise_pct"] == pytest.approx(4.303 * 10.0 / 3**0.5, rel=1e-4)
+    assert mean_band(changes) == pytest.approx(result["noise_pct"])
+    assert mean_band([-20.0]) == 0.0  # one sample: no spread to estimate
 
 
 def test_a_few_rounds_far_off_the_rest_widen_the_means_band_and_not_the_medians():

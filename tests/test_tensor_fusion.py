@@ -108,17 +108,52 @@ def test_recorded_settings_reproduce_the_recorded_step(predictor):
 
 
 def test_fused_against_separate_and_the_threshold_split(predictor):
-    """Cycle 0.5 ms: the first cycle comes at 350 us, both ready. Fused: one response of 4000 bytes,
-    360-610 (50 + 0.05 * 4000), update 620-660. Separate: a 360-460, b 460-660, update 670-710."""
+    """Cycle 0.5 ms, priced at the loop's four phases (its first tick 0, 125, 250 and 375 us after a
+    is ready at 100; b is ready at 300), each with the recorded settings' correction at that phase.
+    Tick at 100 or 225: a alone (110-210, 235-335), b at the next tick (600, 725: 610-810, 735-935),
+    update 820-860 and 945-985, fused or not. Tick at 350 or 475, both ready: fused, one response of
+    4000 bytes (50 + 0.05 * 4000 = 250 us): 360-610 and 485-735, update 620-660 and 745-785;
+    separate, a then b: update 670-710 and 795-835. The recorded settings (cycle 0.1 ms) replay to
+    570, 595, 620 and 645 at the four phases against the recorded 620: corrections +50, +25, 0, -25.
+    Fused: (860 + 985 + 660 + 785 + 50) / 4 = 835; separate: (860 + 985 + 710 + 835 + 50) / 4 = 860."""
     slow_cycle = {"cycle_time_ms": 0.5}
-    assert _ms(predictor, communication={**slow_cycle, "fusion_threshold_bytes": MIB}) == pytest.approx(0.660)
-    assert _ms(predictor, communication={**slow_cycle, "fusion_threshold_bytes": 0}) == pytest.approx(0.710)
+    assert _ms(predictor, communication={**slow_cycle, "fusion_threshold_bytes": MIB}) == pytest.approx(0.835)
+    assert _ms(predictor, communication={**slow_cycle, "fusion_threshold_bytes": 0}) == pytest.approx(0.860)
     assert _ms(predictor, communication={**slow_cycle, "fusion_threshold_bytes": 2000}) == pytest.approx(
-        0.710
+        0.860
     )
     assert _ms(predictor, communication={**slow_cycle, "fusion_threshold_bytes": 4000}) == pytest.approx(
-        0.660
+        0.835
     )
+    # at the middle phase alone (the loop's model, `apply_fusion`), the figures the tick at 350 gives
+    cost = predictor.fusion_cost()
+    graph = predictor.graphs[0]
+    assert replay(apply_fusion(graph, cost, MIB, 0.5)).step_us == pytest.approx(660)
+    assert replay(apply_fusion(graph, cost, 0, 0.5)).step_us == pytest.approx(710)
+    assert replay(apply_fusion(graph, cost, MIB, 0.5, phase=0.25)).step_us == pytest.approx(985)
+
+
+def test_every_plan_on_two_horovod_ranks_is_priced_through_the_loop():
+    """Both backward ops are MatMuls, 0.8x at bf16: b1 0-80, b2 80-240, so a is ready at 80 and b at
+    240. Through the loop (cycle 0.1 ms, first tick 80, 105, 130 or 155): a 90-190, 115-215,
+    140-240 or 165-265; b at the tick at or after 240 (300, 325, 250, 275) for 200 us; the update
+    40 us from 10 us after it: 550, 575, 500, 525, with the corrections (+50, +25, 0, -25) 600, 600,
+    500, 500: 550 on average. The plan is priced so whether or not it spells out the recorded
+    settings; on the recorded responses' spans (a's 60 us after it is ready and b's 70, whatever the
+    ticks) it was 560 without them and 500 with them."""
+    costs = {"MatMul": {"ops": 2, "measured_ops": 2, "fp32_us": 100.0, "bf16_us": 80.0}}
+    casts = {"fp32->bf16": {"us_per_byte": 0.01}, "bf16->fp32": {"us_per_byte": 0.02}}  # none made: no edges
+    types = {"gradient_tape/b1": "MatMul", "gradient_tape/b2": "MatMul"}
+    table = {"ops": types, "edges": [], "costs": costs, "casts": casts}
+    ranks = [_rank(0), _rank(1)]
+    for rank_trace in ranks:
+        rank_trace.precision_costs = {"op_types": table}
+    predictor = Predictor(ranks)
+    assert _ms(predictor, op_precision={"MatMul": "bf16"}) == pytest.approx(0.550)
+    assert _ms(predictor, op_precision={"MatMul": "bf16"}, communication={"cycle_time_ms": 0.1}) == (
+        pytest.approx(0.550)
+    )
+    assert _ms(predictor) == pytest.approx(0.620)  # the recorded configuration: its replay
 
 
 def test_a_group_launches_when_its_last_gradient_is_ready(predictor):

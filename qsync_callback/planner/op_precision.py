@@ -9,8 +9,10 @@ precision is not ruled out by its own time: between two low-precision neighbours
 more in casts than it costs (the CNN's ReluGrad on this project's CPU), so the predictor decides.
 Every subset of up to `EXHAUSTIVE_MAX` decided types is priced by the predictor (scaled ops, cast
 nodes, replay); above that, a greedy search from all-fp32 adds one op type at a time, the one that
-lowers the predicted step the most, while any does. Types left out stay at fp32, and the plan says
-so (``candidates`` lists the types measured faster at the low precision, for the record).
+lowers the predicted step the most, while any does. The search ranks subsets on one recorded step
+(`Predictor.typical_step`, the quick figure for ranking plans); the chosen one is priced on every
+recorded step. Types left out stay at fp32, and the plan says so (``candidates`` lists the types
+measured faster at the low precision, for the record).
 """
 
 from __future__ import annotations
@@ -80,15 +82,18 @@ def choose_op_precision(
         decisions = {t: low if t in chosen else FULL_PRECISION for t in decided}
         return Plan(fingerprint=dict(plan.fingerprint), op_precision=decisions)
 
+    def price(trial: Plan) -> Prediction:
+        return predictor.predict(trial, steps=[predictor.typical_step])
+
     best_plan = make(())
-    best = predictor.predict(best_plan)
+    best = price(best_plan)
     priced = 1
     if len(decided) <= EXHAUSTIVE_MAX:
         search = "exhaustive"
         for size in range(1, len(decided) + 1):
             for subset in itertools.combinations(decided, size):
                 trial = make(subset)
-                prediction = predictor.predict(trial)
+                prediction = price(trial)
                 priced += 1
                 if prediction.step_ms < best.step_ms:
                     best_plan, best = trial, prediction
@@ -100,7 +105,7 @@ def choose_op_precision(
             for t in decided:
                 if t not in chosen:
                     trial = make([*chosen, t])
-                    moves.append((predictor.predict(trial), t, trial))
+                    moves.append((price(trial), t, trial))
                     priced += 1
             if not moves:
                 break
@@ -109,4 +114,6 @@ def choose_op_precision(
                 break
             chosen.append(t)
             best_plan, best = trial, prediction
-    return OpTypeChoice(best_plan, best, candidate_op_types(predictor, decided, low), priced, search)
+    return OpTypeChoice(
+        best_plan, predictor.predict(best_plan), candidate_op_types(predictor, decided, low), priced, search
+    )

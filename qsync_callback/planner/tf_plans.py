@@ -14,20 +14,25 @@ The candidates are Plans, each priced by the predictor (`Predictor.predict`) on 
 The lever "precision" (with "bf16" among the precisions) allows the bf16 plans, "buckets" the
 groups. Of the plans that meet the constraints (``max_step_ms``; ``memory_budget`` on the predicted
 peak: TF's allocator simulated on the recorded allocations, an op-type plan's made smaller where
-its ops run at bf16 and its casts added, `op_precision.py`), among those predicted within
-`UNSEEN_MARGIN` of the fastest, the one with the fewest decisions no recorded step ran (`unseen`:
-an op-type set other than the one TF's uniform rewrite ran, which the bf16 probe profiled; gradient
-groups), then the fastest, is chosen (`preferred`): a prediction of a configuration nothing ran
-carries an error that a smaller difference does not beat. On two Horovod processes sharing two
-cores, three identical launches picking the fastest predicted plan chose three plans; the one whose
-op types left the convolutions' input gradients, `MaxPoolGrad` and `ReluGrad` in fp32 was
-predicted 20% faster than the recorded configuration and measured 29% slower in turns (casts and
-layout conversions around the fp32 ops, which the probe never ran). The chosen plan must be
-predicted more than `NO_DECISION_GAIN` faster than the recorded configuration; otherwise the
-recorded configuration (an empty plan) is chosen: a smaller predicted difference is no decision.
-None meeting the constraints: the closest, which the loop applies only under ``best_effort``. A
-memory budget on traces that predict no peak (TF recorded no allocations) is refused, with the
-reason.
+its ops run at bf16 and its casts added, `op_precision.py`), the fastest of those with the fewest
+decisions no recorded step ran (`unseen`: an op-type set other than the one TF's uniform rewrite
+ran, which the bf16 probe profiled; gradient groups) is chosen, unless one with more is predicted
+faster than it by `UNSEEN_MARGIN` for each decision it adds, beyond the noise of that difference
+over the recorded steps (`preferred`, `beats`): a prediction of a configuration nothing ran carries
+an error that a smaller difference does not beat, and a difference the recorded steps disagree on
+is no difference. On two Horovod processes sharing two cores, three identical launches picking the
+fastest predicted plan chose three plans; the one whose op types left the convolutions' input
+gradients, `MaxPoolGrad` and `ReluGrad` in fp32 was predicted 20% faster than the recorded
+configuration and measured 29% slower in turns (casts and layout conversions around the fp32 ops,
+which the probe never ran). With one margin for any number of unseen decisions and no noise, three
+identical two-process MLP launches still chose three plans (uniform bf16, with gradient groups, and
+bf16 `MatMul` alone with groups, the last predicted 19% faster and measured 5% faster, within its
+noise): the step-by-step predictions of the groups moved from -17% to +14% within one launch.
+The chosen plan must be predicted more than `NO_DECISION_GAIN` faster than the recorded
+configuration; otherwise the recorded configuration (an empty plan) is chosen: a smaller predicted
+difference is no decision. None meeting the constraints: the closest, which the loop applies only
+under ``best_effort``. A memory budget on traces that predict no peak (TF recorded no allocations)
+is refused, with the reason.
 
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
@@ -44,9 +49,11 @@ for fused regions is issue 14); a given plan with one is still applied.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.mean_band import mean_band
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner import PlanChoice
 from qsync_callback.planner.op_precision import (
@@ -66,9 +73,8 @@ RECORDED = "recorded configuration"
 # a plan predicted less than this much faster than the recorded configuration is no decision (the
 # same share verify.py lets a plan be slower before it is rolled back)
 NO_DECISION_GAIN = 0.02
-# a plan with more decisions no recorded step ran must be predicted this much faster to be chosen
-# (the TF prediction's error out of sample: median |error| 7.2% on one process and 9.4% on two in
-# benchmarks/README.md's tf_memory table)
+# a plan must be predicted this much faster for each decision no recorded step ran that it adds to
+# be chosen over one without it (`preferred`)
 UNSEEN_MARGIN = 0.05
 
 
@@ -148,11 +154,28 @@ def unseen(plan: Plan, uniform: list[str]) -> int:
 def preferred(
     priced: Sequence[tuple[str, Plan, Prediction]], uniform: list[str]
 ) -> tuple[str, Plan, Prediction]:
-    """Of ``priced``, those predicted within `UNSEEN_MARGIN` of the fastest; of them, the one with
-    the fewest `unseen` decisions, then the fastest."""
-    fastest = min(c[2].step_ms for c in priced)
-    close = [c for c in priced if c[2].step_ms <= fastest * (1 + UNSEEN_MARGIN)]
-    return min(close, key=lambda c: (unseen(c[1], uniform), c[2].step_ms))
+    """Of ``priced``, the fastest predicted of those with the fewest `unseen` decisions; then, level
+    by level of more unseen decisions, the fastest of a level's plans that each `beats` the one
+    chosen so far by `UNSEEN_MARGIN` for every unseen decision it adds, if any does."""
+    levels = sorted({unseen(c[1], uniform) for c in priced})
+    best = min((c for c in priced if unseen(c[1], uniform) == levels[0]), key=lambda c: c[2].step_ms)
+    for level in levels[1:]:
+        margin = 100 * UNSEEN_MARGIN * (level - unseen(best[1], uniform))
+        beating = [c for c in priced if unseen(c[1], uniform) == level and beats(c[2], best[2], margin)]
+        if beating:
+            best = min(beating, key=lambda c: c[2].step_ms)
+    return best
+
+
+def beats(plan: Prediction, other: Prediction, margin_pct: float) -> bool:
+    """Whether ``plan`` is predicted faster than ``other`` by more than ``margin_pct`` beyond the
+    noise of that difference: their change recorded step by recorded step (both are priced on the
+    same steps), its mean's 95% band (`mean_band.mean_band`) over the steps."""
+    changes = [
+        100 * (mine / theirs - 1)
+        for mine, theirs in zip(plan.replayed_step_ms, other.replayed_step_ms, strict=True)
+    ]
+    return statistics.fmean(changes) + mean_band(changes) < -margin_pct
 
 
 def _op_type_plans(

@@ -15,7 +15,10 @@ refused with a message naming them, never silently priced as if empty. Tensor fu
 (Horovod's ``communication``: fusion threshold and cycle time, and ``buckets``: gradient groups;
 DDP's ``buckets``) is priced by regrouping the recorded all-reduces (`tensor_fusion.py`, time only)
 on traces with Horovod's timeline records or DDP's buckets; on others it is refused, saying what
-is missing.
+is missing. On such Horovod traces every plan but the recorded configuration is priced through the
+model of Horovod's loop, at the recorded settings where the plan sets none, so that a plan with
+gradient groups and one without differ by the groups alone; the loop is priced at each phase of its
+first cycle (`tensor_fusion.CYCLE_PHASES`) and a step is their mean.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ from qsync_callback.predictor.replay import CompiledGraph
 from qsync_callback.predictor.tensor_fusion import (
     DDP,
     HOROVOD,
+    MIDDLE_PHASE,
     AllreduceCost,
     can_price_fusion,
     check_buckets,
     fit_allreduce_cost,
     fusion_correction_us,
+    loop_phases,
     regroup,
     shared_core_us,
 )
@@ -135,7 +140,8 @@ class Predictor:
         self._lives = lives
         self._activation_pricing: ActivationPricing | None = None  # built when first needed
         self._fusion: AllreduceCost | None = None  # fitted when first needed
-        self._corrections: dict[int, float] = {}  # per recorded step, when first needed
+        self._corrections: dict[tuple[int, float], float] = {}  # per recorded step and loop phase
+        self._horovod_loop: bool | None = None  # `_prices_horovod_loop`, when first needed
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
         self._fusion_costs: FusionCosts | None = None  # fitted when first needed
         self._estimates: dict[tuple[frozenset, frozenset], Prediction] = {}  # `estimate`'s, by plan
@@ -160,11 +166,12 @@ class Predictor:
         if plan.fused_regions:
             modules = [region[0] for region in plan.fused_regions]
             graphs = [apply_regions(g, modules, self.fusion_costs) for g in graphs]
-        fused = bool(plan.buckets or plan.communication)
+        fused = bool(plan.buckets or plan.communication) or self._prices_horovod_loop
         corrections = [0.0] * len(graphs)
         if fused:
-            graphs, corrections = self._apply_fusion(graphs, at, plan, plan_source)
-        compiled = [CompiledGraph(g) for g in graphs]
+            graphs, compiled, corrections = self._apply_fusion(graphs, at, plan, plan_source)
+        else:
+            compiled = [CompiledGraph(g) for g in graphs]
         if fused and self._shared_cores:
             corrections = [
                 c + shared_core_us(g, cg) for c, g, cg in zip(corrections, graphs, compiled, strict=True)
@@ -329,19 +336,37 @@ class Predictor:
             self._fusion = fit_allreduce_cost(self._graphs, self.traces[0].world_size, library, alone)
         return self._fusion
 
-    def _fusion_correction(self, step: int) -> float:
-        """`tensor_fusion.fusion_correction_us` of the recorded step at position ``step``."""
-        if step not in self._corrections:
+    def _fusion_correction(self, step: int, phase: float = MIDDLE_PHASE) -> float:
+        """`tensor_fusion.fusion_correction_us` of the recorded step at position ``step``, the
+        loop at ``phase``."""
+        if (step, phase) not in self._corrections:
             settings = self.traces[0].communication
-            self._corrections[step] = fusion_correction_us(
-                self._graphs[step], self.fusion_cost(), settings, self._shared_cores, self._compiled[step]
+            self._corrections[step, phase] = fusion_correction_us(
+                self._graphs[step],
+                self.fusion_cost(),
+                settings,
+                self._shared_cores,
+                self._compiled[step],
+                phase,
             )
-        return self._corrections[step]
+        return self._corrections[step, phase]
 
     @property
     def _shared_cores(self) -> bool:
         """Whether the all-reduces take the cores backward runs on (DDP on a CPU: `shared_core_us`)."""
         return self.traces[0].communication.get("library") == DDP and self.traces[0].device == "cpu"
+
+    @property
+    def _prices_horovod_loop(self) -> bool:
+        """Whether every plan other than the recorded configuration is priced through the model of
+        Horovod's loop (`tensor_fusion.regroup`) at the recorded settings where it sets none: on
+        traces of more than one Horovod process with its timeline. A plan with gradient groups is
+        priced so; one without them must be too, or the groups' price would hold the difference
+        between the loop's model and the recorded responses' fixed spans as well as their own."""
+        if self._horovod_loop is None:
+            library = self.traces[0].communication.get("library")
+            self._horovod_loop = library == HOROVOD and can_price_fusion(self.traces) is None
+        return self._horovod_loop
 
     def recorded_ends(self, step: int) -> dict[str, float]:
         """Each op's end in the replay of the recorded step at position ``step``, by node."""
@@ -350,18 +375,34 @@ class Predictor:
 
     def _apply_fusion(
         self, graphs: Sequence[nx.DiGraph], steps: Sequence[int], plan: Plan, source: str
-    ) -> tuple[list[nx.DiGraph], list[float]]:
+    ) -> tuple[list[nx.DiGraph], list[CompiledGraph], list[float]]:
         """The graphs of the recorded steps at ``steps`` regrouped by the plan's fusion settings
-        (the recorded ones where it sets none) and buckets, and each one's correction
-        (`tensor_fusion.fusion_correction_us`)."""
+        (the recorded ones where it sets none) and buckets, Horovod's loop at the middle phase,
+        compiled, and each one's correction: `tensor_fusion.fusion_correction_us`, and where the loop
+        is priced at several phases (`tensor_fusion.loop_phases`), what takes the middle phase's
+        step to the phases' mean step (each with its own correction)."""
         settings = {**self.traces[0].communication, **plan.communication}
         check_buckets(self._graphs[0], plan.buckets, source, complete=settings.get("library") == DDP)
         cost = self.fusion_cost()
-        regrouped = [
-            regroup(g, cost, settings, plan.buckets, self.recorded_ends(i) if g is self._graphs[i] else None)
-            for g, i in zip(graphs, steps, strict=True)
-        ]
-        return regrouped, [self._fusion_correction(i) for i in steps]
+        phases = loop_phases(settings)
+        regrouped, compiled, corrections = [], [], []
+        for g, i in zip(graphs, steps, strict=True):
+            ends = self.recorded_ends(i) if g is self._graphs[i] else None
+            by_phase = {phase: regroup(g, cost, settings, plan.buckets, ends, phase) for phase in phases}
+            middle = CompiledGraph(by_phase[MIDDLE_PHASE])
+            correction = self._fusion_correction(i)
+            if len(phases) > 1:
+                step_us = {MIDDLE_PHASE: middle.run().step_us + correction}
+                for phase, graph in by_phase.items():
+                    if phase != MIDDLE_PHASE:
+                        step_us[phase] = CompiledGraph(graph).run().step_us + self._fusion_correction(
+                            i, phase
+                        )
+                correction += statistics.fmean(step_us.values()) - step_us[MIDDLE_PHASE]
+            regrouped.append(by_phase[MIDDLE_PHASE])
+            compiled.append(middle)
+            corrections.append(correction)
+        return regrouped, compiled, corrections
 
 
 def _closest(step_us: Sequence[float], median_us: float) -> int:

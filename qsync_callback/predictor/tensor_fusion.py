@@ -10,8 +10,8 @@ coordinator):
 - a tensor is ready when its launching op has ended on every rank (times from a replay);
 - a group (a plan bucket, or a recorded grouped op when the plan names none) is ready when its
   last tensor is; other tensors go alone, as Horovod does for the variables in no group;
-- every cycle (``cycle_time_ms``; the first one half a cycle after the first ready tensor, the
-  expected phase) the ready groups are packed, in order of readiness, into responses of at most
+- every cycle (``cycle_time_ms``; the first one a ``phase`` of a cycle after the first ready
+  tensor) the ready groups are packed, in order of readiness, into responses of at most
   ``fusion_threshold_bytes`` (0: no fusion; a larger tensor goes alone; the threshold splits a
   group that does not fit); responses run one after the other, and the next cycle starts a cycle
   after this one or when the last response ended, whichever is later;
@@ -72,6 +72,12 @@ from qsync_callback.recorder.trace import Trace
 
 HOROVOD, DDP = "horovod", "ddp"  # the collective libraries whose fusion is priced
 PASSES = 2  # readiness from the recorded graph, then from the first transformed graph
+# Horovod's loop ticks at a phase the step does not set, so whether a tensor made ready just before a
+# tick waits a whole cycle is a draw: a plan is priced at each of these phases of the first cycle
+# and its step is their mean (`predict.Predictor`), at the middle one alone the step would jump by
+# up to a cycle as a plan moves a tensor's readiness across a tick
+CYCLE_PHASES = (0.0, 0.25, 0.5, 0.75)
+MIDDLE_PHASE = 0.5
 
 
 @dataclass
@@ -269,17 +275,19 @@ def apply_fusion(
     buckets: Sequence[Sequence[str]] = (),
     in_order: bool = False,
     ends: Mapping[str, float] | None = None,
+    phase: float = MIDDLE_PHASE,
 ) -> nx.DiGraph:
     """A copy of ``graph`` with its all-reduces regrouped into the responses Horovod would form
-    with these settings and buckets, or, ``in_order``, into DDP's buckets, one response each in
-    their order (see the module docstring). ``ends``: ``graph``'s replayed end times, where the
-    caller has them (the first pass replays ``graph`` otherwise)."""
+    with these settings and buckets, its loop's first tick ``phase`` of a cycle after the first
+    ready tensor, or, ``in_order``, into DDP's buckets, one response each in their order (see the
+    module docstring). ``ends``: ``graph``'s replayed end times, where the caller has them (the
+    first pass replays ``graph`` otherwise)."""
     out = graph
     # DDP's buckets are waited for after backward, so regrouping them moves no backward op: the
     # recorded graph's readiness is the transformed graph's, and one pass is enough
     for k in range(1 if in_order else PASSES):
         replayed = ends if k == 0 and ends is not None else replay(out).end
-        out = _regroup(graph, replayed, cost, threshold_bytes, cycle_ms * 1e3, buckets, in_order)
+        out = _regroup(graph, replayed, cost, threshold_bytes, cycle_ms * 1e3, buckets, in_order, phase)
     return out
 
 
@@ -307,6 +315,7 @@ def _regroup(
     cycle_us: float,
     buckets: Sequence[Sequence[str]],
     in_order: bool,
+    phase: float,
 ) -> nx.DiGraph:
     tensors = _tensors(graph)
     if not tensors:
@@ -323,7 +332,7 @@ def _regroup(
         } or recorded_waiters
     else:
         groups = sorted(_groups(tensors, buckets), key=lambda g: max(ready_of(t) for t in g))
-        responses = _simulate(groups, ready_of, cost, threshold, cycle_us)
+        responses = _simulate(groups, ready_of, cost, threshold, cycle_us, phase)
     out = graph.copy()
     out.remove_nodes_from(all_reduces(graph))
     previous = None
@@ -388,12 +397,14 @@ def _simulate(
     cost: AllreduceCost,
     threshold: int,
     cycle_us: float,
+    phase: float,
 ) -> list[tuple[list[CollectiveTensor], float]]:
-    """Horovod's loop over ``groups`` (sorted by readiness): the responses in execution order, each
-    with the time the loop added after it could have started (its gap)."""
+    """Horovod's loop over ``groups`` (sorted by readiness), its first tick ``phase`` of a cycle
+    after the first group is ready: the responses in execution order, each with the time the loop
+    added after it could have started (its gap)."""
     ready = [max(ready_of(t) for t in g) for g in groups]
     pending = list(range(len(groups)))
-    tick = ready[0] + cycle_us / 2
+    tick = ready[0] + cycle_us * phase
     loop_free = -math.inf  # when the previous response ended
     out: list[tuple[list[CollectiveTensor], float]] = []
     while pending:
@@ -435,13 +446,23 @@ def regroup(
     settings: Mapping[str, Any],
     buckets: Sequence[Sequence[str]] = (),
     ends: Mapping[str, float] | None = None,
+    phase: float = MIDDLE_PHASE,
 ) -> nx.DiGraph:
     """`apply_fusion` as the recorded library does it: Horovod with ``settings``' fusion threshold
-    and cycle time (a run's recorded ones, with a plan's on top), DDP in bucket order."""
+    and cycle time (a run's recorded ones, with a plan's on top), its loop at ``phase``; DDP in
+    bucket order."""
     if settings.get("library") == DDP:
         return apply_fusion(graph, cost, 0, 0.0, buckets, in_order=True, ends=ends)
     threshold, cycle = int(settings["fusion_threshold_bytes"]), float(settings["cycle_time_ms"])
-    return apply_fusion(graph, cost, threshold, cycle, buckets, ends=ends)
+    return apply_fusion(graph, cost, threshold, cycle, buckets, ends=ends, phase=phase)
+
+
+def loop_phases(settings: Mapping[str, Any]) -> tuple[float, ...]:
+    """The phases of the first cycle a plan with ``settings`` is priced at: `CYCLE_PHASES` for
+    Horovod's loop with a cycle, the middle one alone where no loop ticks (DDP, a cycle of 0)."""
+    if settings.get("library") == DDP or float(settings.get("cycle_time_ms") or 0.0) <= 0.0:
+        return (MIDDLE_PHASE,)
+    return CYCLE_PHASES
 
 
 def shared_core_us(graph: nx.DiGraph, compiled: CompiledGraph | None = None) -> float:
@@ -464,14 +485,15 @@ def fusion_correction_us(
     settings: Mapping[str, Any],
     shared_cores: bool = False,
     compiled: CompiledGraph | None = None,
+    phase: float = MIDDLE_PHASE,
 ) -> float:
-    """The recorded graph's replayed step time less the model's for the recorded settings: what
-    the model misses on this step (added to a plan's step time, so that plans are priced by the
-    difference the model sees); ``shared_cores``: the model's step includes `shared_core_us`.
-    ``compiled``: ``graph`` compiled already, where the caller has it."""
+    """The recorded graph's replayed step time less the model's for the recorded settings (its
+    loop at ``phase``): what the model misses on this step (added to a plan's step time, so that
+    plans are priced by the difference the model sees); ``shared_cores``: the model's step includes
+    `shared_core_us`. ``compiled``: ``graph`` compiled already, where the caller has it."""
     compiled = compiled or CompiledGraph(graph)
     recorded = compiled.run()
-    modelled = regroup(graph, cost, settings, ends=compiled.end_times(recorded))
+    modelled = regroup(graph, cost, settings, ends=compiled.end_times(recorded), phase=phase)
     priced = CompiledGraph(modelled)
     charged = shared_core_us(modelled, priced) if shared_cores else 0.0
     return recorded.step_us - priced.run().step_us - charged
