@@ -18,12 +18,13 @@ For each model (the transformer-like ones by default):
    is the median of the steps after the first ``SKIP_STEPS``; the compile time, the first two steps'
    time beyond two median steps. Then the region plan once more on the cache of its last run: the
    next launch of a kept plan (inductor's FX graph cache).
-3. **in turns**, in one fresh process (`TurnsCallback`): eager, the chosen plan and the blocks plan
-   applied and undone in turns at step boundaries, `TURN_ROUNDS` rounds of `TURN_STEPS` timed
-   steps each after `TURN_SETTLE` steps (each plan compiled once before the rounds). A plan's
-   measured change is the median over rounds of its block's median less the same round's eager
-   block's; its error in turns compares the eager median in turns plus the predicted change with the
-   eager median plus the measured one. Separate processes differ by as much as 10-13% on this
+3. **in turns**, in ``--turn-repeats`` fresh processes (`plan_turns.py`, as the other plan
+   benchmarks measure their plans): the chosen plan and the blocks plan, each applied and undone in
+   turns with eager at step boundaries, ``--turn-rounds`` rounds (a region compiled in its plan's
+   first block, in a step not timed). A plan's measured change is the mean over the processes of
+   its rounds' mean change, with its noise (`alternation.paired_change`'s 95% band, combined over
+   the processes); its error in turns sets the predicted change (the plan's predicted step over
+   eager's) against the measured one. Separate processes differ by as much as 10-21% on this
    machine (eager's own runs); in turns the drift between processes and over minutes cancels, as in
    the loop's verify.
 4. **cost model**: the chosen regions and the best other candidates that were not compiled during
@@ -33,8 +34,8 @@ For each model (the transformer-like ones by default):
 The table gives per model: each configuration's step time (runs, spread), compile time, the region
 plan's predicted step time and its error, and the cost model's per-region errors.
 
-    python benchmarks/compiled_regions.py [--models attention,transformer] [--repeats 2] [--quick]
-        [--out benchmarks/results] [--resume]
+    python benchmarks/compiled_regions.py [--models attention,transformer] [--repeats 2]
+        [--turn-rounds 12] [--turn-repeats 2] [--quick] [--out benchmarks/results] [--resume]
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from models import get_model, timed_fit
+from plan_turns import in_turns_change, measure_in_turns, turns_cell, turns_worker
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import Plan
@@ -71,7 +73,7 @@ RUN_STEPS = 20_000  # the nominal length of the run the plan is made for
 TIME_STEPS, SKIP_STEPS = 40, 8
 MAX_CHECKED = 4  # regions compiled alone to check the cost model on, per model
 CONFIGS = ("eager", "regions", "blocks", "whole model")
-TURN_WARMUP, TURN_COMPILE, TURN_ROUNDS, TURN_SETTLE, TURN_STEPS = 5, 3, 4, 2, 6
+TURN_ROUNDS, TURN_REPEATS = 12, 2
 
 
 class StopAt(pl.Callback):
@@ -130,74 +132,6 @@ def time_worker(model: str, config: str, plan: Path | None, run_dir: Path) -> No
     (run_dir / "steps.json").write_text(json.dumps({"step_ms": timer.step_ms, "regions": stats}))
 
 
-class TurnsCallback(pl.Callback):
-    """Eager and each plan in turns (see the module docstring): at the start of each step, the
-    configuration of that step is put in force; ``schedule`` holds it per step (-1: eager)."""
-
-    def __init__(self, plans: list[Plan]):
-        self.plans = plans
-        compile_steps = [k for k in range(len(plans)) for _ in range(TURN_COMPILE)]
-        block = TURN_SETTLE + TURN_STEPS
-        rounds = [k for _ in range(TURN_ROUNDS) for k in range(-1, len(plans)) for _ in range(block)]
-        self.schedule = [-1] * TURN_WARMUP + compile_steps + [-1] + rounds
-        self.rounds_start = TURN_WARMUP + len(compile_steps) + 1
-        self._in_force, self._undo, self._applier = -1, None, None
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int
-    ) -> None:
-        from qsync_callback.appliers.torch_regions import RegionApplier
-
-        wanted = self.schedule[min(trainer.global_step, len(self.schedule) - 1)]
-        if wanted == self._in_force:
-            return
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
-        if wanted >= 0:
-            self._applier = self._applier or RegionApplier(module)
-            self._undo = self._applier(self.plans[wanted])
-        self._in_force = wanted
-
-    def block_medians(self, step_ms: list[float]) -> list[list[float]]:
-        """Per round, the median timed step of each configuration (eager first)."""
-        block, configs = TURN_SETTLE + TURN_STEPS, len(self.plans) + 1
-        out = []
-        for r in range(TURN_ROUNDS):
-            row = []
-            for k in range(configs):
-                first = self.rounds_start + (r * configs + k) * block + TURN_SETTLE
-                row.append(statistics.median(step_ms[first : first + TURN_STEPS]))
-            out.append(row)
-        return out
-
-
-def turns_worker(model: str, plans: list[Path], run_dir: Path) -> None:
-    """One fit running eager and ``plans`` in turns; writes each round's block medians (ms)."""
-    turns = TurnsCallback([Plan.load(p) for p in plans])
-    _, timer, _, _ = timed_fit(get_model(model), len(turns.schedule) + 1, callbacks=[turns])
-    (run_dir / "turns.json").write_text(json.dumps({"block_ms": turns.block_medians(timer.step_ms)}))
-
-
-def in_turns(block_ms: list[list[float]], predicted: dict[str, float | None], names: list[str]) -> dict:
-    """Per plan: the measured change in turns (ms, the median over rounds of plan less eager), its
-    spread over rounds, the predicted change, and the error in turns (see the module docstring)."""
-    eager = statistics.median(row[0] for row in block_ms)
-    out = {}
-    for k, name in enumerate(names, start=1):
-        deltas = [row[k] - row[0] for row in block_ms]
-        measured = statistics.median(deltas)
-        expected = predicted[name] - predicted["eager"]
-        out[name] = {
-            "eager_ms": eager,
-            "measured_change_pct": 100 * measured / eager,
-            "spread_pct": 100 * (max(deltas) - min(deltas)) / eager,
-            "predicted_change_pct": 100 * expected / predicted["eager"],
-            "error_pct": 100 * ((eager + expected) / (eager + measured) - 1),
-        }
-    return out
-
-
 def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
     """Each module compiled alone on the arguments of its first call, as the warm-up compiles."""
     from qsync_callback.recorder.region_probes import RegionInputs, probe_regions
@@ -212,7 +146,7 @@ def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
 
 
 RESUME = False  # `--resume`: a run whose directory holds its output already is not run again
-OUTPUTS = ("trace", "steps.json", "probes.json", "turns.json")  # what a worker leaves
+OUTPUTS = ("trace", "steps.json", "probes.json")  # what a worker leaves
 
 
 def run_worker(script: Path, args: list[str], run_dir: Path, timeout: float, cache: Path) -> Path | None:
@@ -244,11 +178,13 @@ def step_figures(step_ms: list[float]) -> tuple[float, float]:
     return median, max(sum(step_ms[:2]) - 2 * median, 0.0) / 1e3
 
 
-def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str, Any]:
+def bench_model(
+    model: str, repeats: int, out: Path, timeout: float, turn_rounds: int, turn_repeats: int
+) -> dict[str, Any]:
     script = Path(__file__).resolve()
     runs = out / "runs"
     caches = Path(tempfile.mkdtemp(prefix="qsync-inductor-"))
-    record_args = ["--worker", "record", model]
+    record_args = ["--worker", model, "--worker-mode", "record"]
     record = run_worker(script, record_args, runs / f"{model}-record", timeout, caches / "record")
     if record is None:
         return {"model": model, "failed": "the recording"}
@@ -280,7 +216,8 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
             if config in plans and not plans[config].fused_regions:
                 continue
             cache = caches / f"{config.replace(' ', '-')}-{r}"
-            args = ["--worker", "time", model, "--config", config, "--plan", str(paths.get(config, ""))]
+            args = ["--worker", model, "--worker-mode", "time", "--config", config]
+            args += ["--plan", str(paths.get(config, ""))]
             done = run_worker(script, args, runs / f"{model}-{config.replace(' ', '-')}-{r}", timeout, cache)
             if done is not None:
                 median, compiled = step_figures(json.loads((done / "steps.json").read_text())["step_ms"])
@@ -288,17 +225,30 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
                 compile_s[config].append(compiled)
                 if config == "regions":
                     last_cache = cache
-    turned = [name for name in plans if plans[name].fused_regions]
-    turns: dict[str, Any] = {}
-    if turned:
-        args = ["--worker", "turns", model, "--plan", *(str(paths[name]) for name in turned)]
-        done = run_worker(script, args, runs / f"{model}-turns", timeout, caches / "turns")
-        if done is not None:
-            block_ms = json.loads((done / "turns.json").read_text())["block_ms"]
-            turns = {"block_ms": block_ms, **in_turns(block_ms, predicted, turned)}
+    turned = {name: paths[name] for name in plans if plans[name].fused_regions}
+    turns: dict[str, Any] = {
+        name: {"predicted_change_pct": 100 * (predicted[name] / predicted["eager"] - 1), "in_turns": []}
+        for name in turned
+    }
+    for k in range(turn_repeats if turned else 0):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(caches / f"turns-{k}")
+        measured_turns = measure_in_turns(
+            script, model, turned, runs / f"{model}-turns-r{k}", timeout, turn_rounds
+        )
+        for name, change in measured_turns.items():
+            turns[name]["in_turns"].append(change)
     warm_compile_s = None
     if last_cache is not None:
-        args = ["--worker", "time", model, "--config", "regions", "--plan", str(paths["regions"])]
+        args = [
+            "--worker",
+            model,
+            "--worker-mode",
+            "time",
+            "--config",
+            "regions",
+            "--plan",
+            str(paths["regions"]),
+        ]
         done = run_worker(script, args, runs / f"{model}-regions-next-launch", timeout, last_cache)
         if done is not None:
             warm_compile_s = step_figures(json.loads((done / "steps.json").read_text())["step_ms"])[1]
@@ -309,7 +259,7 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
     check = list(dict.fromkeys(check))[:MAX_CHECKED]
     model_errors: dict[str, float] = {}
     if check:
-        args = ["--worker", "probe", model, "--modules", ",".join(check)]
+        args = ["--worker", model, "--worker-mode", "probe", "--modules", ",".join(check)]
         done = run_worker(script, args, runs / f"{model}-probe", timeout, caches / "probe")
         if done is not None:
             for module, probe in json.loads((done / "probes.json").read_text()).items():
@@ -337,6 +287,7 @@ def bench_model(model: str, repeats: int, out: Path, timeout: float) -> dict[str
         "median_ms": medians,
         "noise_pct": {c: range_noise_pct(v) for c, v in measured.items()},
         "turns": turns,
+        "turn_rounds": turn_rounds,
         "compile_s": {c: statistics.median(v) if v else None for c, v in compile_s.items()},
         "next_launch_compile_s": warm_compile_s,
         "planning_s": planning_s,
@@ -398,25 +349,31 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{uncalibrated}."
         )
     turns = [
-        "| model | plan | eager ms in turns | measured change (spread over rounds) | predicted change | "
-        "error in turns |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | plan | processes x rounds | change in turns (predicted / measured +- noise) | "
+        "error in turns | within noise |",
+        "|---|---|---:|---|---:|---|",
     ]
-    errors = []
+    errors, within = [], 0
     for row in rows:
         for name in ("regions", "blocks"):
             figures = row.get("turns", {}).get(name)
             if figures is None:
                 continue
-            errors.append(abs(figures["error_pct"]))
+            cell, error = turns_cell(figures)
+            measured = in_turns_change(figures)
+            told = measured is not None and abs(figures["predicted_change_pct"] - measured[0]) <= measured[1]
+            if error is not None:
+                errors.append(abs(error))
+                within += told
             turns.append(
-                f"| {row['model']} | {name} | {figures['eager_ms']:.1f} | "
-                f"{figures['measured_change_pct']:+.1f}% ({figures['spread_pct']:.1f}%) | "
-                f"{figures['predicted_change_pct']:+.1f}% | "
-                f"{figures['error_pct']:+.1f}% |"
+                f"| {row['model']} | {name} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
+                f"{na(error, '+.1f')}% | {'yes' if told else 'no'} |"
             )
     if errors:
-        turns.append(f"\nMedian |error in turns| over the plans: {statistics.median(errors):.1f}%.")
+        turns.append(
+            f"\nMedian |error in turns| over the plans: {statistics.median(errors):.1f}%; predicted change "
+            f"within the measured one's noise: {within} of {len(errors)}."
+        )
     return "\n".join([*lines, "", *notes, "", *turns])
 
 
@@ -424,24 +381,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="attention,transformer")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration")
+    parser.add_argument("--turn-rounds", type=int, default=TURN_ROUNDS, help="rounds in turns per process")
+    parser.add_argument("--turn-repeats", type=int, default=TURN_REPEATS, help="processes in turns")
     parser.add_argument("--quick", action="store_true", help="smoke run: attention, 1 run each")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--resume", action="store_true", help="reuse the runs already done in --out")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--plan", type=Path, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--plan", type=Path, nargs=1, help=argparse.SUPPRESS)
     parser.add_argument("--modules", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        kind, model = args.worker
+        model, kind = args.worker, args.worker_mode
         if kind == "record":
             record_worker(model, args.worker_dir)
         elif kind == "time":
             time_worker(model, args.config, args.plan[0] if args.plan else None, args.worker_dir)
         elif kind == "turns":
-            turns_worker(model, args.plan, args.worker_dir)
+            turns_worker(model, args.worker_dir, args.worker_plan)
         else:
             probe_worker(model, args.modules.split(","), args.worker_dir)
         return 0
@@ -449,8 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     RESUME = args.resume
     say_allocator()
     models, repeats = (["attention"], 1) if args.quick else (args.models.split(","), args.repeats)
-    environment = bench_environment(repeats=repeats, run_steps=RUN_STEPS)
-    rows = [bench_model(model, repeats, args.out, args.timeout) for model in models]
+    rounds, turn_repeats = (2, 1) if args.quick else (args.turn_rounds, args.turn_repeats)
+    environment = bench_environment(
+        repeats=repeats, run_steps=RUN_STEPS, turn_rounds=rounds, turn_repeats=turn_repeats
+    )
+    rows = [bench_model(model, repeats, args.out, args.timeout, rounds, turn_repeats) for model in models]
     write_results(args.out, "compiled_regions", table(rows), {"environment": environment, "rows": rows})
     return 0
 

@@ -3,10 +3,11 @@
 Fresh processes of one configuration differ by more than many plans change (glibc's allocator
 regime, a drift of the machine's speed), so plans measured each in its own process cannot be
 ranked to a few percent. `PlansInTurns` applies each plan live, through the appliers the callback
-uses (`tuning_loop.apply_plan`), at step boundaries of one run. After `WARMUP_STEPS` untimed steps
-of the recorded configuration (a process's first steps run slow: its caches and allocator are
-cold), every round runs, for each plan in turn (the order rotated by one each round), a block of
-the recorded configuration and then a block of the plan. A block's first
+uses (`tuning_loop.apply_plan`: precision, activation policies and compiled regions, a region
+compiled in its plan's first block, in a step not timed), at step boundaries of one run. After
+`WARMUP_STEPS` untimed steps of the recorded configuration (a process's first steps run slow: its
+caches and allocator are cold), every round runs, for each plan in turn (the order rotated by one
+each round), a block of the recorded configuration and then a block of the plan. A block's first
 `alternation.SETTLE_STEPS` steps after the switch are not timed, the next
 `alternation.BLOCK_STEPS` are, from the start of one step to the start of the next, the switching
 itself outside them. Each plan's change against the recorded configuration is
@@ -33,6 +34,7 @@ from runs import launch, stderr_tail
 from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, SETTLE_STEPS, paired_change
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
+from qsync_callback.appliers.torch_regions import RegionApplier
 from qsync_callback.plan import Plan
 from qsync_callback.tuning_loop import apply_plan
 from qsync_callback.verify import combined_noise_pct
@@ -77,6 +79,7 @@ class PlansInTurns(pl.Callback):
         self._appliers = {
             "precision": precision_applier(pl_module),
             "activation": ActivationApplier(pl_module),
+            "fused_regions": RegionApplier(pl_module),
         }
 
     def on_train_batch_start(
