@@ -139,6 +139,7 @@ def test_the_rounds_noise_is_a_95_percent_band_on_students_t():
     assert result["noise_pct"] == pytest.approx(4.303 * 10.0 / 3**0.5, rel=1e-4)
     assert mean_band(changes) == pytest.approx(result["noise_pct"])
     assert mean_band([-20.0]) == 0.0  # one sample: no spread to estimate
+    assert mean_band([-20.0, 0.0]) == pytest.approx(12.706 * 10.0, rel=1e-4)  # sd 10 sqrt(2), over sqrt(2)
 
 
 def test_a_few_rounds_far_off_the_rest_widen_the_means_band_and_not_the_medians():

@@ -18,6 +18,8 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.predictor.replay import replay
 from qsync_callback.predictor.tensor_fusion import (
     ALL_REDUCE,
+    CYCLE_PHASES,
+    MIDDLE_PHASE,
     AllreduceCost,
     all_reduces,
     apply_fusion,
@@ -26,6 +28,7 @@ from qsync_callback.predictor.tensor_fusion import (
     collective_tensors,
     fit_allreduce_cost,
     fusion_correction_us,
+    loop_phases,
     regroup,
     shared_core_us,
 )
@@ -154,6 +157,14 @@ def test_every_plan_on_two_horovod_ranks_is_priced_through_the_loop():
         pytest.approx(0.550)
     )
     assert _ms(predictor) == pytest.approx(0.620)  # the recorded configuration: its replay
+
+
+def test_the_loop_is_priced_at_its_phases_only_where_it_ticks():
+    assert loop_phases({"library": "horovod", "cycle_time_ms": 1.0}) == CYCLE_PHASES
+    assert MIDDLE_PHASE in CYCLE_PHASES  # the graph a plan's figures come from is the middle one's
+    assert loop_phases({"library": "horovod", "cycle_time_ms": 0.0}) == (MIDDLE_PHASE,)
+    assert loop_phases({"library": "horovod"}) == (MIDDLE_PHASE,)
+    assert loop_phases({"library": "ddp", "cycle_time_ms": 1.0}) == (MIDDLE_PHASE,)
 
 
 def test_a_group_launches_when_its_last_gradient_is_ready(predictor):

@@ -88,6 +88,9 @@ def test_a_difference_the_recorded_steps_disagree_on_decides_nothing():
     assert not beats(noisy[2], uniform[2], 100 * UNSEEN_MARGIN)
     assert beats(noisy[2], uniform[2], -5.0)  # -8% +- 12.7%: faster than 5% slower
     assert preferred([uniform, noisy], UNIFORM)[0] == "uniform"
+    # exactly the margin is not beyond it
+    quarter_off = _priced("uniform + groups", PLANS["uniform + groups"], 75.0)
+    assert not beats(quarter_off[2], _priced("uniform", PLANS["uniform"], 100.0)[2], 25.0)
 
 
 @given(
