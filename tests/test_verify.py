@@ -15,12 +15,16 @@ from tracebuilder import op, trace
 PLAN = Plan(precision={"fc": "bf16"}, prediction={"step_ms": 9.0, "peak_bytes": 1000})
 
 
-def _run(step_ms, peak_bytes=1000):
-    """A one-rank recording whose unprofiled steps took ``step_ms`` and whose peak was ``peak_bytes``."""
+def _run(step_ms, peak_bytes=1000, step_peaks=()):
+    """A one-rank recording whose unprofiled steps took ``step_ms`` and whose peak was ``peak_bytes``
+    (``step_peaks``: each step's, where the allocator gives one)."""
+    measured = {"step_ms": list(step_ms), "peak_bytes": peak_bytes}
+    if step_peaks:
+        measured["step_peak_bytes"] = list(step_peaks)
     return trace(
         [op(0, "aten::mm", "forward", "main", 0.0, 100.0)],
         step_end=120.0,
-        measured={"step_ms": list(step_ms), "peak_bytes": peak_bytes},
+        measured=measured,
         resident_bytes={"parameters": peak_bytes},  # the predicted peak, too
     )
 
@@ -79,6 +83,18 @@ def test_no_decision_keeps_a_plan_that_uses_less_memory():
     result = _verify(_samples(10, 60), _samples(10.5, 60), plan_peak=900)
     assert result["decision"] == KEEP
     assert result["reason"].endswith("keeping the cheaper configuration, the plan, which uses less memory")
+
+
+def test_no_decision_counts_less_memory_only_below_every_baseline_steps_peak():
+    """TF's allocator moves a step's peak with the order its threads run ops in: a plan whose peak is
+    below the baseline's largest step's but not below its smallest step's is not the cheaper one."""
+    baseline = build_report([_run(_samples(10, 60), 1000, step_peaks=[900, 1000, 950])])
+    within = verify_plan(PLAN, baseline, [_run(_samples(10.5, 60), 950)], loss_finite=True)
+    assert within["decision"] == ROLL_BACK and within["reason"].endswith("the recorded configuration")
+    below = verify_plan(PLAN, baseline, [_run(_samples(10.5, 60), 899)], loss_finite=True)
+    assert below["decision"] == KEEP and below["reason"].endswith("the plan, which uses less memory")
+    at = verify_plan(PLAN, baseline, [_run(_samples(10.5, 60), 900)], loss_finite=True)
+    assert at["decision"] == ROLL_BACK
 
 
 def test_within_the_tolerance_a_quiet_run_cannot_tell_either():
