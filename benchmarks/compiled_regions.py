@@ -31,10 +31,16 @@ For each model (the transformer-like ones by default):
    the warm-up, each compiled alone (as the warm-up compiles, on the arguments of its first call):
    measured compiled/eager ratio against the model's.
 
+With ``--procs 2`` (in the default ``1,2``), each model is also recorded under Lightning DDP on two
+processes (gloo), planned on both ranks' traces, and its plans run in turns under DDP (each rank
+applies and undoes them at the same steps; rank 0's clock, which DDP's all-reduces keep in step
+with rank 1's): steps 1, 3 and the planner's figures, not the fresh-process timings or the cost
+model's check, which are the machine's, not DDP's.
+
 The table gives per model: each configuration's step time (runs, spread), compile time, the region
 plan's predicted step time and its error, and the cost model's per-region errors.
 
-    python benchmarks/compiled_regions.py [--models attention,transformer] [--repeats 2]
+    python benchmarks/compiled_regions.py [--models attention,transformer] [--repeats 2] [--procs 1,2]
         [--turn-rounds 12] [--turn-repeats 2] [--quick] [--out benchmarks/results] [--resume]
 """
 
@@ -87,7 +93,8 @@ class StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-def record_worker(model: str, run_dir: Path) -> None:
+def record_worker(model: str, run_dir: Path, procs: int = 1) -> None:
+    """The recording (step 1 of the module docstring), under DDP on ``procs`` > 1 processes."""
     from qsync_callback.integrations.lightning import QSyncCallback
 
     callback = QSyncCallback(
@@ -104,6 +111,8 @@ def record_worker(model: str, run_dir: Path) -> None:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
+        devices=procs,
+        strategy="ddp" if procs > 1 else "auto",
         max_steps=RUN_STEPS,
         callbacks=[callback, StopAt(stop)],
         enable_progress_bar=False,
@@ -111,7 +120,7 @@ def record_worker(model: str, run_dir: Path) -> None:
         enable_model_summary=False,
         logger=False,
     )
-    trainer.fit(spec.build(), spec.dataloader(stop + 2))
+    trainer.fit(spec.build(), spec.dataloader((stop + 2) * procs))
 
 
 def time_worker(model: str, config: str, plan: Path | None, run_dir: Path) -> None:
@@ -179,15 +188,18 @@ def step_figures(step_ms: list[float]) -> tuple[float, float]:
 
 
 def bench_model(
-    model: str, repeats: int, out: Path, timeout: float, turn_rounds: int, turn_repeats: int
+    model: str, repeats: int, out: Path, timeout: float, turn_rounds: int, turn_repeats: int, procs: int = 1
 ) -> dict[str, Any]:
+    """Steps 1-4 of the module docstring for ``model`` on one process; on ``procs`` > 1 (DDP), the
+    recording, the plans and their turns only (steps 2 and 4 are the machine's, not DDP's)."""
     script = Path(__file__).resolve()
     runs = out / "runs"
+    label = model if procs == 1 else f"{model}-p{procs}"
     caches = Path(tempfile.mkdtemp(prefix="qsync-inductor-"))
-    record_args = ["--worker", model, "--worker-mode", "record"]
-    record = run_worker(script, record_args, runs / f"{model}-record", timeout, caches / "record")
+    record_args = ["--worker", model, "--worker-mode", "record", "--worker-procs", str(procs)]
+    record = run_worker(script, record_args, runs / f"{label}-record", timeout, caches / "record")
     if record is None:
-        return {"model": model, "failed": "the recording"}
+        return {"model": model, "procs": procs, "failed": "the recording"}
     traces = load_trace_dir(record / "trace")
     predictor = Predictor(traces)
     start = time.perf_counter()
@@ -200,7 +212,7 @@ def bench_model(
         fingerprint=traces[0].fingerprint, fused_regions=[[m] for m in repeated_blocks(traces[0], graph)]
     )
     plans = {"regions": plan, "blocks": blocks}
-    paths = {name: runs / f"{model}-{name}.json" for name in plans}
+    paths = {name: runs / f"{label}-{name}.json" for name in plans}
     for name, path in paths.items():
         path.write_text(json.dumps(plans[name].to_dict()))
     predicted = {
@@ -211,7 +223,7 @@ def bench_model(
     measured: dict[str, list[float]] = {c: [] for c in CONFIGS}
     compile_s: dict[str, list[float]] = {c: [] for c in CONFIGS}
     last_cache: Path | None = None
-    for r in range(repeats):
+    for r in range(repeats if procs == 1 else 0):
         for config in CONFIGS:
             if config in plans and not plans[config].fused_regions:
                 continue
@@ -233,7 +245,7 @@ def bench_model(
     for k in range(turn_repeats if turned else 0):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(caches / f"turns-{k}")
         measured_turns = measure_in_turns(
-            script, model, turned, runs / f"{model}-turns-r{k}", timeout, turn_rounds
+            script, model, turned, runs / f"{label}-turns-r{k}", timeout, turn_rounds, procs
         )
         for name, change in measured_turns.items():
             turns[name]["in_turns"].append(change)
@@ -256,7 +268,7 @@ def bench_model(
     chosen = [r.module for r in choice.chosen] if choice.plan is not None else []
     others = sorted(search.regions.values(), key=lambda c: -c.saving_us)
     check = [m for m in [*chosen, *(c.module for c in others)] if m not in probed]
-    check = list(dict.fromkeys(check))[:MAX_CHECKED]
+    check = list(dict.fromkeys(check))[:MAX_CHECKED] if procs == 1 else []
     model_errors: dict[str, float] = {}
     if check:
         args = ["--worker", model, "--worker-mode", "probe", "--modules", ",".join(check)]
@@ -278,6 +290,7 @@ def bench_model(
     }
     return {
         "model": model,
+        "procs": procs,
         "chosen": chosen,
         "blocks": [r[0] for r in blocks.fused_regions],
         "predicted_ms": predicted,
@@ -312,9 +325,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     notes = []
     for row in rows:
         if "failed" in row:
-            lines.append(f"| {row['model']} | failed: {row['failed']} | | | | | |")
+            lines.append(f"| {_label(row)} | failed: {row['failed']} | | | | | |")
             continue
-        for config in CONFIGS:
+        for config in CONFIGS if row["procs"] == 1 else ():  # DDP's plans: in turns only
             runs = row["measured_ms"][config]
             if not runs and config != "regions":
                 continue
@@ -343,8 +356,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         calibrated = ", ".join(f"{m} {e:+.0f}%" for m, e in row["calibration_errors_pct"].items()) or "-"
         uncalibrated = ", ".join(f"{m} {e:+.0f}%" for m, e in row["uncalibrated_errors_pct"].items()) or "-"
         notes.append(
-            f"- {row['model']}: planning {row['planning_s']:.2f} s over {row['candidates']} candidates "
-            f"({gap}); next launch of the plan compiles in {na(row['next_launch_compile_s'], '.1f')} s; "
+            f"- {_label(row)}: planning {row['planning_s']:.2f} s over {row['candidates']} candidates "
+            f"({gap}); chose {', '.join(row['chosen'][:4]) or 'none (eager)'}; next launch of the plan "
+            f"compiles in {na(row['next_launch_compile_s'], '.1f')} s; "
             f"cost model error on the modules compiled during the warm-up: {calibrated}; on others: "
             f"{uncalibrated}."
         )
@@ -366,7 +380,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 errors.append(abs(error))
                 within += told
             turns.append(
-                f"| {row['model']} | {name} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
+                f"| {_label(row)} | {name} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
                 f"{na(error, '+.1f')}% | {'yes' if told else 'no'} |"
             )
     if errors:
@@ -377,10 +391,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([*lines, "", *notes, "", *turns])
 
 
+def _label(row: dict[str, Any]) -> str:
+    """A row's model, and its processes where it ran under DDP."""
+    procs = row.get("procs", 1)
+    return row["model"] if procs == 1 else f"{row['model']} (DDP, {procs} processes)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="attention,transformer")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration")
+    parser.add_argument("--procs", default="1,2", help="process counts (2: DDP, in turns only)")
     parser.add_argument("--turn-rounds", type=int, default=TURN_ROUNDS, help="rounds in turns per process")
     parser.add_argument("--turn-repeats", type=int, default=TURN_REPEATS, help="processes in turns")
     parser.add_argument("--quick", action="store_true", help="smoke run: attention, 1 run each")
@@ -391,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-mode", help=argparse.SUPPRESS)
     parser.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-procs", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, nargs=1, help=argparse.SUPPRESS)
     parser.add_argument("--modules", help=argparse.SUPPRESS)
@@ -398,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         model, kind = args.worker, args.worker_mode
         if kind == "record":
-            record_worker(model, args.worker_dir)
+            record_worker(model, args.worker_dir, args.worker_procs)
         elif kind == "time":
             time_worker(model, args.config, args.plan[0] if args.plan else None, args.worker_dir)
         elif kind == "turns":
@@ -411,10 +433,15 @@ def main(argv: list[str] | None = None) -> int:
     say_allocator()
     models, repeats = (["attention"], 1) if args.quick else (args.models.split(","), args.repeats)
     rounds, turn_repeats = (2, 1) if args.quick else (args.turn_rounds, args.turn_repeats)
+    procs_list = [int(p) for p in args.procs.split(",")]
     environment = bench_environment(
-        repeats=repeats, run_steps=RUN_STEPS, turn_rounds=rounds, turn_repeats=turn_repeats
+        repeats=repeats, run_steps=RUN_STEPS, turn_rounds=rounds, turn_repeats=turn_repeats, procs=procs_list
     )
-    rows = [bench_model(model, repeats, args.out, args.timeout, rounds, turn_repeats) for model in models]
+    rows = [
+        bench_model(model, repeats, args.out, args.timeout, rounds, turn_repeats, procs)
+        for procs in procs_list
+        for model in models
+    ]
     write_results(args.out, "compiled_regions", table(rows), {"environment": environment, "rows": rows})
     return 0
 

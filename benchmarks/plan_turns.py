@@ -120,15 +120,18 @@ class PlansInTurns(pl.Callback):
 
 
 def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | None = None) -> None:
-    """The plans listed in ``plan_files`` (JSON: the plans' paths and the rounds, as
+    """The plans listed in ``plan_files`` (JSON: the plans' paths, the rounds and the processes, as
     `measure_in_turns` writes them) in turns with the recorded configuration, in one training run of
-    ``model`` (in a subprocess; ``batches``: `timed_fit`'s); each plan's `paired_change` in
-    ``run_dir / TURNS_FILE``, in the list's order."""
+    ``model`` (in a subprocess; under DDP on more than one process, each rank applying each plan at
+    the same step; ``batches``: `timed_fit`'s); each plan's `paired_change` in
+    ``run_dir / TURNS_FILE``, in the list's order, from rank 0's clock (DDP's all-reduces keep the
+    ranks' steps in step)."""
     listing = json.loads(plan_files.read_text())
     plans = [Plan.load(path) for path in listing["plans"]]
     turns = PlansInTurns(plans, listing["rounds"])
-    timed_fit(get_model(model), turns.steps, [turns], 1, batches=batches)
-    (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
+    trainer, *_ = timed_fit(get_model(model), turns.steps, [turns], listing.get("procs", 1), batches=batches)
+    if trainer.global_rank == 0:
+        (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
 
 
 def measure_in_turns(
@@ -138,13 +141,15 @@ def measure_in_turns(
     run_dir: Path,
     timeout: float,
     rounds: int = TURN_ROUNDS,
+    procs: int = 1,
 ) -> dict[str, Any]:
     """Run the plans in ``files`` (saved plans, by key) in turns for ``rounds`` rounds in one fresh
-    process of ``script``'s worker mode "turns"; each key's `paired_change`, or none where the run
-    failed (said on stderr)."""
+    run of ``script``'s worker mode "turns" on ``procs`` processes; each key's `paired_change`, or
+    none where the run failed (said on stderr)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     listing = run_dir.with_name(f"{run_dir.name}-plans.json")
-    listing.write_text(json.dumps({"plans": [str(path) for path in files.values()], "rounds": rounds}))
+    plans = [str(path) for path in files.values()]
+    listing.write_text(json.dumps({"plans": plans, "rounds": rounds, "procs": procs}))
     args = ["--worker", model, "--worker-mode", "turns", "--worker-plan", str(listing)]
     rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
     if rc != 0 or not (run_dir / TURNS_FILE).exists():

@@ -193,7 +193,7 @@ def test_an_offload_store_that_fails_rolls_the_plan_back_and_training_goes_on(tm
 def test_two_ddp_processes_apply_verify_and_keep_the_same_activation_plan(tmp_path):
     from apply_script import run_two_ranks
 
-    result = run_two_ranks(tmp_path, steps=60, activation=True)
+    result = run_two_ranks(tmp_path, steps=60, kind="activation")
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     verification = json.loads((tmp_path / "verification.json").read_text())

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback import QSyncCallback
+from qsync_callback.plan import Plan
 from qsync_callback.predictor.compiled_regions import price_region
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.live_memory import live_storages
@@ -41,10 +42,10 @@ class Block(nn.Module):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, width: int = 64, depth: int = 2):
+    def __init__(self, width: int = 64, depth: int = 2, block: type[nn.Module] = Block):
         super().__init__()
         self.stem = nn.Linear(16, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[block(width) for _ in range(depth)])
         self.head = nn.Linear(width, 4)
         self.losses: list[float] = []
 
@@ -70,12 +71,27 @@ class StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
-    pl.seed_everything(0, verbose=False)
-    model = Net()
+class ChainBlock(Block):
+    """`Block` with a pointwise chain long enough that a compile pays here whatever the machine."""
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc1(self.ln(x)))
+        for _ in range(24):
+            h = torch.sin(h) * 1.01
+        return x + self.fc2(h)
+
+
+def chain_loader(steps: int) -> DataLoader:
+    """``steps`` batches of 64 per process on two processes (`ChainNet`'s data)."""
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64 * 40, 16, generator=g), torch.randint(0, 4, (64 * 40,), generator=g))
-    callback = QSyncCallback(
+    n = 64 * 2 * steps
+    return DataLoader(TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)),
+                      batch_size=64)  # fmt: skip
+
+
+def regions_callback(out) -> QSyncCallback:
+    """Mode "apply" with compiled regions the only lever, a short window and one round of turns."""
+    return QSyncCallback(
         mode="apply",
         warmup_steps=3,
         profile_steps=2,
@@ -83,9 +99,17 @@ def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
         verify_steps=2,
         alternate_rounds=1,
         levers=("regions",),
-        output_dir=tmp_path,
+        output_dir=out,
         plan_cache=False,
     )
+
+
+def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64 * 40, 16, generator=g), torch.randint(0, 4, (64 * 40,), generator=g))
+    callback = regions_callback(tmp_path)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=10**6,  # a long run: the compile pays back, so the warm-up compiles to calibrate
@@ -128,6 +152,28 @@ def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
         assert block.measured and block.compiled_us == pytest.approx(ratio * block.eager_us)
         modelled = price_region(graph, name, costs, {})
         assert modelled.ops >= 8 and modelled.library_us > 0 and not modelled.measured
+
+
+def test_two_ddp_processes_plan_apply_verify_and_keep_the_same_regions(tmp_path):
+    """Under Lightning DDP on 2 processes: each rank compiles its probes, rank 0 plans on both ranks'
+    traces, both compile the chosen regions in place at one step, undo and re-apply them in the
+    turns, and end with the same modules compiled: the plan kept, or none if it was rolled back."""
+    from apply_script import run_two_ranks
+
+    result = run_two_ranks(tmp_path, steps=40, kind="regions")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps aside" not in result.stderr, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert all(r["losses_finite"] and r["steps"] == 40 for r in ranks)
+    traces = load_trace_dir(tmp_path / "trace")
+    probed = [sorted(t.compiled_regions["probes"]) for t in traces]
+    assert probed == [["blocks.0", "blocks.0.fc1", "blocks.0.ln"]] * 2
+    verification = json.loads((tmp_path / "verification.json").read_text())
+    planned = [region[0] for region in verification["plan"]["fused_regions"]]
+    assert planned, "a chain of 48 pointwise ops a block is predicted to pay for its compile"
+    kept = [region[0] for region in Plan.load(tmp_path / "plan.json").fused_regions]
+    assert kept == (planned if verification["decision"] == "keep" else [])
+    assert ranks[0]["compiled"] == ranks[1]["compiled"] == sorted(kept)
 
 
 def test_live_tensors_are_counted_beside_the_fake_tensors_a_compile_leaves_alive():
@@ -208,17 +254,7 @@ def test_a_region_that_breaks_its_graph_goes_back_alone_and_is_left_out_of_the_p
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64 * 60, 256, generator=g), torch.randint(0, 4, (64 * 60,), generator=g))
-    callback = QSyncCallback(
-        mode="apply",
-        warmup_steps=3,
-        profile_steps=2,
-        measure_steps=3,
-        verify_steps=2,
-        alternate_rounds=1,
-        levers=("regions",),
-        output_dir=tmp_path,
-        plan_cache=False,
-    )
+    callback = regions_callback(tmp_path)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=10**6,
