@@ -202,31 +202,6 @@ def test_the_probes_take_the_first_layer_of_each_kind_that_is_called():
     assert x.shape == (2, 5, 16) and kwargs == {}
 
 
-class Stage(nn.Module):
-    """A residual convolution block at its own width (a CNN's stage)."""
-
-    def __init__(self, c_in: int, c_out: int):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out)
-        self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1), nn.BatchNorm2d(c_out))
-
-    def forward(self, x):
-        return torch.relu(self.bn(self.conv(x)) + self.shortcut(x))
-
-
-def test_without_a_block_repeated_alike_the_probes_take_the_first_of_the_most_repeated_class():
-    """Stages that widen repeat no parameter shapes: the probes take the first `Stage`, a class of
-    the user's (three), before torch's Sequential (five holding a convolution: the stem, the one
-    around the stages, each shortcut), then its layers. A model whose blocks are all of different
-    classes gets none; blocks alike in parameter shapes come first."""
-    stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
-    model = nn.Sequential(stem, nn.Sequential(Stage(4, 8), Stage(8, 16), Stage(16, 32)), nn.Flatten())
-    assert probe_modules(model) == [["1.0"], ["1.0.conv", "1.0.shortcut.0"], ["1.0.bn", "1.0.shortcut.1"]]
-    assert probe_modules(nn.Sequential(Stage(4, 8), PointwiseChain(8))) == []
-    alike = nn.Sequential(Stage(4, 8), Stage(8, 8), Stage(8, 8))
-    assert probe_modules(alike)[0] == ["1"]
-
-
 class PointwiseChain(nn.Module):
     """A Linear, then many pointwise ops on its output: eager runs a kernel for each, a compile
     fuses them."""

@@ -2,9 +2,7 @@
 (`predictor/compiled_regions.py`) on this machine.
 
 `probe_modules` picks at most `MAX_PROBES` modules: the first instance of the model's most repeated
-block (a transformer block, a residual block: what a region plan compiles most; where no block
-repeats with the same parameter shapes, as a CNN's stages widen, the most repeated class of block
-holding a convolution or Linear), and inside it a
+block (a transformer block, a residual block: what a region plan compiles most), and inside it a
 layer that runs a library kernel alone (a Linear or a convolution: what compiling a region costs
 beyond its kernels) and a normalization layer (one or two fused kernels), each the first of its
 kind called in a step. `RegionInputs` keeps a copy of each one's arguments from its first call in
@@ -55,45 +53,20 @@ def _structure(module: nn.Module) -> tuple:
 def probe_modules(model: nn.Module) -> list[list[str]]:
     """The modules to compile during the warm-up (see the module docstring), as groups of which the
     first one called is compiled (a Linear inside ``nn.MultiheadAttention`` is never called: its
-    weight is); empty if the model has no block that repeats, even with other shapes."""
+    weight is); empty if the model has no block that repeats."""
     blocks = blocks_of(model)
-    block = _repeated_block(blocks)
-    if block is None:
+    counts = Counter(_structure(module) for module in blocks.values())
+    repeated = [(name, counts[_structure(m)]) for name, m in blocks.items() if counts[_structure(m)] > 1]
+    if not repeated:
         return []
+    most = max(times for _, times in repeated)
+    block = next(name for name, times in repeated if times == most)
     groups = [[block]]
     for kinds in (_LIBRARY_LAYERS, _NORMS):
         inner = [f"{block}.{n}" for n, m in blocks[block].named_modules() if n and isinstance(m, kinds)]
         if inner:
             groups.append(inner)
     return groups[:MAX_PROBES]
-
-
-def _repeated_block(blocks: dict[str, nn.Module]) -> str | None:
-    """The first instance of the most repeated block structure (class and parameter shapes); where
-    none repeats, of the most repeated class of block holding a library layer (a CNN's residual
-    blocks, each stage at its own width), the user's classes before torch's own, the first instance
-    that holds no other of its class; None where no class repeats either."""
-    counts = Counter(_structure(m) for m in blocks.values())
-    if max(counts.values(), default=0) > 1:
-        most = max(counts.values())
-        return next(name for name, m in blocks.items() if counts[_structure(m)] == most)
-    called = {  # a ModuleList or ModuleDict is never called
-        name: m
-        for name, m in blocks.items()
-        if not isinstance(m, (nn.ModuleList, nn.ModuleDict))
-        and any(isinstance(layer, _LIBRARY_LAYERS) for layer in m.modules())
-    }
-    kinds = Counter(type(m) for m in called.values())
-    repeated = [kind for kind, times in kinds.items() if times > 1]
-    if not repeated:
-        return None
-    # a class of the user's before torch's own containers (a Sequential around a shortcut)
-    kind = max(repeated, key=lambda k: (not k.__module__.startswith("torch.nn"), kinds[k]))
-    return next(  # not one holding another of its class (the Sequential around the stages)
-        name
-        for name, m in called.items()
-        if type(m) is kind and not any(type(inner) is kind for inner in list(m.modules())[1:])
-    )
 
 
 class RegionInputs:
