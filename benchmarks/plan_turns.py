@@ -129,7 +129,7 @@ def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | Non
     listing = json.loads(plan_files.read_text())
     plans = [Plan.load(path) for path in listing["plans"]]
     turns = PlansInTurns(plans, listing["rounds"])
-    trainer, *_ = timed_fit(get_model(model), turns.steps, [turns], listing.get("procs", 1), batches=batches)
+    trainer, *_ = timed_fit(get_model(model), turns.steps, [turns], listing["procs"], batches=batches)
     if trainer.global_rank == 0:
         (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_activation_lightning import ResidualMLP, _callback, residual_loader  # noqa: E402
 from test_precision_apply import GeluNet, _apply_callback, _loader, _lp_precisions  # noqa: E402
-from test_regions_lightning import ChainBlock, Net, StopAt, chain_loader, regions_callback  # noqa: E402
+from test_regions_lightning import ChainBlock, Net, StopAt, net_loader, regions_callback  # noqa: E402
 
 
 def run_two_ranks(
@@ -58,7 +58,7 @@ def main() -> None:
         model, loader = ResidualMLP(), residual_loader()
         callbacks = [_callback(out, output_dir=out, activation_trial_rounds=1)]
     elif kind == "regions":  # a long nominal run, so that compiles pay, stopped after ``steps``
-        model, loader = Net(width=128, block=ChainBlock), chain_loader(steps)
+        model, loader = Net(width=128, block=ChainBlock), net_loader(2 * steps)  # each rank half
         callbacks, steps = [regions_callback(out), StopAt(steps)], 10**6
     else:
         model, loader = GeluNet(), _loader()

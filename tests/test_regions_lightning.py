@@ -81,10 +81,10 @@ class ChainBlock(Block):
         return x + self.fc2(h)
 
 
-def chain_loader(steps: int) -> DataLoader:
-    """``steps`` batches of 64 per process on two processes (`ChainNet`'s data)."""
+def net_loader(batches: int) -> DataLoader:
+    """``batches`` batches of 64 of `Net`'s data (16 features, 4 classes), from a fixed seed."""
     g = torch.Generator().manual_seed(0)
-    n = 64 * 2 * steps
+    n = 64 * batches
     return DataLoader(TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)),
                       batch_size=64)  # fmt: skip
 
@@ -107,8 +107,6 @@ def regions_callback(out) -> QSyncCallback:
 def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
     pl.seed_everything(0, verbose=False)
     model = Net()
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64 * 40, 16, generator=g), torch.randint(0, 4, (64 * 40,), generator=g))
     callback = regions_callback(tmp_path)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -121,7 +119,7 @@ def test_regions_are_calibrated_planned_and_applied_in_real_training(tmp_path):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, DataLoader(data, batch_size=64))
+        trainer.fit(model, net_loader(40))
     stepped_aside = [str(w.message) for w in caught if "steps aside" in str(w.message)]
     assert not stepped_aside, stepped_aside
     assert trainer.global_step == 40 and all(math.isfinite(loss) for loss in model.losses)

@@ -26,8 +26,8 @@ gradients, `MaxPoolGrad` and `ReluGrad` in fp32 was predicted 20% faster than th
 configuration and measured 29% slower in turns (casts and layout conversions around the fp32 ops,
 which the probe never ran). With one margin for any number of unseen decisions and no noise, three
 identical two-process MLP launches still chose three plans (uniform bf16, with gradient groups, and
-bf16 `MatMul` alone with groups): re-priced, one launch's groups moved from -17% to +14% over its
-five recorded steps. The chosen plan must be predicted more than `NO_DECISION_GAIN` faster than
+bf16 `MatMul` alone with groups): re-priced, one launch's groups moved from a saving to a cost
+over its five recorded steps. The chosen plan must be predicted more than `NO_DECISION_GAIN` faster than
 the recorded configuration; otherwise the recorded configuration (an empty plan) is chosen: a
 smaller predicted difference is no decision. None meeting the constraints: the closest, which the
 loop applies only under ``best_effort``. A memory budget on traces that predict no peak (TF
