@@ -9,8 +9,9 @@ For each model (the transformer-like ones by default):
    `planner.compiled_regions.choose_regions` picks the regions (timed: the planning seconds), and
    both searches run on the same candidates where the exhaustive one can (the MCMC's gap to it).
    Beside the chosen plan (which may be none), a plan the planner did not choose is priced too:
-   every copy of the repeated block compiled ("blocks"), so that the predictor's error on a region
-   plan is measured whatever the planner decides.
+   every copy of the repeated block compiled ("blocks"; where no block repeats alike, the largest
+   block, which the warm-up compiled instead; not run where it is the chosen plan), so that the
+   predictor's error on a region plan is measured whatever the planner decides.
 2. **timing**, in fresh processes, in turns, ``--repeats`` times each, with a fresh inductor cache
    each (a cold compile): eager; the chosen region plan and the blocks plan
    (`appliers/torch_regions.py`, applied before the fit); the whole model
@@ -172,7 +173,7 @@ def run_worker(script: Path, args: list[str], run_dir: Path, timeout: float, cac
 
 def repeated_blocks(trace: Any, graph: Any) -> list[str]:
     """Every module with the recorded ops and shapes of the first one compiled during the warm-up
-    (the model's most repeated block), or none."""
+    (the model's most repeated block; where none repeats alike, its largest block), or none."""
     probes = list(trace.compiled_regions.get("probes", {}))
     if not probes:
         return []
@@ -211,6 +212,8 @@ def bench_model(
     blocks = Plan(
         fingerprint=traces[0].fingerprint, fused_regions=[[m] for m in repeated_blocks(traces[0], graph)]
     )
+    if blocks.fused_regions == plan.fused_regions:  # the chosen plan: not run twice
+        blocks = Plan(fingerprint=traces[0].fingerprint)
     plans = {"regions": plan, "blocks": blocks}
     paths = {name: runs / f"{label}-{name}.json" for name in plans}
     for name, path in paths.items():

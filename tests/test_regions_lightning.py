@@ -200,6 +200,43 @@ def test_the_probes_take_the_first_layer_of_each_kind_that_is_called():
     assert x.shape == (2, 5, 16) and kwargs == {}
 
 
+class WideningCNN(nn.Module):
+    """No two blocks alike: the stages widen, the heads differ; the ``nn.ModuleList`` of heads holds
+    the most layers but is never called itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.trunk = nn.Sequential(*(self.stage(c) for c in (4, 8)))
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU()) for w in (8, 4)
+        )
+
+    @staticmethod
+    def stage(c: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU())
+
+    def forward(self, x):
+        x = self.trunk(self.stem(x)).mean((2, 3))
+        return self.heads[1](x).sum() + self.heads[0](x).sum()
+
+
+def test_where_no_block_repeats_alike_the_probe_takes_the_largest_block_called():
+    """The trunk (six layers) is probed whole, with its first convolution and normalization called;
+    of blocks of one size, the one the forward calls first."""
+    model = WideningCNN()
+    groups = probe_modules(model)
+    assert groups == [["trunk"], ["trunk.0.0", "trunk.1.0"], ["trunk.0.1", "trunk.1.1"]]
+    inputs = RegionInputs(model, groups)
+    model(torch.randn(2, 3, 8, 8)).backward()
+    inputs.remove()
+    assert set(inputs.inputs) == {"trunk", "trunk.0.0", "trunk.0.1"}
+    assert inputs.inputs["trunk"][0][0].shape == (2, 4, 8, 8)
+    heads_only = nn.Sequential(*WideningCNN().heads)  # two blocks of four layers, neither repeated
+    assert probe_modules(heads_only) == [["0", "1"], ["0.0", "0.2", "1.0", "1.2"]]
+    assert probe_modules(nn.Sequential(nn.Linear(4, 4))) == []  # no block holds two layers
+
+
 class PointwiseChain(nn.Module):
     """A Linear, then many pointwise ops on its output: eager runs a kernel for each, a compile
     fuses them."""

@@ -5,7 +5,16 @@
 block (a transformer block, a residual block: what a region plan compiles most), and inside it a
 layer that runs a library kernel alone (a Linear or a convolution: what compiling a region costs
 beyond its kernels) and a normalization layer (one or two fused kernels), each the first of its
-kind called in a step. `RegionInputs` keeps a copy of each one's arguments from its first call in
+kind called in a step. Where no block repeats alike (a CNN whose stages widen), the largest block
+(the most layers; of several alike, the first called) stands in for the repeated one: the region a
+plan for such a model most likely compiles, measured itself. A smaller block's ratio does not carry
+into a larger region: on a CPU inductor runs a region's convolutions channels-last (its layout
+optimization), which pays across a stack of convolutions and not across one block, whose input and
+output stay in the eager layout. Measured on the ResNet of `benchmarks/models.py` (2026-11-30, two
+threads and one): its stack of blocks (``net``) probed at 0.61 and 0.70 times eager, its first
+residual block alone at 1.03 and 0.96; eager with the model channels-last ran its training step
+32% and 29% faster, as fast as the whole model compiled.
+`RegionInputs` keeps a copy of each one's arguments from its first call in
 a cold step (forward pre-hooks, removed after that step). Once the window has closed,
 `probe_regions` runs each module on its arguments, forward and backward (with fixed random output
 gradients), on a deep copy (the live module, its parameters and their gradients are left alone):
@@ -36,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from qsync_callback.model_layers import blocks_of
+from qsync_callback.model_layers import blocks_of, layers_of
 from qsync_callback.recorder.trace import Trace
 
 MAX_PROBES = 3
@@ -53,20 +62,37 @@ def _structure(module: nn.Module) -> tuple:
 def probe_modules(model: nn.Module) -> list[list[str]]:
     """The modules to compile during the warm-up (see the module docstring), as groups of which the
     first one called is compiled (a Linear inside ``nn.MultiheadAttention`` is never called: its
-    weight is); empty if the model has no block that repeats."""
+    weight is); empty if the model has no block holding two layers."""
     blocks = blocks_of(model)
     counts = Counter(_structure(module) for module in blocks.values())
     repeated = [(name, counts[_structure(m)]) for name, m in blocks.items() if counts[_structure(m)] > 1]
-    if not repeated:
+    if repeated:
+        most = max(times for _, times in repeated)
+        group = [next(name for name, times in repeated if times == most)]
+    else:
+        group = _largest_blocks(blocks)
+    if not group:
         return []
-    most = max(times for _, times in repeated)
-    block = next(name for name, times in repeated if times == most)
-    groups = [[block]]
+    groups = [group]
     for kinds in (_LIBRARY_LAYERS, _NORMS):
-        inner = [f"{block}.{n}" for n, m in blocks[block].named_modules() if n and isinstance(m, kinds)]
+        inner = [
+            f"{block}.{n}"
+            for block in group
+            for n, m in blocks[block].named_modules()
+            if n and isinstance(m, kinds)
+        ]
         if inner:
             groups.append(inner)
     return groups[:MAX_PROBES]
+
+
+def _largest_blocks(blocks: dict[str, nn.Module]) -> list[str]:
+    """The called blocks (an ``nn.ModuleList`` or ``nn.ModuleDict`` never is) holding the most layers,
+    two at least, in the model's order; none where no block holds two."""
+    containers = (nn.ModuleList, nn.ModuleDict)
+    sizes = {name: len(layers_of(m)) for name, m in blocks.items() if not isinstance(m, containers)}
+    most = max(sizes.values(), default=0)
+    return [name for name, size in sizes.items() if size == most] if most >= 2 else []
 
 
 class RegionInputs:
@@ -176,7 +202,7 @@ def compiled_region_costs(
     worth compiling; then a note saying so."""
     out: dict[str, Any] = {"steps_left": steps_left, "called_blocks": called_blocks}
     if not inputs:
-        out["note"] = "no block repeats in the model: nothing compiled to calibrate on"
+        out["note"] = "no block in the model holds two layers: nothing compiled to calibrate on"
         return out
     reason = gate(trace, steps_left, called_blocks) if steps_left is not None else None
     if reason is not None:
