@@ -23,6 +23,7 @@ from qsync_callback.predictor.compiled_regions import price_region
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.live_memory import live_storages
 from qsync_callback.recorder.region_probes import RegionInputs, probe_modules
+from qsync_callback.recorder.torch_recorder import TorchRecorder
 from qsync_callback.recorder.trace import load_trace_dir
 
 
@@ -166,12 +167,40 @@ def test_two_ddp_processes_plan_apply_verify_and_keep_the_same_regions(tmp_path)
     traces = load_trace_dir(tmp_path / "trace")
     probed = [sorted(t.compiled_regions["probes"]) for t in traces]
     assert probed == [["blocks.0", "blocks.0.fc1", "blocks.0.ln"]] * 2
+    timed = [p for t in traces for p in t.compiled_regions["probes"].values()]
+    assert all(p["eager_us"] > 0 and p["compiled_us"] > 0 for p in timed)  # after the ranks met
     verification = json.loads((tmp_path / "verification.json").read_text())
     planned = [region[0] for region in verification["plan"]["fused_regions"]]
     assert planned, "a chain of 48 pointwise ops a block is predicted to pay for its compile"
     kept = [region[0] for region in Plan.load(tmp_path / "plan.json").fused_regions]
     assert kept == (planned if verification["decision"] == "keep" else [])
     assert ranks[0]["compiled"] == ranks[1]["compiled"] == sorted(kept)
+
+
+def test_the_probes_compile_as_the_window_closes_and_are_timed_once_the_ranks_have_met(tmp_path):
+    """Under DDP one rank's compile (every core, for seconds) would fall in another rank's timings:
+    the recorder compiles its probes at the boundary that closes the window and times them in
+    `restart_step_clock`, which the loop calls once every rank has met after that boundary."""
+    model = nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    recorder = TorchRecorder(
+        model, [optimizer], tmp_path, warmup_steps=2, profile_steps=1, compiled_regions=lambda *_: None
+    )
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for step in range(recorder.close_step + 1):
+        recorder.step_boundary()
+        if step < recorder.close_step:
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    probes = recorder.trace.compiled_regions["probes"]
+    assert list(probes) == ["1", "1.ln", "1.fc1"]  # in the order of their first calls
+    assert all(p["graphs"] == 1 and "compile_s" in p and "eager_us" not in p for p in probes.values())
+    recorder.restart_step_clock()
+    assert all(p["eager_us"] > 0 and p["compiled_us"] > 0 for p in probes.values())
+    recorder.restart_step_clock()  # timed once
+    recorder.save()
+    assert load_trace_dir(tmp_path)[0].compiled_regions["probes"] == probes
 
 
 def test_live_tensors_are_counted_beside_the_fake_tensors_a_compile_leaves_alive():

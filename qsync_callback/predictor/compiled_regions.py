@@ -26,10 +26,10 @@ the warm-up where there are any (`recorder/region_probes.py`, ``Trace.compiled_r
 `DEFAULT_KERNEL_US` and `DEFAULT_REGION_US` (and the plan says so).
 
 Measured first: a module with the recorded ops and shapes of one compiled during the warm-up (the
-model's repeated block, and every copy of it), alone or inside a larger region, is priced at that
-one's measured compiled-to-eager ratio, not the model's (`measured_parts`); the model prices the
-rest, its constants fitted on the
-small probes (`calibrate`). On this CPU the two differ most where inductor's code is slower than
+model's repeated block, and every copy of it; where no block repeats alike, its largest block),
+alone or inside a larger region, is priced at that one's measured compiled-to-eager ratio, not the
+model's (`measured_parts`); the model prices the rest, its constants fitted on the small probes
+(`calibrate`). On this CPU the two differ most where inductor's code is slower than
 eager's for reasons the model does not see (a transformer layer's dropout: 20% slower compiled).
 
 A region's compile time is ``compile_s_fixed`` plus ``compile_s_per_op`` seconds per op, a line

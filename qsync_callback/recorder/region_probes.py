@@ -15,13 +15,13 @@ threads and one): its stack of blocks (``net``) probed at 0.61 and 0.70 times ea
 residual block alone at 1.03 and 0.96; eager with the model channels-last ran its training step
 32% and 29% faster, as fast as the whole model compiled.
 `RegionInputs` keeps a copy of each one's arguments from its first call in
-a cold step (forward pre-hooks, removed after that step). Once the window has closed,
-`probe_regions` runs each module on its arguments, forward and backward (with fixed random output
-gradients), on a deep copy (the live module, its parameters and their gradients are left alone):
-eager and under ``torch.compile`` (inductor) in turns, `PROBE_REPEATS` times each after the
-compile, each the least of its runs (noise only adds time: a 0.3 ms LayerNorm once took a median
-4.5 ms eager here, and spoiled the fit). A region's compile time is its first compiled forward and
-backward less an eager one.
+a cold step (forward pre-hooks, removed after that step). Each module runs on its arguments,
+forward and backward (with fixed random output gradients), on a deep copy (the live module, its
+parameters and their gradients are left alone): as the window closes `compile_probes` compiles each
+(``torch.compile``, inductor); once the ranks have met after it, `time_probes` runs each eager and
+compiled in turns, `PROBE_REPEATS` times each, each the least of its runs (noise only adds time: a
+0.3 ms LayerNorm once took a median 4.5 ms eager here, and spoiled the fit). A region's compile
+time is its first compiled forward and backward less an eager one.
 The result is plain JSON (``Trace.compiled_regions["probes"]``)::
 
     {"blocks.0": {"eager_us": 812.0, "compiled_us": 655.1, "compile_s": 21.4, "graphs": 1},
@@ -133,56 +133,87 @@ def _copy_input(value: Any) -> Any:
 def probe_regions(model: nn.Module, inputs: dict[str, tuple[tuple, dict]]) -> dict[str, dict[str, Any]]:
     """Each module's eager and compiled forward+backward time, its compile time and graph count
     (see the module docstring); a probe that raised says why instead."""
-    modules = dict(model.named_modules())
-    probes: dict[str, dict[str, Any]] = {}
-    for name, (args, kwargs) in inputs.items():
-        try:
-            probes[name] = _probe(modules[name], args, kwargs)
-        except Exception as exc:  # the compiler's own failure is a finding, not the run's
-            probes[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    probes, compiled = compile_probes(model, inputs)
+    time_probes(probes, compiled)
     return probes
 
 
-def _probe(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    eager = copy.deepcopy(module)
-    graphs = [0]
+def compile_probes(
+    model: nn.Module, inputs: dict[str, tuple[tuple, dict]]
+) -> tuple[dict[str, dict[str, Any]], dict[str, CompiledProbe]]:
+    """Each module compiled on its arguments: its figures so far (compile time and graph count, or
+    why it failed), in ``inputs``' order, and the compiled probes `time_probes` times."""
+    modules = dict(model.named_modules())
+    probes: dict[str, dict[str, Any]] = {}
+    compiled: dict[str, CompiledProbe] = {}
+    for name, (args, kwargs) in inputs.items():
+        try:
+            compiled[name] = CompiledProbe(modules[name], args, kwargs)
+            probes[name] = {"compile_s": compiled[name].compile_s, "graphs": compiled[name].graphs}
+        except Exception as exc:  # the compiler's own failure is a finding, not the run's
+            probes[name] = {"error": _error_text(exc)}
+    return probes, compiled
 
-    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        graphs[0] += 1
+
+def time_probes(probes: dict[str, dict[str, Any]], compiled: dict[str, CompiledProbe]) -> None:
+    """Add each compiled probe's eager and compiled times to its entry in ``probes``. Under DDP the
+    recorder calls it once every rank has compiled (the ranks meet between): one rank's compile,
+    which takes every core for seconds, would otherwise fall in another's timings."""
+    for name, probe in compiled.items():
+        try:
+            probes[name].update(probe.times())
+        except Exception as exc:  # as in `compile_probes`
+            probes[name] = {"error": _error_text(exc)}
+
+
+def _error_text(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+class CompiledProbe:
+    """One module's eager copy and compiled copy (its first compiled call made, which compiles it),
+    run forward and backward on the module's recorded arguments with fixed random output
+    gradients."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.args, self.kwargs = args, kwargs
+        self.eager = copy.deepcopy(module)
+        self.graphs = 0
+        self._grads: list[torch.Tensor] | None = None
+        self.compiled = torch.compile(copy.deepcopy(module), backend=self._counting_backend)
+        self.step(self.eager)
+        first_eager = self.step(self.eager)
+        self.compile_s = max((self.step(self.compiled) - first_eager) / 1e6, 0.0)
+
+    def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
 
-    compiled = torch.compile(copy.deepcopy(module), backend=counting_backend)
-    grads: list[torch.Tensor] | None = None
-
-    def step(run: nn.Module) -> float:
-        nonlocal grads
+    def step(self, run: nn.Module) -> float:
+        """One forward and backward of ``run``, in microseconds."""
         for p in run.parameters():
             p.grad = None
         start = time.perf_counter()
         out = [
-            t for t in tree_leaves(run(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad
+            t
+            for t in tree_leaves(run(*self.args, **self.kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        if grads is None:
-            grads = [torch.randn_like(t) for t in out]
+        if self._grads is None:
+            self._grads = [torch.randn_like(t) for t in out]
         if out:
-            torch.autograd.backward(out, grads)
+            torch.autograd.backward(out, self._grads)
         return (time.perf_counter() - start) * 1e6
 
-    step(eager)
-    first_eager = step(eager)
-    compile_s = (step(compiled) - first_eager) / 1e6
-    eager_us, compiled_us = [], []
-    for _ in range(PROBE_REPEATS):
-        eager_us.append(step(eager))
-        compiled_us.append(step(compiled))
-    return {
-        "eager_us": min(eager_us),
-        "compiled_us": min(compiled_us),
-        "compile_s": max(compile_s, 0.0),
-        "graphs": graphs[0],
-    }
+    def times(self) -> dict[str, float]:
+        """Eager and compiled in turns, `PROBE_REPEATS` times each: the least of each."""
+        eager_us, compiled_us = [], []
+        for _ in range(PROBE_REPEATS):
+            eager_us.append(self.step(self.eager))
+            compiled_us.append(self.step(self.compiled))
+        return {"eager_us": min(eager_us), "compiled_us": min(compiled_us)}
 
 
 RegionGate = Callable[[Trace, int, list[str]], str | None]  # why not to compile any module, or None
@@ -195,18 +226,19 @@ def compiled_region_costs(
     steps_left: int | None,
     called_blocks: list[str],
     gate: RegionGate,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, CompiledProbe]]:
     """``Trace.compiled_regions``: the steps left, the blocks whose forward ran in the recorded
-    steps (a block never called, an ``nn.ModuleList``, is no region), and the probes, unless
-    ``gate`` (given the trace, the steps left where known and those blocks) says why no region is
-    worth compiling; then a note saying so."""
+    steps (a block never called, an ``nn.ModuleList``, is no region), and the probes compiled
+    (`compile_probes`: to be timed with `time_probes`, which adds their times), unless ``gate``
+    (given the trace, the steps left where known and those blocks) says why no region is worth
+    compiling; then a note saying so."""
     out: dict[str, Any] = {"steps_left": steps_left, "called_blocks": called_blocks}
     if not inputs:
         out["note"] = "no block in the model holds two layers: nothing compiled to calibrate on"
-        return out
+        return out, {}
     reason = gate(trace, steps_left, called_blocks) if steps_left is not None else None
     if reason is not None:
         out["note"] = f"{reason}: nothing compiled to calibrate on"
-        return out
-    out["probes"] = probe_regions(model, inputs)
-    return out
+        return out, {}
+    out["probes"], compiled = compile_probes(model, inputs)
+    return out, compiled

@@ -36,7 +36,8 @@ event).
 With several ranks the caller synchronizes them (the recorder makes no collective call of its
 own while a rank may have failed, so a failure on one rank can never leave another waiting in one;
 its one collective work, the all-reduce calibration under DDP, waits for the meeting after the
-window closes, `restart_step_clock`): right before the boundary
+window closes, `restart_step_clock`, and so do the timings of the modules compiled as it closes,
+which one rank's compile would otherwise slow on another): right before the boundary
 at ``warmup_steps - 1``, which opens the first session (so that the clock-sync marks of all ranks
 fall at one moment), and right after each of ``session_end_steps`` (so that the unprofiled step
 that follows starts together on all ranks, then `restart_step_clock`).
@@ -102,10 +103,12 @@ from qsync_callback.recorder.overhead import (
 )
 from qsync_callback.recorder.precision_probes import probe_precision_costs
 from qsync_callback.recorder.region_probes import (
+    CompiledProbe,
     RegionGate,
     RegionInputs,
     compiled_region_costs,
     probe_modules,
+    time_probes,
 )
 from qsync_callback.recorder.saved_tensors import SavedActivations
 from qsync_callback.recorder.trace import Trace, rank_trace_path
@@ -298,6 +301,8 @@ class TorchRecorder:
         self._steps_left = steps_left  # from this recorder's first step to the end of the run
         self._partial_last_batch = partial_last_batch
         self._region_inputs: RegionInputs | None = None
+        # compiled as the window closes, timed once the ranks have met after it
+        self._compiled_probes: dict[str, CompiledProbe] = {}
         self._called_blocks: set[str] = set()  # the blocks whose forward ran in a recorded session
         self._offload_steps = 0  # the steps ended since the offload counts started
         self._statistics = LayerStatistics(model) if layer_statistics else None
@@ -422,12 +427,18 @@ class TorchRecorder:
 
     def restart_step_clock(self) -> None:
         """Called right after the ranks met: first what needs every rank together (under DDP, once
-        the window has closed, the all-reduce calibration, `ddp_buckets.time_allreduces`), then leave
-        the time since the last boundary out of the measured steps (the caller did work of its own
-        there, such as waiting for other ranks)."""
+        the window has closed, the all-reduce calibration, `ddp_buckets.time_allreduces`, and the
+        compiled probes' timings, `region_probes.time_probes`, which no rank's compile disturbs
+        there), then leave the time since the last boundary out of the measured steps (the caller
+        did work of its own there, such as waiting for other ranks)."""
         if self._time_allreduces and self.trace is not None:
             self._time_allreduces = False
             self.trace.communication["allreduce_us"] = time_allreduces(self.ddp_module)
+        if self._compiled_probes and self.trace is not None:
+            start = time.perf_counter()
+            compiled, self._compiled_probes = self._compiled_probes, {}
+            time_probes(self.trace.compiled_regions["probes"], compiled)
+            self.overhead_s += time.perf_counter() - start
         self._last_boundary = time.perf_counter()
         self._last_faults = _minor_page_faults()
 
@@ -539,7 +550,7 @@ class TorchRecorder:
         if self._region_gate is not None:
             steps_left = None if self._steps_left is None else max(self._steps_left - self.close_step, 0)
             inputs = self._region_inputs.inputs if self._region_inputs is not None else {}
-            self.trace.compiled_regions = compiled_region_costs(
+            self.trace.compiled_regions, self._compiled_probes = compiled_region_costs(
                 self.model, self.trace, inputs, steps_left, sorted(self._called_blocks), self._region_gate
             )
             self.trace.compiled_regions["partial_last_batch"] = self._partial_last_batch
