@@ -567,14 +567,23 @@ def forward_owners(graph: nx.DiGraph) -> list[str | None]:
 
 def payback_gate(trace: Trace, steps_left: int, called_blocks: Iterable[str] | None = None) -> str | None:
     """Why no module is worth compiling during the warm-up to calibrate on, or None: whether any one
-    region, at the uncalibrated costs on the trace's first recorded step, saves more over
-    ``steps_left`` steps than its compile takes (`recorder/region_probes.py`'s gate)."""
+    region, or every copy of one (identical modules, none holding another, compile once and reuse
+    the code: `REUSE_COMPILE_S` each after the first, as the planner counts them), at the
+    uncalibrated costs on the trace's first recorded step, saves more over ``steps_left`` steps
+    than its compile takes (`recorder/region_probes.py`'s gate)."""
     graph = build_global_graph([trace], 0)
     costs = fit_fusion_costs([graph])
+    copies: dict[tuple, list[RegionCost]] = {}
     for module in region_candidates(forward_owners(graph), called_blocks):
         cost = price_region(graph, module, costs)
-        if cost is not None and cost.saving_us * steps_left / 1e6 > cost.compile_s:
-            return None
+        if cost is not None and cost.saving_us > 0:
+            copies.setdefault(region_signature(graph, module), []).append(cost)
+    for alike in copies.values():
+        apart = [c for c in alike if not any(holds(o.module, c.module) for o in alike if o is not c)]
+        for n in range(1, len(apart) + 1):
+            saving_s = sum(c.saving_us for c in apart[:n]) * steps_left / 1e6
+            if saving_s > apart[0].compile_s + REUSE_COMPILE_S * (n - 1):
+                return None
     return f"no region pays for its compile in the {steps_left} steps left at the uncalibrated costs"
 
 
