@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import warnings
+import weakref
 
 import pytest
 import pytorch_lightning as pl
@@ -22,7 +23,7 @@ from qsync_callback.plan import Plan
 from qsync_callback.predictor.compiled_regions import price_region
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.live_memory import live_storages
-from qsync_callback.recorder.region_probes import RegionInputs, probe_modules
+from qsync_callback.recorder.region_probes import RegionInputs, compile_probes, probe_modules, time_probes
 from qsync_callback.recorder.torch_recorder import TorchRecorder
 from qsync_callback.recorder.trace import load_trace_dir
 
@@ -201,6 +202,19 @@ def test_the_probes_compile_as_the_window_closes_and_are_timed_once_the_ranks_ha
     recorder.restart_step_clock()  # timed once
     recorder.save()
     assert load_trace_dir(tmp_path)[0].compiled_regions["probes"] == probes
+
+
+def test_a_probe_timed_and_dropped_leaves_nothing_alive():
+    """Dynamo keeps a compiled module's backend as long as its code: the probe's copies and arguments
+    must not hang on it (they would count as the run's own live tensors in every later window)."""
+    model = nn.Sequential(Block(16), Block(16))
+    inputs = {"0": ((torch.randn(4, 16, requires_grad=True),), {})}
+    probes, compiled = compile_probes(model, inputs)
+    time_probes(probes, compiled)
+    assert probes["0"]["graphs"] == 1 and probes["0"]["compiled_us"] > 0
+    probe = weakref.ref(compiled.pop("0"))
+    gc.collect()
+    assert probe() is None
 
 
 def test_live_tensors_are_counted_beside_the_fake_tensors_a_compile_leaves_alive():

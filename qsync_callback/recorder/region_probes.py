@@ -178,18 +178,22 @@ class CompiledProbe:
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
         self.args, self.kwargs = args, kwargs
         self.eager = copy.deepcopy(module)
-        self.graphs = 0
         self._grads: list[torch.Tensor] | None = None
-        self.compiled = torch.compile(copy.deepcopy(module), backend=self._counting_backend)
+        graphs = [0]
+
+        # dynamo keeps the backend as long as the module's code: a bound method would keep this
+        # probe, its copies and arguments alive with it
+        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            graphs[0] += 1
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+
+        self.compiled = torch.compile(copy.deepcopy(module), backend=counting_backend)
         self.step(self.eager)
         first_eager = self.step(self.eager)
         self.compile_s = max((self.step(self.compiled) - first_eager) / 1e6, 0.0)
-
-    def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.graphs += 1
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
+        self.graphs = graphs[0]
 
     def step(self, run: nn.Module) -> float:
         """One forward and backward of ``run``, in microseconds."""
