@@ -996,6 +996,13 @@ def test_the_gate_counts_identical_blocks_compiled_once():
     # back after 7000 steps, the layer norm after 5910 (counted as copies, they would after 4200)
     single = model_trace(("net.0",), slow=SLOW)
     assert payback_gate(single, 5800, called_blocks=["net", "net.0"]) is not None
+    # two blocks of other shapes are no copies: each compiles on its own (none pays in 4300 steps)
+    f0, b0 = block_specs("net.0", SLOW)
+    f1, b1 = (
+        [(*spec[:5], [[2000]] * len(spec[5])) for spec in specs] for specs in block_specs("net.1", SLOW)
+    )
+    ops, end = _ops([*f0, *f1, *b1, *b0])
+    assert payback_gate(trace(ops, end + 10.0), 4300, called_blocks=called) is not None
 
 
 def test_the_gate_wants_a_region_to_save_more_than_its_compile():
