@@ -17,10 +17,9 @@ decision on less than that is no decision. The plan is:
 - kept if it is faster by more than the noise;
 - otherwise the run could not tell, and it keeps the cheaper configuration: the plan if its
   measured peak is below the baseline's smallest step's (less memory, not measurably slower: TF's
-  allocator moves a step's peak with the order its threads run ops in, from 19.5 to 25.5 MiB over
-  one small CNN's timed steps on this CPU, so a peak within the baseline's steps' range is no less
-  memory), else the recorded configuration (no
-  change). The reason says so, with the figures.
+  allocator moves a step's peak with the order its threads run ops in, `benchmarks/README.md`'s TF
+  memory table gives the spread, so a peak within the baseline's steps' range is no less memory),
+  else the recorded configuration (no change). The reason says so, with the figures.
 
 Rolling back means returning to the last kept configuration.
 """

@@ -16,13 +16,13 @@ residual block alone at 1.03 and 0.96; in a training loop, eager with the model 
 ran its step 32% and 29% faster, as fast as with its stack compiled.
 
 `RegionInputs` keeps a copy of each one's arguments from its first call in a cold step (forward
-pre-hooks, removed after that step). Each module runs on its arguments,
-forward and backward (with fixed random output gradients), on a deep copy (the live module, its
-parameters and their gradients are left alone): as the window closes `compile_probes` compiles each
-(``torch.compile``, inductor); once the ranks have met after it, `time_probes` runs each eager and
-compiled in turns, `PROBE_REPEATS` times each, each the least of its runs (noise only adds time: a
-0.3 ms LayerNorm once took a median 4.5 ms eager here, and spoiled the fit). A region's compile
+pre-hooks, removed after that step). Each module runs on its arguments, forward and backward (with
+fixed random output gradients), on a deep copy (the live module, its parameters and their gradients
+are left alone): as the window closes `compile_probes` compiles each (``torch.compile``, inductor);
+once the ranks have met after it, `time_probes` runs each eager and compiled in turns,
+`PROBE_REPEATS` times each, each the least of its runs (noise only adds time). A region's compile
 time is its first compiled forward and backward less an eager one.
+
 The result is plain JSON (``Trace.compiled_regions["probes"]``)::
 
     {"blocks.0": {"eager_us": 812.0, "compiled_us": 655.1, "compile_s": 21.4, "graphs": 1},
