@@ -1007,12 +1007,13 @@ def test_the_gate_counts_identical_blocks_compiled_once():
 
 def test_the_gate_wants_a_region_to_save_more_than_its_compile():
     # one gelu moving 10000 B at 1e4 B/us: compiled, 10 + 1 + 80 us; 0.5 s to compile
-    def gate(dur):
+    def gate(dur, steps=1000):
         ops, end = _ops([("aten::gelu", "forward", dur, 1.0, "m", [[1250]])])
-        return payback_gate(trace(ops, end + 1), 1000)
+        return payback_gate(trace(ops, end + 1), steps)
 
     assert gate(591.0) is not None  # saves 500 us over 1000 steps: exactly its compile
     assert gate(591.00025) is None  # 0.25 us more over the 1000 steps
+    assert gate(91.5, steps=1_000_001) is None  # half a microsecond a step, over a million steps
 
 
 def test_a_region_holding_copies_of_the_measured_block_prices_them_as_measured():

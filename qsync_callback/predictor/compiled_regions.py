@@ -580,9 +580,10 @@ def payback_gate(trace: Trace, steps_left: int, called_blocks: Iterable[str] | N
             copies.setdefault(region_signature(graph, module), []).append(cost)
     for alike in copies.values():
         apart = [c for c in alike if not any(holds(o.module, c.module) for o in alike if o is not c)]
-        for n in range(1, len(apart) + 1):
-            saving_s = sum(c.saving_us for c in apart[:n]) * steps_left / 1e6
-            if saving_s > apart[0].compile_s + REUSE_COMPILE_S * (n - 1):
+        saving_us = 0.0
+        for reused, cost in enumerate(apart):
+            saving_us += cost.saving_us
+            if saving_us * steps_left / 1e6 > apart[0].compile_s + REUSE_COMPILE_S * reused:
                 return None
     return f"no region pays for its compile in the {steps_left} steps left at the uncalibrated costs"
 
