@@ -204,6 +204,42 @@ def test_the_probes_compile_as_the_window_closes_and_are_timed_once_the_ranks_ha
     assert load_trace_dir(tmp_path)[0].compiled_regions["probes"] == probes
 
 
+def _recorded_memory(tmp_path, gate) -> tuple[int, int, int]:
+    """A wide model recorded with no compile (``gate`` None keeps no arguments; a gate that refuses
+    keeps them and compiles nothing): its measured peak, its resident "other" bytes, and the live
+    storages after the window."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), Block(512), Block(512), nn.Linear(512, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    recorder = TorchRecorder(
+        model, [optimizer], tmp_path, warmup_steps=3, profile_steps=2, compiled_regions=gate, steps_left=100
+    )
+    x, y = torch.randn(512, 16), torch.randint(0, 4, (512,))
+    for step in range(recorder.close_step + 1):
+        recorder.step_boundary()
+        if step < recorder.close_step:
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    gc.collect()
+    after = sum(live_storages("cpu").values())
+    trace = recorder.trace
+    return trace.measured["peak_bytes"], trace.resident_bytes["other"], after
+
+
+def test_the_arguments_kept_for_the_probes_are_not_counted_as_the_runs_memory(tmp_path):
+    """The recorder keeps copies of the probed modules' arguments from the first step until the
+    window closes (three here: a block's input, its LayerNorm's, its first Linear's, 1 MiB each);
+    they are the recorder's, so the run's resident bytes and measured peak leave them out (the
+    prediction of every plan starts from them), and they are let go as the window closes."""
+    kept_mib = 3 * 512 * 512 * 4 / 2**20
+    without = _recorded_memory(tmp_path / "a", None)
+    refused = _recorded_memory(tmp_path / "b", lambda *_: "compile nothing")
+    for counted, alone in zip(refused, without, strict=True):
+        assert abs(counted - alone) / 2**20 < kept_mib / 4, (refused, without)
+    assert "compile nothing" in load_trace_dir(tmp_path / "b")[0].compiled_regions["note"]
+
+
 def test_a_probe_timed_and_dropped_leaves_nothing_alive():
     """Dynamo keeps a compiled module's backend as long as its code: the probe's copies and arguments
     must not hang on it (they would count as the run's own live tensors in every later window)."""

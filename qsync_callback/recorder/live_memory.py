@@ -4,7 +4,9 @@ peak: the recorder's memory figures that owe nothing to the predictor's bookkeep
 - **Live storages** (`live_storages`): every tensor the garbage collector tracks, whatever holds it
   (a module attribute, a list, a closure, the training loop's own variables), plus given roots
   (tensors that may exist only on the C++ side until read, such as gradients); each storage on the
-  device counted once, by its data pointer. Meta and fake tensors hold no data and are skipped.
+  device counted once, by its data pointer. Meta and fake tensors hold no data and are skipped, and
+  so are the storages the caller names as its own (the recorder's copies of module inputs, kept
+  for the compiled-region probes until the window closes: the run does not hold them).
 - **A step's peak on CPU** (`step_peak`): the live storages at the step's start plus the largest
   rise, within the step, of the CPU allocator's own "Total Allocated" counter (the profiler's
   memory events carry it) over its value at the step's start. That counter sees only blocks
@@ -21,7 +23,8 @@ from __future__ import annotations
 import gc
 import itertools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -40,10 +43,12 @@ def _tensor_types() -> set[type]:
     return found
 
 
-def _storages(device_type: str, roots: Iterable[torch.Tensor | None]) -> Iterator[torch.UntypedStorage]:
+def _storages(
+    device_type: str, roots: Iterable[torch.Tensor | None], exclude: Collection[int] = ()
+) -> Iterator[torch.UntypedStorage]:
     """Each storage on ``device_type`` that a live tensor (tracked by the garbage collector, or in
-    ``roots``) holds, once."""
-    seen: set[int] = set()
+    ``roots``) holds, once, but those whose data pointer is in ``exclude``."""
+    seen: set[int] = set(exclude)
     # filtered by exact type in C: over the 350,000 objects a Lightning process holds, about 40 ms
     # here, against 65 to 90 ms for a Python loop calling isinstance (gc.get_objects: 25 to 40 ms)
     objects = gc.get_objects()
@@ -62,9 +67,24 @@ def _storages(device_type: str, roots: Iterable[torch.Tensor | None]) -> Iterato
             yield storage
 
 
-def live_storages(device_type: str, roots: Iterable[torch.Tensor | None] = ()) -> dict[int, int]:
-    """Bytes of each storage on ``device_type`` that a live tensor holds, by data pointer."""
-    return {storage.data_ptr(): storage.nbytes() for storage in _storages(device_type, roots)}
+def live_storages(
+    device_type: str, roots: Iterable[torch.Tensor | None] = (), exclude: Collection[int] = ()
+) -> dict[int, int]:
+    """Bytes of each storage on ``device_type`` that a live tensor holds, by data pointer (but those
+    in ``exclude``)."""
+    return {storage.data_ptr(): storage.nbytes() for storage in _storages(device_type, roots, exclude)}
+
+
+def storage_bytes(tensors: Iterable[Any], device_type: str) -> dict[int, int]:
+    """Bytes of each storage on ``device_type`` that one of ``tensors`` (other values are passed
+    over) holds, by data pointer."""
+    out: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == device_type:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr():
+                out[storage.data_ptr()] = storage.nbytes()
+    return out
 
 
 def _marker(ptr: int) -> Callable[[weakref.ref], None]:
@@ -78,13 +98,16 @@ def _marker(ptr: int) -> Callable[[weakref.ref], None]:
 
 
 class StorageWatch:
-    """The live storages at a step's start (`live_storages`), each watched until `stop()`: the
-    moment one is freed is marked in the profiler's trace by a ``qsync::freed#<address>`` range."""
+    """The live storages at a step's start (`live_storages`, but those in ``exclude``), each
+    watched until `stop()`: the moment one is freed is marked in the profiler's trace by a
+    ``qsync::freed#<address>`` range."""
 
-    def __init__(self, device_type: str, roots: Iterable[torch.Tensor | None] = ()):
+    def __init__(
+        self, device_type: str, roots: Iterable[torch.Tensor | None] = (), exclude: Collection[int] = ()
+    ):
         self.bytes: dict[int, int] = {}
         self._refs: list[weakref.ref] = []
-        for storage in _storages(device_type, roots):
+        for storage in _storages(device_type, roots, exclude):
             ptr = storage.data_ptr()
             self.bytes[ptr] = storage.nbytes()
             self._refs.append(weakref.ref(storage, _marker(ptr)))

@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from qsync_callback.model_layers import blocks_of, layers_of
+from qsync_callback.recorder.live_memory import storage_bytes
 from qsync_callback.recorder.trace import Trace
 
 MAX_PROBES = 3
@@ -123,6 +124,11 @@ class RegionInputs:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def held_bytes(self, device_type: str) -> dict[int, int]:
+        """Bytes of the storages the kept arguments hold on ``device_type``, by data pointer: the
+        recorder's, not the run's (`live_memory.live_storages` leaves them out of the run's)."""
+        return storage_bytes(tree_leaves(self.inputs), device_type)
 
 
 def _copy_input(value: Any) -> Any:

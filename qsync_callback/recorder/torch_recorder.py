@@ -59,7 +59,7 @@ import mmap
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -142,13 +142,15 @@ def resident_bytes(
     optimizers: Iterable[torch.optim.Optimizer],
     ddp_module: torch.nn.Module | None = None,
     device_type: str = "cpu",
+    exclude: Collection[int] = (),
 ) -> dict[str, int]:
     """Bytes held across steps, by category, each storage counted once: parameters, buffers,
     gradients, optimizer state, DDP's gradient buckets, and ``other``: the storages on
     ``device_type`` of every other live tensor (`live_memory.live_storages`: a tensor kept as a plain
-    attribute, the batch, the data set), which the step starts from as well."""
+    attribute, the batch, the data set), which the step starts from as well, but those whose data
+    pointer is in ``exclude`` (the recorder's own)."""
     optimizers = list(optimizers)
-    live = live_storages(device_type, tensor_roots(model, optimizers))
+    live = live_storages(device_type, tensor_roots(model, optimizers), exclude)
     seen: set[int] = set()
 
     def total(tensors: Iterable[torch.Tensor]) -> int:
@@ -467,8 +469,9 @@ class TorchRecorder:
             # a full collection: tensors in unreachable cycles (an earlier run's model in the same
             # process, say) await the next one and would count as resident for the whole window
             gc.collect()
+            device_type = torch.device(self.device).type
             self._resident = resident_bytes(
-                self.model, self.optimizers, self.ddp_module, torch.device(self.device).type
+                self.model, self.optimizers, self.ddp_module, device_type, self._held_bytes(device_type)
             )
             self.overhead_s += time.perf_counter() - start
 
@@ -500,14 +503,23 @@ class TorchRecorder:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             roots = tensor_roots(self.model, self.optimizers)
-            self._watch = StorageWatch(torch.device(self.device).type, roots)
+            device_type = torch.device(self.device).type
+            self._watch = StorageWatch(device_type, roots, self._held_bytes(device_type))
             self._step_start[step] = (self._watch.bytes, ddp_bucket_bytes(self.ddp_module))
 
     def _end_step_memory(self, step: int) -> None:
-        """At the boundary after recorded step ``step``: on CUDA, its allocator peak is read."""
+        """At the boundary after recorded step ``step``: on CUDA, its allocator peak is read, less
+        what the recorder itself holds there."""
         if self.device.startswith("cuda"):
-            self._cuda_peaks[step] = torch.cuda.max_memory_allocated(self.device)
+            held = sum(self._held_bytes("cuda").values())
+            self._cuda_peaks[step] = torch.cuda.max_memory_allocated(self.device) - held
         self._stop_watch()
+
+    def _held_bytes(self, device_type: str) -> dict[int, int]:
+        """The storages the recorder itself holds through the window, by data pointer: the module
+        arguments kept for the compiled-region probes (`region_probes.RegionInputs`), which the
+        run's memory figures leave out, as the run will not hold them."""
+        return self._region_inputs.held_bytes(device_type) if self._region_inputs is not None else {}
 
     def _stop_watch(self) -> None:
         if self._watch is not None:
@@ -553,6 +565,7 @@ class TorchRecorder:
             self.trace.compiled_regions, self._compiled_probes = compiled_region_costs(
                 self.model, self.trace, inputs, steps_left, sorted(self._called_blocks), self._region_gate
             )
+            self._region_inputs = None  # the probes hold the arguments they need until timed
             self.trace.compiled_regions["partial_last_batch"] = self._partial_last_batch
         if self._offload_stats is not None:
             self._offload_stats()  # the measured steps' moves start from here
