@@ -14,6 +14,8 @@ import weakref
 import pytest
 import pytorch_lightning as pl
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -23,7 +25,13 @@ from qsync_callback.plan import Plan
 from qsync_callback.predictor.compiled_regions import price_region
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.live_memory import live_storages
-from qsync_callback.recorder.region_probes import RegionInputs, compile_probes, probe_modules, time_probes
+from qsync_callback.recorder.region_probes import (
+    RegionInputs,
+    compile_probes,
+    paired_times,
+    probe_modules,
+    time_probes,
+)
 from qsync_callback.recorder.torch_recorder import TorchRecorder
 from qsync_callback.recorder.trace import load_trace_dir
 
@@ -238,6 +246,34 @@ def test_the_arguments_kept_for_the_probes_are_not_counted_as_the_runs_memory(tm
     for counted, alone in zip(refused, without, strict=True):
         assert abs(counted - alone) / 2**20 < kept_mib / 4, (refused, without)
     assert "compile nothing" in load_trace_dir(tmp_path / "b")[0].compiled_regions["note"]
+
+
+def test_a_probe_takes_the_median_of_its_pairs_ratios():
+    """A pair shares the machine's moment: the second and third pairs ran on a slow machine, and the
+    compiled module runs at 0.9 times eager in both; the least of each alone would pair the fast
+    first eager run with the compiled runs of the slow moments (150 / 100: 1.5)."""
+    times = paired_times([100.0, 200.0, 200.0], [150.0, 180.0, 180.0])
+    assert times["eager_us"] == 200.0
+    assert times["compiled_us"] / times["eager_us"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="pairs"):
+        paired_times([1.0, 2.0], [1.0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1.0, 1e6), st.floats(1.0, 1e6)), min_size=1, max_size=15),
+    st.floats(0.01, 100.0),
+)
+def test_a_probes_ratio_is_its_pairs_median_whatever_the_machines_speed(pairs, slower):
+    eager, compiled = map(list, zip(*pairs, strict=True))
+    times = paired_times(eager, compiled)
+    ratios = sorted(c / e for e, c in pairs)
+    assert ratios[0] * (1 - 1e-9) <= times["compiled_us"] / times["eager_us"] <= ratios[-1] * (1 + 1e-9)
+    scaled = paired_times([slower * e for e in eager], [slower * c for c in compiled])
+    assert scaled["eager_us"] == pytest.approx(slower * times["eager_us"])
+    assert scaled["compiled_us"] / scaled["eager_us"] == pytest.approx(
+        times["compiled_us"] / times["eager_us"]
+    )
 
 
 def test_a_probe_timed_and_dropped_leaves_nothing_alive():

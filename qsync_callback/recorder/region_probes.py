@@ -20,8 +20,13 @@ pre-hooks, removed after that step). Each module runs on its arguments, forward 
 fixed random output gradients), on a deep copy (the live module, its parameters and their gradients
 are left alone): as the window closes `compile_probes` compiles each (``torch.compile``, inductor);
 once the ranks have met after it, `time_probes` runs each eager and compiled in turns,
-`PROBE_REPEATS` times each, each the least of its runs (noise only adds time). A region's compile
-time is its first compiled forward and backward less an eager one.
+`PROBE_PAIRS` pairs: ``eager_us`` is the median eager run and ``compiled_us`` that times the median
+of the pairs' ratios (compiled over eager), so the ratio the predictor takes is the pairs' median.
+The least of five of each, as timed before, moves far more from draw to draw: 80 pairs in a
+process (session 30, a 2-core AMD EPYC without AVX-512), cut into draws, gave the benchmarks'
+decoder block 0.93-1.09 over 48 draws of five pairs in three processes and the ResNet's conv stack
+0.53-0.83 over 32 in two; the median of ten pairs ranged 0.97-1.02 and 0.70-0.77. A region's
+compile time is its first compiled forward and backward less an eager one.
 
 The result is plain JSON (``Trace.compiled_regions["probes"]``)::
 
@@ -37,9 +42,11 @@ caller's gate says no region could pay for its compile in the steps left (the in
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import truediv
 from typing import Any
 
 import torch
@@ -51,7 +58,7 @@ from qsync_callback.recorder.live_memory import storage_bytes
 from qsync_callback.recorder.trace import Trace
 
 MAX_PROBES = 3
-PROBE_REPEATS = 5
+PROBE_PAIRS = 11  # eager and compiled runs in turns; odd, so the median is one pair's
 _LIBRARY_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)
 
@@ -219,12 +226,23 @@ class CompiledProbe:
         return (time.perf_counter() - start) * 1e6
 
     def times(self) -> dict[str, float]:
-        """Eager and compiled in turns, `PROBE_REPEATS` times each: the least of each."""
+        """Eager and compiled in turns, `PROBE_PAIRS` pairs: the median eager run, and that times the
+        median of the pairs' ratios (a pair shares the machine's state of the moment, which a least
+        or a median of each alone does not)."""
         eager_us, compiled_us = [], []
-        for _ in range(PROBE_REPEATS):
+        for _ in range(PROBE_PAIRS):
             eager_us.append(self.step(self.eager))
             compiled_us.append(self.step(self.compiled))
-        return {"eager_us": min(eager_us), "compiled_us": min(compiled_us)}
+        return paired_times(eager_us, compiled_us)
+
+
+def paired_times(eager_us: Sequence[float], compiled_us: Sequence[float]) -> dict[str, float]:
+    """A probe's times from runs in turns (pair ``i``: ``eager_us[i]``, then ``compiled_us[i]``): the
+    median eager run, and that times the median of the pairs' ratios, compiled over eager."""
+    if not eager_us or len(eager_us) != len(compiled_us):
+        raise ValueError(f"pairs of runs wanted, not {len(eager_us)} eager and {len(compiled_us)} compiled")
+    eager = statistics.median(eager_us)
+    return {"eager_us": eager, "compiled_us": eager * statistics.median(map(truediv, compiled_us, eager_us))}
 
 
 RegionGate = Callable[[Trace, int, list[str]], str | None]  # why not to compile any module, or None
