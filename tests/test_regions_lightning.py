@@ -190,18 +190,8 @@ def test_the_probes_compile_as_the_window_closes_and_are_timed_once_the_ranks_ha
     """Under DDP one rank's compile (every core, for seconds) would fall in another rank's timings:
     the recorder compiles its probes at the boundary that closes the window and times them in
     `restart_step_clock`, which the loop calls once every rank has met after that boundary."""
-    model = nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn.Linear(32, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    recorder = TorchRecorder(
-        model, [optimizer], tmp_path, warmup_steps=2, profile_steps=1, compiled_regions=lambda *_: None
-    )
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    for step in range(recorder.close_step + 1):
-        recorder.step_boundary()
-        if step < recorder.close_step:
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    kwargs = {"warmup_steps": 2, "profile_steps": 1, "compiled_regions": lambda *_: None}
+    recorder = _record_window(tmp_path, 32, 8, **kwargs)
     probes = recorder.trace.compiled_regions["probes"]
     assert list(probes) == ["1", "1.ln", "1.fc1"]  # in the order of their first calls
     assert all(p["graphs"] == 1 and "compile_s" in p and "eager_us" not in p for p in probes.values())
@@ -212,23 +202,29 @@ def test_the_probes_compile_as_the_window_closes_and_are_timed_once_the_ranks_ha
     assert load_trace_dir(tmp_path)[0].compiled_regions["probes"] == probes
 
 
-def _recorded_memory(tmp_path, gate) -> tuple[int, int, int]:
-    """A wide model recorded with no compile (``gate`` None keeps no arguments; a gate that refuses
-    keeps them and compiles nothing): its measured peak, its resident "other" bytes, and the live
-    storages after the window."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 512), Block(512), Block(512), nn.Linear(512, 4))
+def _record_window(tmp_path, width: int, batch: int, **recorder_kwargs) -> TorchRecorder:
+    """Two `Block`s of ``width`` between two Linear layers, trained on one batch of ``batch`` until
+    the window of a `TorchRecorder` (``recorder_kwargs``) closes; the recorder."""
+    model = nn.Sequential(nn.Linear(16, width), Block(width), Block(width), nn.Linear(width, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    recorder = TorchRecorder(
-        model, [optimizer], tmp_path, warmup_steps=3, profile_steps=2, compiled_regions=gate, steps_left=100
-    )
-    x, y = torch.randn(512, 16), torch.randint(0, 4, (512,))
+    recorder = TorchRecorder(model, [optimizer], tmp_path, **recorder_kwargs)
+    x, y = torch.randn(batch, 16), torch.randint(0, 4, (batch,))
     for step in range(recorder.close_step + 1):
         recorder.step_boundary()
         if step < recorder.close_step:
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
+    return recorder
+
+
+def _recorded_memory(tmp_path, gate) -> tuple[int, int, int]:
+    """A wide model recorded with no compile (``gate`` None keeps no arguments; a gate that refuses
+    keeps them and compiles nothing): its measured peak, its resident "other" bytes, and the live
+    storages after the window."""
+    torch.manual_seed(0)
+    kwargs = {"warmup_steps": 3, "profile_steps": 2, "compiled_regions": gate, "steps_left": 100}
+    recorder = _record_window(tmp_path, 512, 512, **kwargs)
     gc.collect()
     after = sum(live_storages("cpu").values())
     trace = recorder.trace
