@@ -10,7 +10,9 @@ that item is reported as None and a new child takes the items after it; one that
 items (a kernel that corrupted memory may crash the child later) loses none. So does a child that writes
 no line for ``item_seconds``: it is killed as hung (a native kernel given made-up values may loop or
 wait forever instead of crashing; without the limit one such item spent the whole budget and every
-item after it went unreported). At the deadline the child is killed and what is left is not reported.
+item after it went unreported). At the deadline the child is killed and what is left is not reported;
+the time a child takes to start (until its first line: importing torch takes seconds, more on a busy
+machine) does not count against the deadline, only against ``item_seconds``.
 """
 
 from __future__ import annotations
@@ -34,21 +36,20 @@ def run_in_children(
     item_seconds: float = 60.0,
 ) -> None:
     """Hand ``items`` to children running ``module`` until each is done or ``deadline`` (a
-    ``time.monotonic()`` time) passes; ``report(i, result)`` for each item done, ``report(i, None)``
-    for one that failed, took its child down or hung it (no line for ``item_seconds``)."""
+    ``time.monotonic()`` time, moved on by the time each child takes to start) passes;
+    ``report(i, result)`` for each item done, ``report(i, None)`` for one that failed, took its child
+    down or hung it (no line for ``item_seconds``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     first = 0
     while first < len(items) and time.monotonic() < deadline:
+        clock = _ChildClock(deadline)
         child = subprocess.Popen(
             [sys.executable, "-m", module],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
-        last_line = [time.monotonic()]
         done = threading.Event()
-        watchdog = threading.Thread(
-            target=_watch, args=(child, deadline, item_seconds, last_line, done), daemon=True
-        )
+        watchdog = threading.Thread(target=_watch, args=(child, clock, item_seconds, done), daemon=True)
         watchdog.start()
         try:
             child.stdin.write(json.dumps({**(extra or {}), "items": list(items[first:])}))
@@ -58,7 +59,7 @@ def run_in_children(
         started = None  # the item the child is on
         after = first  # the first item not ended
         for line in child.stdout:
-            last_line[0] = time.monotonic()
+            clock.line()
             word, index, *rest = line.split(maxsplit=2)
             started = first + int(index)
             if word in ("done", "failed"):
@@ -67,6 +68,7 @@ def run_in_children(
         child.wait()
         done.set()
         watchdog.join()
+        deadline = clock.deadline
         if time.monotonic() >= deadline:
             return  # the time ran out (not a failure)
         if started is not None:
@@ -77,18 +79,32 @@ def run_in_children(
         first = after  # died between two items (a kernel that corrupted memory crashes later)
 
 
-def _watch(
-    child: subprocess.Popen,
-    deadline: float,
-    item_seconds: float,
-    last_line: list[float],
-    done: threading.Event,
-) -> None:
-    """Kill ``child`` at ``deadline``, or once no line came for ``item_seconds`` (``last_line[0]``:
-    when the last one did), unless ``done`` is set first."""
-    while not done.wait(0.05):
+class _ChildClock:
+    """One child's deadline, held while the child starts and moved on by that time at its first
+    line, and when its last line came."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.last_line = time.monotonic()  # the child's start, until its first line
+        self.starting = True
+
+    def line(self) -> None:
         now = time.monotonic()
-        if now >= deadline or now - last_line[0] > item_seconds:
+        if self.starting:
+            self.deadline += now - self.last_line
+            self.starting = False
+        self.last_line = now
+
+    def expired(self, item_seconds: float) -> bool:
+        """Past the deadline (once started), or no line for ``item_seconds``."""
+        now = time.monotonic()
+        return (not self.starting and now >= self.deadline) or now - self.last_line > item_seconds
+
+
+def _watch(child: subprocess.Popen, clock: _ChildClock, item_seconds: float, done: threading.Event) -> None:
+    """Kill ``child`` once its ``clock`` has expired, unless ``done`` is set first."""
+    while not done.wait(0.05):
+        if clock.expired(item_seconds):
             child.kill()
             return
 

@@ -2,7 +2,7 @@
 
 import os
 
-# TF runs with oneDNN by itself only on CPUs with AVX-512 VNNI or BF16 or AMX; without it TF's CPU
-# allocator keeps no statistics (`recorder/tf_memory.py`), which the TF memory tests read. The test
-# of the path without oneDNN sets 0 in its own child process.
+# Unset, TF decides by the CPU whether to run with oneDNN (on a CPU without AVX-512 it did not);
+# without it TF's CPU allocator keeps no statistics (`recorder/tf_memory.py`), which the TF memory
+# tests read. The test of the path without oneDNN sets 0 in its own child process.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")

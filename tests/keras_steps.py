@@ -40,8 +40,10 @@ def mlp_and_step(
 
 
 def cpu_runs_bf16() -> bool:
-    """Whether TF's oneDNN bfloat16 rewrite runs on this CPU, from the CPU's own flags (AVX512F or
-    AVX-NE-CONVERT, what TF checks), not from anything the project measures."""
+    """Whether this CPU runs TF's oneDNN bfloat16 rewrite natively, from the CPU's own flags
+    (AVX512F or AVX-NE-CONVERT, what TF checks), not from anything the project measures. Without
+    them TF, at its own oneDNN default there, rewrites nothing; with oneDNN turned on (as
+    `tests/conftest.py` does) it may rewrite ops to bf16 it runs many times slower than fp32."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = {
@@ -52,4 +54,4 @@ def cpu_runs_bf16() -> bool:
     return bool(flags & {"avx512f", "avx_ne_convert"})
 
 
-NO_BF16_CPU = "this CPU has neither avx512f nor avx_ne_convert: TF's oneDNN bfloat16 rewrite does not run"
+NO_BF16_CPU = "this CPU has neither avx512f nor avx_ne_convert: no native bfloat16 for TF's oneDNN rewrite"

@@ -27,6 +27,14 @@ def test_at_the_deadline_the_child_is_killed_and_the_rest_is_not_reported():
     assert time.monotonic() - start < 30
 
 
+def test_a_childs_start_is_not_counted_against_the_deadline():
+    """The child takes 2 s to start, the deadline is 1 s away: its items are still done (the time
+    is for the items, not for importing a library)."""
+    reported = {}
+    run_in_children("child_slow_start", [1, 2], time.monotonic() + 1.0, reported.__setitem__)
+    assert reported == {0: 2, 1: 4}
+
+
 def test_an_item_that_hangs_its_child_loses_only_itself_and_a_new_child_takes_the_rest():
     start = time.monotonic()
     assert _run([1, "hang", 2, "hang", 3], seconds=60.0, item_seconds=3.0) == {

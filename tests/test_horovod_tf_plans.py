@@ -106,10 +106,12 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     (trace,) = load_trace_dir(tmp_path / "trace")  # the planning window measured TF's bf16 rewrite
     table = trace.precision_costs["op_types"]
     if not cpu_runs_bf16():
-        # nothing to choose from: the run says why, applies nothing, and trains as it was
-        assert "bf16 plans: TF's bf16 rewrite changed no op of the step on this machine" in stdout
-        assert not table.get("costs") and child["verification"] is None and child["plan"] is None
-        assert not child["amp_on"] and child["amp_env"] == {}
+        # no bf16 plan is faster: where the rewrite changed nothing (oneDNN at TF's default here) the
+        # run says why and applies nothing; where it ran bf16 in software, nothing is kept either
+        if not table.get("costs"):
+            assert "bf16 plans: TF's bf16 rewrite changed no op of the step on this machine" in stdout
+            assert child["verification"] is None
+        assert child["plan"] is None and not child["amp_on"] and child["amp_env"] == {}
         pytest.skip(NO_BF16_CPU)
     assert "qsync TF plans" in stdout and "XLA is not proposed" in stdout
     assert table.get("costs"), f"the probe measured nothing at bf16 on a CPU that runs it: {table}"

@@ -372,8 +372,9 @@ def unpredictable_peak(trace: Trace) -> str | None:
     if trace.framework == "tensorflow" and not trace.allocator:
         return (
             "no peak predicted: the recorded steps' profile holds no allocations of TF's allocator (on "
-            "the CPU, TF records and counts them when it runs with oneDNN: TF_ENABLE_ONEDNN_OPTS=1, or "
-            "unset on CPUs with AVX-512 VNNI or BF16 or AMX), and the resident weights alone are not a peak"
+            "the CPU, TF records and counts them when it runs with oneDNN: TF_ENABLE_ONEDNN_OPTS=1; "
+            "unset, TF decides by the CPU and may leave it off), and the resident weights alone are not "
+            "a peak"
         )
     return None
 

@@ -5,9 +5,10 @@ opens.
 ``peak`` bytes in use and ``reset_memory_stats(device)`` starts the peak again from ``current``: on
 a GPU (TF's BFC allocator there) and on the CPU when TF runs with oneDNN (the ``mklcpu``
 allocator, a BFC allocator for requests of 256 KiB and more; the smaller ones go to another
-allocator that these figures do not count, see `predictor/bfc_allocator.py`). TF turns oneDNN on
-by itself only on x86 CPUs with AVX-512 VNNI or BF16 or AMX (session 30's VM, an AMD EPYC without
-AVX-512, ran TF 2.15 without it); ``TF_ENABLE_ONEDNN_OPTS=1`` turns it on anywhere, ``0`` off.
+allocator that these figures do not count, see `predictor/bfc_allocator.py`). Unset,
+``TF_ENABLE_ONEDNN_OPTS`` leaves TF to decide by the CPU: the earlier sessions' VMs (AVX512-BF16)
+ran TF 2.15 with oneDNN, session 30's (an AMD EPYC without AVX-512) without it; ``1`` turns it on,
+``0`` off.
 Without oneDNN the CPU's allocator keeps no statistics, and TF says so with a ValueError: the
 figures are then None, with the reason.
 """
@@ -23,8 +24,8 @@ PEAK_SOURCE = (
 )
 NO_STATISTICS = (
     "not measured: TensorFlow's allocator on {device} keeps no statistics here ({why}); on the CPU it "
-    "keeps them when TF runs with oneDNN (TF_ENABLE_ONEDNN_OPTS=1; unset, TF runs with it only on "
-    "CPUs with AVX-512 VNNI or BF16 or AMX)"
+    "keeps them when TF runs with oneDNN (TF_ENABLE_ONEDNN_OPTS=1; unset, TF decides by the CPU and "
+    "may leave it off)"
 )
 
 
