@@ -42,6 +42,7 @@ from runs import (
     range_noise_pct,
     say_allocator,
     stderr_tail,
+    tf_environment,
     write_results,
 )
 
@@ -245,6 +246,7 @@ def each_run(args: argparse.Namespace, folder: str) -> Iterator[tuple[str, int, 
 def horovod_environment(args: argparse.Namespace, load_at_start: tuple[float, ...]) -> dict:
     """The machine and versions a Horovod + TF benchmark ran on, for its JSON."""
     return bench_environment(
+        **tf_environment(),
         tensorflow=installed_version("tensorflow-cpu", "tensorflow"),
         horovod=installed_version("horovod"),
         load_avg_at_start=load_at_start,

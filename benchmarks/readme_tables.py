@@ -102,7 +102,8 @@ def _short(value: Any, length: int = 12) -> str:
 
 
 def provenance_line(environment: dict[str, Any] | None) -> str:
-    """The line under a table: date, commit, machine (CPUs, platform), allocator, load and command,
+    """The line under a table: date, commit, machine (CPUs, the CPU and its precision extensions,
+    platform), TF's oneDNN setting where a TF benchmark saved it, allocator, load and command,
     from a benchmark's saved ``environment`` (None: no JSON was saved); what it did not record is
     said so."""
     if environment is None:
@@ -112,9 +113,14 @@ def provenance_line(environment: dict[str, Any] | None) -> str:
     commit_text = f"commit `{_short(commit)}`" if commit else "commit not recorded"
     cpus = environment.get("cpu_count")
     machine = f"{cpus} CPUs" if cpus else "CPU count not recorded"
+    if environment.get("cpu"):
+        machine += f", {environment['cpu']}"
     if environment.get("platform"):
         machine += f", {environment['platform']}"
     parts = [date, commit_text, machine]
+    if "tf_enable_onednn_opts" in environment:
+        onednn = environment["tf_enable_onednn_opts"]
+        parts.append("TF_ENABLE_ONEDNN_OPTS" + (f"={onednn}" if onednn is not None else " unset"))
     if "tcmalloc" in environment:
         parts.append("tcmalloc preloaded" if environment["tcmalloc"] else "glibc malloc")
     load = environment.get("load_avg_at_start")

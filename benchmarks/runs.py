@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from qsync_callback.host_cpu import cpu_description
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.trace import Trace
 
@@ -129,6 +130,7 @@ def environment(**extra: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "pytorch_lightning": pl.__version__,
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
         "platform": platform.platform(),
         "tcmalloc": str(TCMALLOC) if tcmalloc_requested() else None,
         "load_avg_at_start": os.getloadavg(),
@@ -187,6 +189,13 @@ def provenance() -> dict[str, Any]:
         "git_commit": git_commit(),
         "command": command_line(),
     }
+
+
+def tf_environment() -> dict[str, Any]:
+    """What a TensorFlow benchmark's figures also depend on: ``TF_ENABLE_ONEDNN_OPTS`` as the runs
+    inherit it (None: unset, TF decides by the CPU). Without oneDNN TF's CPU allocator keeps no
+    statistics and the runs measure no peak (`recorder/tf_memory.py`)."""
+    return {"tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS")}
 
 
 def bench_environment(**extra: Any) -> dict[str, Any]:

@@ -16,7 +16,9 @@ type, applies the plan on every rank, verifies it and keeps it or rolls it back)
 
 The runs of one repeat go one after the other in every (model, processes), in an order reversed
 from one repeat to the next. Writes ``<out>/tf_memory.md`` and ``<out>/tf_memory.json``; exits
-non-zero if any run produced no report.
+non-zero if any run produced no report. The runs have TF's oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``
+unless the environment sets it): without it TF's CPU allocator keeps no statistics, and TF leaves it
+off by itself on some CPUs (this project's VMs without AVX-512); the table's line says which.
 
     python benchmarks/tf_memory.py [--models mlp,cnn,gru,resnet] [--procs 1,2] [--repeats 2]
         [--batch-size 32] [--out benchmarks/results]
@@ -26,6 +28,7 @@ non-zero if any run produced no report.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from horovod_tf_accuracy import TIMEOUT_S, example_command
-from runs import bench_environment, profiler_share, range_noise_pct, stderr_tail, write_results
+from runs import (
+    bench_environment,
+    profiler_share,
+    range_noise_pct,
+    stderr_tail,
+    tf_environment,
+    write_results,
+)
 
 from qsync_callback.jsonio import read_json
 from qsync_callback.recorder.trace import load_trace_dir
@@ -181,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     models, procs, repeats = args.models.split(","), [int(p) for p in args.procs.split(",")], args.repeats
     if args.quick:
         models, procs, repeats = ["mlp", "gru"], [1], 1
-    environment = bench_environment(repeats=repeats)
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the runs inherit it (see the docstring)
+    environment = bench_environment(**tf_environment(), repeats=repeats)
     cells = [(m, p) for m in models for p in procs]
     rows, failures = [], []
     for repeat in range(repeats):

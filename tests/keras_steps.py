@@ -8,6 +8,8 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from qsync_callback.host_cpu import precision_flags
+
 
 def mlp_and_step(
     width: int,
@@ -43,15 +45,8 @@ def cpu_runs_bf16() -> bool:
     """Whether this CPU runs TF's oneDNN bfloat16 rewrite natively, from the CPU's own flags
     (AVX512F or AVX-NE-CONVERT, what TF checks), not from anything the project measures. Without
     them TF, at its own oneDNN default there, rewrites nothing; with oneDNN turned on (as
-    `tests/conftest.py` does) it may rewrite ops to bf16 it runs many times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = {
-                flag for line in cpuinfo if line.startswith("flags") for flag in line.split(":", 1)[1].split()
-            }
-    except OSError:
-        return False
-    return bool(flags & {"avx512f", "avx_ne_convert"})
+    `tests/conftest.py` does) it may still rewrite ops to bf16, without the CPU's native support."""
+    return bool({"avx512f", "avx_ne_convert"} & set(precision_flags()))
 
 
 NO_BF16_CPU = "this CPU has neither avx512f nor avx_ne_convert: no native bfloat16 for TF's oneDNN rewrite"

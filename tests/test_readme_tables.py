@@ -35,6 +35,7 @@ ENVIRONMENT = {
     "date": "2026-11-25T10:00:00+00:00",
     "git_commit": "0123456789abcdef0123456789abcdef01234567",
     "cpu_count": 2,
+    "cpu": "AMD EPYC (avx2 fma f16c; no AVX-512)",
     "platform": "Linux-6.1-x86_64-with-glibc2.36",
     "tcmalloc": None,
     "load_avg_at_start": [0.1, 0.2, 0.3],
@@ -61,9 +62,20 @@ def test_marked_table_is_replaced_with_its_results_and_how_they_were_measured(re
     line = block.strip().splitlines()[-1]
     for part in ("2026-11-25", "0123456789ab", "2 CPUs", "Linux-6.1", "glibc malloc", ENVIRONMENT["command"]):
         assert part in line
+    assert "2 CPUs, AMD EPYC (avx2 fma f16c; no AVX-512), Linux-6.1" in line and "ONEDNN" not in line
     assert "Prose that stays, and names the markers" in text and "More prose." in text
     # run again on its own output: the same text (the block is replaced, not appended to)
     assert readme_tables.rewrite(text, results).text == text
+
+
+def test_a_tensorflow_benchmarks_line_names_its_onednn_setting():
+    """TF measures no CPU peak without oneDNN, and leaves it off by itself on some CPUs."""
+    assert "; TF_ENABLE_ONEDNN_OPTS=1;" in readme_tables.provenance_line(
+        {**ENVIRONMENT, "tf_enable_onednn_opts": "1"}
+    )
+    assert "; TF_ENABLE_ONEDNN_OPTS unset;" in readme_tables.provenance_line(
+        {**ENVIRONMENT, "tf_enable_onednn_opts": None}
+    )
 
 
 def test_marker_without_results_is_left_as_it_is_and_reported(results, tmp_path, capsys):

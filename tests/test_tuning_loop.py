@@ -10,8 +10,9 @@ import pytest
 import pytorch_lightning as pl
 from test_precision_apply import GeluNet, _apply_callback, _fit, _loader, _lp_precisions
 
-from qsync_callback import QSyncCallback
+from qsync_callback import QSyncCallback, host_cpu
 from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
+from qsync_callback.host_cpu import cpu_name, precision_flags
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.recorder.torch_recorder import batch_shapes_of, torch_fingerprint
 from qsync_callback.recorder.trace import load_trace_dir
@@ -105,6 +106,27 @@ def test_a_stale_kept_plan_says_what_changed(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         _fit(_apply_callback(tmp_path), max_steps=12)
     assert "not applying the kept plan" in caplog.text and "model: plan made for" in caplog.text
+
+
+def test_a_plan_kept_on_a_cpu_of_another_kind_is_not_applied(tmp_path, caplog, monkeypatch):
+    """A cache shared by two machines of one CPU model name (a home on NFS), one with AVX512-BF16 and
+    one without: the plan the first kept (a bf16 layer) is not applied on the second."""
+    constraints = Constraints.from_arguments(
+        memory_budget="90%", max_step_time=60.0, precisions=("fp32", "bf16", "int8")
+    ).to_dict()
+    here = _fingerprint()
+    other_flags = "avx2 fma avx512f avx512_bf16" if "avx512_bf16" not in precision_flags() else "avx2 fma"
+    other_cpu = tmp_path / "cpuinfo"
+    other_cpu.write_text(f"processor\t: 0\nmodel name\t: {cpu_name()}\nflags\t\t: {other_flags}\n")
+    monkeypatch.setattr(host_cpu, "CPUINFO", other_cpu)
+    other = _fingerprint()
+    monkeypatch.undo()
+    assert other["device"] != here["device"] and {**other, "device": here["device"]} == here
+    kept = Plan(fingerprint=other, precision={"net.2": "bf16"}, constraints=constraints)
+    store_plan(kept, JOB, tmp_path / "cache")
+    with caplog.at_level(logging.INFO):
+        _fit(_apply_callback(tmp_path), max_steps=12)
+    assert "not applying the kept plan" in caplog.text and "device: plan made for" in caplog.text
 
 
 # ----------------------------------------------------------------- only a kept plan is state

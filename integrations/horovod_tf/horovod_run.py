@@ -17,6 +17,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from qsync_callback.host_cpu import cpu_description
 from qsync_callback.integrations.horovod_tf.appliers import rewrite_step, tf_appliers
 from qsync_callback.integrations.horovod_tf.fusion import TIMELINE_DIR, Timeline, horovod_settings
 from qsync_callback.integrations.horovod_tf.mixed_precision import PRIORLIST_FILE
@@ -135,6 +136,16 @@ def batch_shapes_of(value: Any) -> list[list[int]]:
     return []
 
 
+def tf_device_name() -> str:
+    """The device TF runs the step on, as what is measured on it depends on: its first GPU's name
+    (TF's device details), else the CPU's model name and precision extensions
+    (`host_cpu.cpu_description`: a CPU of another kind runs bf16 at another speed)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return f"gpu: {tf.config.experimental.get_device_details(gpus[0]).get('device_name', 'unnamed')}"
+    return f"cpu: {cpu_description()}"
+
+
 def tf_fingerprint(
     layers: Sequence[Mapping[str, Any]], batch_shapes: Sequence, batch_size: int | None, world_size: int
 ) -> dict[str, Any]:
@@ -147,7 +158,7 @@ def tf_fingerprint(
         "layers": [t["name"] for t in layers],
         "batch_shapes": [list(s) for s in batch_shapes],
         "batch_size": batch_size,
-        "device": "gpu" if tf.config.list_physical_devices("GPU") else "cpu",
+        "device": tf_device_name(),
         "world_size": world_size,
         "versions": {
             "tensorflow": tf.__version__,

@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -33,6 +32,7 @@ from torch import nn
 from qsync_callback.allocator_profile import allocator_totals, profiled_events
 from qsync_callback.cache import default_cache_dir
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.host_cpu import cpu_description
 from qsync_callback.jsonio import read_cache_document, write_cache_document
 from qsync_callback.lp.modules import (
     CAST_DTYPES,
@@ -260,32 +260,23 @@ def fit_cast_costs(
 # --- the per-device cache ------------------------------------------------------------------------
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                name, sep, value = line.partition(":")
-                if sep and name.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+def device_name(device: torch.device | str) -> str:
+    """The device as what is measured on it depends on: on the CPU its model name and precision
+    extensions (`host_cpu.cpu_description`), on CUDA its name and compute capability."""
+    device = _normalize(device)
+    if device.type == "cpu":
+        return f"cpu: {cpu_description()}"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda: {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return device.type
 
 
 def cache_key(device: torch.device | str) -> dict[str, Any]:
-    """What a cached cast-cost fit is valid for: the device (CPU model name from /proc/cpuinfo,
-    else ``platform.processor()``; CUDA device name and compute capability), the torch version
-    (and its CUDA version) and ``torch.get_num_threads()``."""
-    device = _normalize(device)
-    if device.type == "cpu":
-        name = f"cpu: {_cpu_name()}"
-    elif device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        name = f"cuda: {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-    else:
-        name = device.type
+    """What a cached cast-cost fit is valid for: the device (`device_name`), the torch version (and
+    its CUDA version) and ``torch.get_num_threads()``."""
     return {
-        "device": name,
+        "device": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "threads": torch.get_num_threads(),

@@ -72,6 +72,7 @@ import orjson
 import torch
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.lp.costs import device_name
 from qsync_callback.lp.modules import LPModule
 from qsync_callback.model_layers import blocks_of, layer_table, layers_of
 from qsync_callback.plan import fingerprint_key, module_layers
@@ -180,7 +181,8 @@ def resident_bytes(
 def torch_fingerprint(
     model: torch.nn.Module, batch_shapes: Sequence, world_size: int, device: str
 ) -> dict[str, Any]:
-    """What a plan for this run depends on: structure, batch shapes, device, world size, versions."""
+    """What a plan for this run depends on: structure, batch shapes, device (`lp.costs.device_name`:
+    a CPU of another kind runs other precisions fast), world size, versions."""
     structure = [
         (n, type(m).__name__, [list(p.shape) for p in m.parameters(recurse=False)])
         for n, m in model.named_modules()
@@ -192,7 +194,7 @@ def torch_fingerprint(
         "model": digest,
         "layers": list(layers_of(model)),
         "batch_shapes": [list(s) for s in batch_shapes],
-        "device": device,
+        "device": device_name(device),
         "world_size": world_size,
         "versions": {"torch": torch.__version__.split("+")[0], "qsync_callback": __version__},
     }

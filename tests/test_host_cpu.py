@@ -1,0 +1,55 @@
+"""`host_cpu`: the CPU's model name and precision extensions, read from cpuinfo files written here
+as Linux writes them, and the per-machine caches they key."""
+
+from pathlib import Path
+
+from qsync_callback import host_cpu
+from qsync_callback.lp.costs import cache_key, cache_path, device_name
+from qsync_callback.recorder.op_dataset import dataset_path
+
+BF16_FLAGS = "fpu sse2 avx fma f16c avx2 avx512f avx512bw avx512_vnni avx512_bf16 vaes"
+PLAIN_FLAGS = "fpu sse2 avx fma f16c avx2 vaes"
+
+
+def cpuinfo(tmp_path: Path, name: str, flags: str) -> Path:
+    """A two-processor cpuinfo, the fields in the order Linux writes them."""
+    block = f"processor\t: {{n}}\nvendor_id\t: AuthenticAMD\nmodel name\t: {name}\nflags\t\t: {flags}\n\n"
+    path = tmp_path / f"cpuinfo-{len(flags)}"
+    path.write_text(block.format(n=0) + block.format(n=1))
+    return path
+
+
+def test_two_cpus_of_one_name_are_told_apart_by_their_extensions(tmp_path):
+    bf16 = cpuinfo(tmp_path, "AMD EPYC", BF16_FLAGS)
+    plain = cpuinfo(tmp_path, "AMD EPYC", PLAIN_FLAGS)
+    assert host_cpu.cpu_name(bf16) == host_cpu.cpu_name(plain) == "AMD EPYC"
+    assert host_cpu.precision_flags(bf16) == ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni")
+    assert host_cpu.precision_flags(plain) == ("avx2", "fma", "f16c")
+    assert host_cpu.cpu_description(bf16) == "AMD EPYC (avx2 fma f16c avx512f avx512_bf16 avx512_vnni)"
+    assert host_cpu.cpu_description(plain) == "AMD EPYC (avx2 fma f16c; no AVX-512)"
+
+
+def test_a_cpuinfo_without_flags_or_name_says_so(tmp_path):
+    bare = tmp_path / "cpuinfo"
+    bare.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")
+    assert host_cpu.precision_flags(bare) == ()
+    assert host_cpu.cpu_description(bare).endswith("(no vector extensions listed)")
+    assert host_cpu.cpu_name(tmp_path / "absent") != ""
+
+
+def test_the_per_machine_caches_are_not_shared_between_them(tmp_path, monkeypatch):
+    """A cache dir shared by two VMs of one model name (a home on NFS): each keeps its own cast
+    costs and op data set."""
+    paths = []
+    for flags in (BF16_FLAGS, PLAIN_FLAGS):
+        monkeypatch.setattr(host_cpu, "CPUINFO", cpuinfo(tmp_path, "AMD EPYC", flags))
+        assert cache_key("cpu")["device"] == f"cpu: {host_cpu.cpu_description()}"
+        paths.append((cache_path("cpu", tmp_path), dataset_path("cpu", tmp_path)))
+    assert paths[0][0] != paths[1][0] and paths[0][1] != paths[1][1]
+
+
+def test_torch_and_tf_runs_name_the_cpu_alike():
+    """Both integrations' fingerprints name the device as the caches do (TF: on a machine with no GPU)."""
+    from qsync_callback.integrations.horovod_tf.horovod_run import tf_device_name
+
+    assert tf_device_name() == device_name("cpu") == f"cpu: {host_cpu.cpu_description()}"
