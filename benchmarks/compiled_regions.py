@@ -25,9 +25,8 @@ For each model (the transformer-like ones by default):
    first block, in a step not timed). A plan's measured change is the mean over the processes of
    its rounds' mean change, with its noise (`alternation.paired_change`'s 95% band, combined over
    the processes); its error in turns sets the predicted change (the plan's predicted step over
-   eager's) against the measured one. Separate processes differ by as much as 85% (session 30, at
-   `f097e17`: the decoder's recording ran its steps at 182.9 ms, its two eager runs at 98.9 and
-   100.7); in turns the drift between processes and over minutes cancels, as in the loop's verify.
+   eager's) against the measured one. Separate processes differ by more than many plans change; in
+   turns the drift between processes and over minutes cancels, as in the loop's verify.
 4. **cost model**: the chosen regions and the best other candidates that were not compiled during
    the warm-up, each compiled alone (as the warm-up compiles, on the arguments of its first call):
    measured compiled/eager ratio against the model's.

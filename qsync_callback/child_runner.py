@@ -42,14 +42,14 @@ def run_in_children(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     first = 0
     while first < len(items) and time.monotonic() < deadline:
-        clock = _ChildClock(deadline)
+        clock = _ChildClock(deadline, item_seconds)
         child = subprocess.Popen(
             [sys.executable, "-m", module],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
         done = threading.Event()
-        watchdog = threading.Thread(target=_watch, args=(child, clock, item_seconds, done), daemon=True)
+        watchdog = threading.Thread(target=_watch, args=(child, clock, done), daemon=True)
         watchdog.start()
         try:
             child.stdin.write(json.dumps({**(extra or {}), "items": list(items[first:])}))
@@ -81,10 +81,11 @@ def run_in_children(
 
 class _ChildClock:
     """One child's deadline, held while the child starts and moved on by that time at its first
-    line, and when its last line came."""
+    line, and when its last line came (the child is hung after ``item_seconds`` without one)."""
 
-    def __init__(self, deadline: float):
+    def __init__(self, deadline: float, item_seconds: float):
         self.deadline = deadline
+        self.item_seconds = item_seconds
         self.last_line = time.monotonic()  # the child's start, until its first line
         self.starting = True
 
@@ -95,16 +96,16 @@ class _ChildClock:
             self.starting = False
         self.last_line = now
 
-    def expired(self, item_seconds: float) -> bool:
+    def expired(self) -> bool:
         """Past the deadline (once started), or no line for ``item_seconds``."""
         now = time.monotonic()
-        return (not self.starting and now >= self.deadline) or now - self.last_line > item_seconds
+        return (not self.starting and now >= self.deadline) or now - self.last_line > self.item_seconds
 
 
-def _watch(child: subprocess.Popen, clock: _ChildClock, item_seconds: float, done: threading.Event) -> None:
+def _watch(child: subprocess.Popen, clock: _ChildClock, done: threading.Event) -> None:
     """Kill ``child`` once its ``clock`` has expired, unless ``done`` is set first."""
     while not done.wait(0.05):
-        if clock.expired(item_seconds):
+        if clock.expired():
             child.kill()
             return
 

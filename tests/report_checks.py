@@ -48,7 +48,7 @@ def assert_prediction_replays_the_recorded_steps(report: Mapping[str, Any], trac
             ends[step.index] = max(ends.get(step.index, end), end)
     walls = [(ends[index] - starts[index]) / 1e3 for index in starts]
     # recorded steps that ran faster than the unprofiled ones are lengthened (a negative slowdown)
-    stretch = 1 - min(0.0, *(_slowdown(t) for t in traces))
+    stretch = 1 + max(profiler_adds_at_most_us(t, 1.0) for t in traces)
     predicted, measured = report["predicted"]["step_ms"], report["measured"]["step_ms"]
     if len(traces) == 1:
         unprofiled = [

@@ -6,9 +6,8 @@ opens.
 a GPU (TF's BFC allocator there) and on the CPU when TF runs with oneDNN (the ``mklcpu``
 allocator, a BFC allocator for requests of 256 KiB and more; the smaller ones go to another
 allocator that these figures do not count, see `predictor/bfc_allocator.py`). Unset,
-``TF_ENABLE_ONEDNN_OPTS`` leaves TF to decide by the CPU: the earlier sessions' VMs (AVX512-BF16)
-ran TF 2.15 with oneDNN, session 30's (an AMD EPYC without AVX-512) without it; ``1`` turns it on,
-``0`` off.
+``TF_ENABLE_ONEDNN_OPTS`` leaves TF to decide by the CPU (TF 2.15 left it off on an AMD EPYC
+without AVX-512); ``1`` turns it on, ``0`` off.
 Without oneDNN the CPU's allocator keeps no statistics, and TF says so with a ValueError: the
 figures are then None, with the reason.
 """
