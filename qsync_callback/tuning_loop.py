@@ -374,7 +374,11 @@ class TuningLoop:
                 self._log(f"qsync: the kept plan cannot be applied here ({error}); dropped, planning afresh")
                 if collective.rank == 0:
                     self._safe.run(
-                        drop_cached_plan, self._integration.job, plan.constraints, self.settings.cache_dir
+                        drop_cached_plan,
+                        self._integration.job,
+                        plan.constraints,
+                        self._fingerprint.get("device", ""),
+                        self.settings.cache_dir,
                     )
                 return False
             self._safe.fail(f"the plan from {source or 'rank 0'} cannot be applied: {error}")

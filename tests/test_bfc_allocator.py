@@ -341,5 +341,8 @@ def test_a_tf_trace_without_allocations_says_why_it_predicts_no_peak():
     assert why.startswith(
         "no peak predicted: the recorded steps' profile holds no allocations of TF's allocator"
     )
-    assert "TF_ENABLE_ONEDNN_OPTS=1; unset, TF decides by the CPU and may leave it off)" in why
+    assert (
+        "(on the CPU, TF records and counts them when it runs with oneDNN: TF_ENABLE_ONEDNN_OPTS=1; "
+        "unset, TF decides by the CPU and may leave it off)" in why
+    )
     assert why.endswith("and the resident weights alone are not a peak")

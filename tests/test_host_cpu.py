@@ -1,6 +1,7 @@
 """`host_cpu`: the CPU's model name and precision extensions, read from cpuinfo files written here
 as Linux writes them, and the per-machine caches they key."""
 
+import platform
 from pathlib import Path
 
 from qsync_callback import host_cpu
@@ -13,7 +14,10 @@ PLAIN_FLAGS = "fpu sse2 avx fma f16c avx2 vaes"
 
 def cpuinfo(tmp_path: Path, name: str, flags: str) -> Path:
     """A two-processor cpuinfo, the fields in the order Linux writes them."""
-    block = f"processor\t: {{n}}\nvendor_id\t: AuthenticAMD\nmodel name\t: {name}\nflags\t\t: {flags}\n\n"
+    block = (
+        f"processor\t: {{n}}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+        f"model name\t: {name}\nstepping\t: 1\nflags\t\t: {flags}\nbugs\t\t: sysret_ss_attrs\n\n"
+    )
     path = tmp_path / f"cpuinfo-{len(flags)}"
     path.write_text(block.format(n=0) + block.format(n=1))
     return path
@@ -30,11 +34,14 @@ def test_two_cpus_of_one_name_are_told_apart_by_their_extensions(tmp_path):
 
 
 def test_a_cpuinfo_without_flags_or_name_says_so(tmp_path):
+    """An ARM kernel's cpuinfo names no model and lists no x86 flags; a missing file names nothing:
+    the name is then Python's for the machine."""
     bare = tmp_path / "cpuinfo"
-    bare.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")
+    bare.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nmodel name\t:\nFeatures\t: fp asimd\n")
     assert host_cpu.precision_flags(bare) == ()
-    assert host_cpu.cpu_description(bare).endswith("(no vector extensions listed)")
-    assert host_cpu.cpu_name(tmp_path / "absent") != ""
+    fallback = platform.processor() or platform.machine() or "unknown cpu"
+    assert host_cpu.cpu_name(bare) == host_cpu.cpu_name(tmp_path / "absent") == fallback
+    assert host_cpu.cpu_description(bare) == f"{fallback} (no vector extensions listed)"
 
 
 def test_the_per_machine_caches_are_not_shared_between_them(tmp_path, monkeypatch):
@@ -53,3 +60,27 @@ def test_torch_and_tf_runs_name_the_cpu_alike():
     from qsync_callback.integrations.horovod_tf.horovod_run import tf_device_name
 
     assert tf_device_name() == device_name("cpu") == f"cpu: {host_cpu.cpu_description()}"
+
+
+def test_every_precision_extension_of_a_recent_xeon_is_named_in_a_fixed_order(tmp_path):
+    """Granite Rapids' flags (AMX with fp16, AVX-NE-CONVERT), listed as the kernel lists them."""
+    flags = (
+        "fpu sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx_vnni avx512_bf16 amx_bf16 "
+        "avx512_vnni avx512_fp16 amx_tile amx_int8 avx_ne_convert amx_fp16 avx512_vp2intersect"
+    )
+    xeon = cpuinfo(tmp_path, "Intel(R) Xeon(R) 6972P", flags)
+    assert host_cpu.precision_flags(xeon) == (
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx512_vnni",
+        "avx_vnni",
+        "avx_ne_convert",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
+    )

@@ -116,7 +116,8 @@ def test_memory_budget_plan_is_applied_verified_kept_and_reused(tmp_path, caplog
     assert callback.state_dict()["plan"]["precision"] == kept.precision
     assert all(torch.isfinite(torch.tensor(model.losses)))
     assert (out / "verify" / "trace" / "rank0" / "trace.json").exists()
-    assert plan_cache_path(f"{GeluNet.__module__}.GeluNet", kept.constraints, tmp_path / "cache").exists()
+    job = f"{GeluNet.__module__}.GeluNet"
+    assert plan_cache_path(job, kept.constraints, kept.fingerprint["device"], tmp_path / "cache").exists()
 
     # the next launch of the same job applies the kept plan at step 0, without recording
     again = _apply_callback(tmp_path, out="q2")

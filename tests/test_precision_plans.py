@@ -1,9 +1,8 @@
 """Pricing and choosing precision plans on a hand-written step: graph and liveness transforms,
-the greedy allocator against the exact search, the plan cache and size parsing."""
+the greedy allocator against the exact search and size parsing."""
 
 import pytest
 
-from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.plan import Plan
 from qsync_callback.planner.precision import (
@@ -260,25 +259,6 @@ def test_impossible_budget_is_refused_naming_the_closest_plan_unless_best_effort
     taken = allocate_precision(predictor, {}, ["fp32", "bf16", "int8"], memory_budget=20000, best_effort=True)
     assert not taken.feasible and taken.plan.precision == closest
     assert taken.prediction.peak_bytes == least.peak_bytes > 20000
-
-
-def test_plan_cache_keeps_one_plan_per_job_and_constraints_and_says_why_it_does_not_fit(tmp_path):
-    fingerprint = {"model": "abc123", "batch_shapes": [[32, 8]], "world_size": 1}
-    constraints = {"memory_budget_share": 0.9}
-    plan = Plan(fingerprint=fingerprint, precision={"fc1": "bf16"}, constraints=constraints)
-    path = store_plan(plan, "train.Net", tmp_path)
-    assert path == plan_cache_path("train.Net", constraints, tmp_path) and path.exists()
-    found, why = cached_plan("train.Net", fingerprint, constraints, tmp_path)
-    assert found.precision == {"fc1": "bf16"} and why is None
-    found, why = cached_plan("train.Net", {**fingerprint, "batch_shapes": [[64, 8]]}, constraints, tmp_path)
-    assert found is None and "batch_shapes" in why
-    found, why = cached_plan("train.Net", {**fingerprint, "model": "def456"}, constraints, tmp_path)
-    assert found is None and "model: plan made for 'abc123'" in why
-    assert cached_plan("other.Net", fingerprint, constraints, tmp_path) == (None, None)
-    assert cached_plan("train.Net", fingerprint, {"memory_budget_share": 0.8}, tmp_path) == (None, None)
-    path.write_text("{not json")
-    found, why = cached_plan("train.Net", fingerprint, constraints, tmp_path)
-    assert found is None and "cannot be read" in why
 
 
 def test_sizes_and_shares_parse_as_people_write_them():

@@ -316,7 +316,8 @@ def test_a_plan_with_an_op_type_tf_does_not_know_is_refused_with_nothing_applied
     assert warned == [] and not recorder.finished and loss == fp32
     out = capsys.readouterr().out
     assert "the kept plan cannot be applied here (op_precision:" in out and "dropped, planning afresh" in out
-    assert not path.exists() and path == plan_cache_path(job, constraints, tmp_path / "cache")
+    assert not path.exists()
+    assert path == plan_cache_path(job, constraints, plan.fingerprint["device"], tmp_path / "cache")
     assert _amp_state() == amp_state and not (tmp_path / "kept" / PRIORLIST_FILE).exists()
 
 

@@ -108,25 +108,37 @@ def test_a_stale_kept_plan_says_what_changed(tmp_path, caplog):
     assert "not applying the kept plan" in caplog.text and "model: plan made for" in caplog.text
 
 
-def test_a_plan_kept_on_a_cpu_of_another_kind_is_not_applied(tmp_path, caplog, monkeypatch):
-    """A cache shared by two machines of one CPU model name (a home on NFS), one with AVX512-BF16 and
-    one without: the plan the first kept (a bf16 layer) is not applied on the second."""
-    constraints = Constraints.from_arguments(
-        memory_budget="90%", max_step_time=60.0, precisions=("fp32", "bf16", "int8")
-    ).to_dict()
-    here = _fingerprint()
+def _fingerprint_on_another_cpu(tmp_path, monkeypatch):
+    """This run's fingerprint as a machine of this CPU model name would make it, with AVX512-BF16
+    where this one has none, or without it where this one has it."""
     other_flags = "avx2 fma avx512f avx512_bf16" if "avx512_bf16" not in precision_flags() else "avx2 fma"
     other_cpu = tmp_path / "cpuinfo"
     other_cpu.write_text(f"processor\t: 0\nmodel name\t: {cpu_name()}\nflags\t\t: {other_flags}\n")
     monkeypatch.setattr(host_cpu, "CPUINFO", other_cpu)
     other = _fingerprint()
     monkeypatch.undo()
+    return other
+
+
+def test_a_plan_kept_on_a_cpu_of_another_kind_is_neither_applied_nor_replaced(tmp_path, caplog, monkeypatch):
+    """A cache shared by two machines of one CPU model name (a home on NFS), one with AVX512-BF16 and
+    one without: the plan the first kept (a bf16 layer) is not applied on the second, and the plan
+    the second keeps is filed beside it, not over it."""
+    constraints = Constraints.from_arguments(
+        memory_budget="90%", max_step_time=60.0, precisions=("fp32", "bf16", "int8")
+    ).to_dict()
+    here, other = _fingerprint(), _fingerprint_on_another_cpu(tmp_path, monkeypatch)
     assert other["device"] != here["device"] and {**other, "device": here["device"]} == here
-    kept = Plan(fingerprint=other, precision={"net.2": "bf16"}, constraints=constraints)
-    store_plan(kept, JOB, tmp_path / "cache")
+    other_path = store_plan(
+        Plan(fingerprint=other, precision={"net.2": "bf16"}, constraints=constraints), JOB, tmp_path / "cache"
+    )
+    other_json = other_path.read_text()
     with caplog.at_level(logging.INFO):
-        _fit(_apply_callback(tmp_path), max_steps=12)
-    assert "not applying the kept plan" in caplog.text and "device: plan made for" in caplog.text
+        _fit(_apply_callback(tmp_path))
+    assert "no kept plan for this job under these constraints" in caplog.text
+    here_path = plan_cache_path(JOB, constraints, here["device"], tmp_path / "cache")
+    assert here_path != other_path and Plan.load(here_path).fingerprint["device"] == here["device"]
+    assert other_path.read_text() == other_json
 
 
 # ----------------------------------------------------------------- only a kept plan is state
@@ -313,10 +325,3 @@ def test_a_budget_in_scientific_notation_is_bytes():
     assert QSyncCallback(mode="apply", memory_budget="85%").constraints.memory_budget_share == pytest.approx(
         0.85
     )
-
-
-def test_plan_cache_path_keys_job_and_constraints(tmp_path):
-    a = Constraints.from_arguments(memory_budget="90%").to_dict()
-    b = Constraints.from_arguments(memory_budget="80%").to_dict()
-    assert plan_cache_path(JOB, a, tmp_path) != plan_cache_path(JOB, b, tmp_path)
-    assert plan_cache_path(JOB, a, tmp_path) == plan_cache_path(JOB, dict(a), tmp_path)
