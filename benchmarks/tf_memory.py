@@ -9,7 +9,10 @@ type, applies the plan on every rank, verifies it and keeps it or rolls it back)
 - **recorded configuration** (report.json): the measured peak, TF's allocator's own
   (``tf.config.experimental.get_memory_info``, reset at each timed step's start: the largest of the
   timed steps, with their median and smallest), against the predicted one (TF's BFC allocator
-  simulated on the recorded steps' allocations, `predictor/bfc_allocator.py`); the step time too;
+  simulated on the recorded steps' allocations, `predictor/bfc_allocator.py`, and calibrated on the
+  allocator's own readings in the recorded steps, `memory.allocator_offset`: for this configuration
+  that is a measurement of other steps than the timed ones) and against the simulation alone; the
+  step time too;
 - **the plan** (verification.json, when one was applied): its measured peak (the verify window's
   timed steps) against its predicted one (its bf16 ops' allocations halved and its casts added,
   `predictor/op_precision.op_type_lives`).
@@ -77,6 +80,8 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
         "peak_steps": measured["peak_steps"],
         "predicted_peak_bytes": predicted["peak_bytes"],
         "peak_error_pct": change_pct(predicted["peak_bytes"], measured["peak_bytes"]),
+        "simulated_peak_bytes": predicted.get("peak_bytes_simulated"),
+        "simulated_error_pct": change_pct(predicted.get("peak_bytes_simulated"), measured["peak_bytes"]),
         "peak_median_error_pct": change_pct(predicted["peak_bytes"], measured["peak_bytes_median"]),
         "step_ms": measured["step_ms"],
         "step_error_pct": change_pct(predicted["step_ms"], measured["step_ms"]),
@@ -97,6 +102,10 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
             ),
         }
     return row
+
+
+def _bytes(value: int | None) -> str:
+    return "n/a" if value is None else format_bytes(value)
 
 
 def _pct(value: float | None) -> str:
@@ -126,9 +135,9 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         f"Batch {batch_size} per process. Peaks are TF's allocator's (chunks in use; on the CPU, requests "
         "of 256 KiB and more), per rank, the largest rank's.\n",
         "| model | processes | measured peak: largest (median, smallest) of the timed steps | predicted "
-        "| error vs largest | error vs median | step ms (error; loops' costs only) | plan applied: "
-        "measured peak | predicted | error |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| error vs largest | error vs median | simulation alone (error vs largest) | step ms (error; "
+        "loops' costs only) | plan applied: measured peak | predicted | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         plan = r["plan"]
@@ -143,7 +152,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
             f"| {r['model']} | {r['procs']} | {format_bytes(r['peak_bytes'])} "
             f"({format_bytes(r['peak_median_bytes'])}, {format_bytes(r['peak_min_bytes'])}) "
             f"| {format_bytes(r['predicted_peak_bytes'])} | {_pct(r['peak_error_pct'])} "
-            f"| {_pct(r['peak_median_error_pct'])} | {r['step_ms']:.1f} ({_pct(r['step_error_pct'])}; "
+            f"| {_pct(r['peak_median_error_pct'])} | {_bytes(r.get('simulated_peak_bytes'))} "
+            f"({_pct(r.get('simulated_error_pct'))}) | {r['step_ms']:.1f} ({_pct(r['step_error_pct'])}; "
             f"{_pct(r.get('loops_only_error_pct'))}) " + plan_cells
         )
     for procs in sorted({r["procs"] for r in rows}):
@@ -160,6 +170,13 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
             for m in {r["model"] for r in group}
         )
         within = sum(e <= TARGET_PCT for e in largest)
+        alone = [abs(r["simulated_error_pct"]) for r in group if r.get("simulated_error_pct") is not None]
+        simulated = (
+            f"; the simulation alone (before its calibration on the recorded steps' readings) "
+            f"{statistics.median(alone):.1f}% ({sum(e <= TARGET_PCT for e in alone)} of {len(alone)})"
+            if alone
+            else ""
+        )
         spread = statistics.median(
             100 * (r["peak_bytes"] - r["peak_min_bytes"]) / r["peak_median_bytes"] for r in group
         )
@@ -169,7 +186,8 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
         lines.append(
             f"\n{procs} process(es), {len(group)} runs: recorded configuration, |peak error| against the "
             f"largest step median {statistics.median(largest):.1f}% ({within} of {len(largest)} within "
-            f"{TARGET_PCT:g}%), against the median step {statistics.median(median):.1f}%{planned}; "
+            f"{TARGET_PCT:g}%), against the median step {statistics.median(median):.1f}%"
+            f"{simulated}{planned}; "
             "step-to-step spread of the measured peak (largest - smallest over median): median "
             f"{spread:.1f}%; "
             f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%."

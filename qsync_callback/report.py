@@ -21,7 +21,7 @@ from qsync_callback.planner.activation import NOTHING_TO_FREE
 from qsync_callback.planner.memory_plan import MemoryChoice
 from qsync_callback.planner.precision import PrecisionChoice
 from qsync_callback.precision_links import precision_links
-from qsync_callback.predictor.memory import unpredictable_peak
+from qsync_callback.predictor.memory import allocator_offset, unpredictable_peak
 from qsync_callback.predictor.predict import predict
 from qsync_callback.predictor.statistics import layer_statistics, op_statistics
 from qsync_callback.recorder.trace import Trace
@@ -29,6 +29,12 @@ from qsync_callback.units import format_bytes
 
 REPORT_FILE = "report.json"
 NOISY_PAGE_FAULTS = 256  # per step: 1 MiB of fresh 4 KiB pages
+PEAK_CALIBRATION = (
+    "the predicted peak is TF's allocator simulated on the recorded tensors and calibrated on what "
+    "the allocator read in the recorded steps ({read}; the simulation alone: {simulated}), so for the "
+    "configuration recorded it is that reading, not a prediction; a plan's peak is its tensors "
+    "simulated and moved by as much"
+)
 
 
 def _spread_pct(samples: Sequence[float]) -> float | None:
@@ -118,6 +124,8 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
         predicted["peak_bytes"], predicted["peak_note"] = None, why_not
     elif traces[0].allocator.get("in_use_bytes") is not None:
         predicted["peak_allocator"] = traces[0].allocator["name"]
+        if plan is None or plan.is_empty:
+            predicted.update(_peak_calibration(traces))
     return {
         "world_size": traces[0].world_size,
         "device": traces[0].device,
@@ -183,6 +191,23 @@ def _breakdown(breakdown: Mapping[str, int]) -> str:
     return ", ".join(parts)
 
 
+def _peak_calibration(traces: Sequence[Trace]) -> dict[str, Any]:
+    """For a recorded configuration on TF's allocator with its readings in the recorded steps: the
+    simulation's own peak (``peak_bytes_simulated``, the largest rank's) and what the calibration
+    means (`memory.allocator_offset`)."""
+    read = [t for t in traces if t.allocator.get("recorded_peak_bytes") is not None]
+    if not read:
+        return {}
+    simulated = max(t.allocator["recorded_peak_bytes"] - allocator_offset(t) for t in read)
+    reading = max(t.allocator["recorded_peak_bytes"] for t in read)
+    return {
+        "peak_bytes_simulated": simulated,
+        "peak_calibration": PEAK_CALIBRATION.format(
+            read=format_bytes(reading), simulated=format_bytes(simulated)
+        ),
+    }
+
+
 def _breakdown_note(predicted: Mapping[str, Any]) -> str:
     allocator = predicted.get("peak_allocator")
     if not allocator:
@@ -239,6 +264,8 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         )
     if predicted.get("peak_note"):
         lines.append(f"  note: {predicted['peak_note']}")
+    if predicted.get("peak_calibration"):
+        lines.append(f"  note: {predicted['peak_calibration']}")
     low, high = measured.get("peak_bytes_min"), measured["peak_bytes"]
     if low is not None and predicted["peak_bytes"] is not None and low <= predicted["peak_bytes"] <= high:
         lines.append(

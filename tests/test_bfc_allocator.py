@@ -23,7 +23,13 @@ from qsync_callback.predictor.bfc_allocator import (
     rounded,
     simulate,
 )
-from qsync_callback.predictor.memory import TensorLife, allocator_peaks, tensor_lifetimes, unpredictable_peak
+from qsync_callback.predictor.memory import (
+    TensorLife,
+    allocator_offset,
+    allocator_peaks,
+    tensor_lifetimes,
+    unpredictable_peak,
+)
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Step, Trace
 
@@ -174,6 +180,37 @@ def test_a_trace_of_tensorflows_allocator_is_priced_as_that_allocator_counts():
     assert allocator_peaks(tensor_lifetimes(trace_), "GPU_0_bfc", in_use) == {0: in_use + 6 * MiB}
     # the tensors' own bytes, without the allocator: the requests
     assert Predictor([_two_op_trace(made=3 * MiB)]).predict().peak_bytes == 6 * MiB
+
+
+def test_a_trace_with_the_allocators_own_reading_is_calibrated_on_it():
+    """TF read 16 MiB in the recorded steps where the simulation, from empty regions, reads 18 (each
+    3 MiB request in a 4 MiB region of its own): the recorded configuration is predicted at TF's
+    reading, and a plan at its own simulated peak moved by as much (-2 MiB)."""
+    in_use = 10 * MiB
+    simulated_only = _two_op_trace({"name": "mklcpu", "in_use_bytes": in_use}, made=3 * MiB)
+    calibrated = _two_op_trace(
+        {"name": "mklcpu", "in_use_bytes": in_use, "recorded_peak_bytes": in_use + 6 * MiB}, made=3 * MiB
+    )
+    assert allocator_offset(simulated_only) == 0 and allocator_offset(calibrated) == -2 * MiB
+    assert Predictor([simulated_only]).predict().peak_bytes == in_use + 8 * MiB
+    assert Predictor([calibrated]).predict().peak_bytes == in_use + 6 * MiB
+    plan = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
+    uncalibrated = Predictor([simulated_only]).predict(plan).peak_bytes
+    assert Predictor([calibrated]).predict(plan).peak_bytes == uncalibrated - 2 * MiB
+    # TF read more than the simulation: the offset raises it
+    higher = _two_op_trace(
+        {"name": "mklcpu", "in_use_bytes": in_use, "recorded_peak_bytes": in_use + 9 * MiB}, made=3 * MiB
+    )
+    assert (
+        allocator_offset(higher) == MiB and Predictor([higher]).predict(plan).peak_bytes == uncalibrated + MiB
+    )
+
+
+def test_a_reading_that_is_no_amount_of_bytes_is_refused():
+    data = _two_op_trace({"name": "mklcpu", "in_use_bytes": MiB}).to_dict()
+    data["allocator"]["recorded_peak_bytes"] = -1
+    with pytest.raises(QSyncInputError, match="recorded_peak_bytes"):
+        Trace.from_dict(data, source="t.json")
 
 
 def test_a_step_that_frees_what_the_step_before_kept_meets_it_held():
@@ -331,6 +368,11 @@ def test_an_allocator_that_counted_no_allocation_in_the_step_predicts_its_bytes_
     trace_.framework = "tensorflow"
     assert Predictor([trace_]).predict().peak_bytes == 5 * MiB
     assert unpredictable_peak(trace_) is None
+    # a reading without a simulated step (none made here) is over the bytes in use it started from
+    trace_.allocator["recorded_peak_bytes"] = 6 * MiB
+    assert allocator_offset(trace_) == MiB and Predictor([trace_]).predict().peak_bytes == 6 * MiB
+    trace_.allocator["in_use_bytes"] = None  # a reading without the bytes in use: nothing to calibrate
+    assert allocator_offset(trace_) == 0
 
 
 def test_a_tf_trace_without_allocations_says_why_it_predicts_no_peak():

@@ -202,31 +202,44 @@ class MemoryCurve:
     """One rank's recorded memory curve, ready to be priced again with extra tensors: each step's
     births and deaths (`lifetime_events`)."""
 
-    def __init__(self, trace: Trace, lives: Sequence[TensorLife]):
+    def __init__(self, trace: Trace, lives: Sequence[TensorLife], allocator_offset_bytes: int | None = None):
         self.resident_bytes = dict(trace.resident_bytes)
         self.lives = list(lives)
         self._trace = trace
         self._resident = sum(trace.resident_bytes.values())
         self._steps = lifetime_events(lives)
+        self._allocator_offset = allocator_offset_bytes  # `allocator_offset(trace)`, when first needed
 
     def with_lives(self, lives: Sequence[TensorLife]) -> MemoryCurve:
-        """The same rank's curve with other tensors (a plan's, `op_precision.op_type_lives`)."""
-        return MemoryCurve(self._trace, lives)
+        """The same rank's curve with other tensors (a plan's, `op_precision.op_type_lives`),
+        calibrated as this one (`allocator_offset`)."""
+        return MemoryCurve(self._trace, lives, self._offset())
+
+    def _offset(self) -> int:
+        if self._allocator_offset is None:
+            self._allocator_offset = allocator_offset(self._trace)
+        return self._allocator_offset
 
     def predict(self, extra: Sequence[dict[int, Events]] = ()) -> MemoryPrediction:
         """The curve's maximum over the recorded steps with the tensors of ``extra``
         (`lifetime_events` each) alive as well, and the bytes by category then (see
         `predict_memory`). On a trace of TF's allocator (``trace.allocator``, with the bytes it held
-        when the window opened) the peak is that allocator's, simulated (`allocator_peaks`); the
-        bytes by category are still the tensors' own. ``extra`` comes as byte changes, not as
-        tensors with a birth and a death, so it is not simulated: with it the peak is the tensors'
-        sum (no TF plan adds any: an op-type plan's tensors replace the recorded ones, `with_lives`)."""
+        when the window opened) the peak is that allocator's, simulated (`allocator_peaks`) and
+        calibrated on its readings in the recorded steps (`allocator_offset`: for the recorded
+        tensors, the peak is then that reading); the bytes by category are still the tensors' own.
+        ``extra`` comes as byte changes, not as tensors with a birth and a death, so it is not
+        simulated: with it the peak is the tensors' sum (no TF plan adds any: an op-type plan's
+        tensors replace the recorded ones, `with_lives`)."""
         prediction = self._predict_tensors(extra)
         allocator = self._trace.allocator
         if allocator.get("in_use_bytes") is not None and not extra:
-            prediction.step_peaks = allocator_peaks(self.lives, allocator["name"], allocator["in_use_bytes"])
+            offset = self._offset()
+            simulated = allocator_peaks(self.lives, allocator["name"], allocator["in_use_bytes"])
+            prediction.step_peaks = {step: peak + offset for step, peak in simulated.items()}
             prediction.peak_step = max(prediction.step_peaks, key=prediction.step_peaks.get, default=None)
-            prediction.peak_bytes = prediction.step_peaks.get(prediction.peak_step, allocator["in_use_bytes"])
+            prediction.peak_bytes = prediction.step_peaks.get(
+                prediction.peak_step, allocator["in_use_bytes"] + offset
+            )
         return prediction
 
     def _predict_tensors(self, extra: Sequence[dict[int, Events]]) -> MemoryPrediction:
@@ -315,10 +328,9 @@ def allocator_peaks(lives: Sequence[TensorLife], allocator: str, in_use_bytes: i
 
     A step's peak is ``in_use_bytes`` plus the largest rise over its start among its runs after
     the first: the largest of the steps' peaks is the largest of `ALLOCATOR_STEPS` steps, as the
-    measured peak is the largest of the timed steps. Re-predicted in session 16 from 61 saved rank
-    traces of `benchmarks/tf_memory.py` runs (sessions 14 and 15): within 5% of TF's largest step in
-    54. The ResNet's is 3.5 MiB over on every step: TF placed its 0.5 MiB chunks in a region apart,
-    where the simulation, starting from no region, fits a 4 MiB request into a 7.5 MiB chunk."""
+    measured peak is the largest of the timed steps. The simulation starts from no region, where
+    TF's allocator has the regions the allocations before the window left: `MemoryCurve` calibrates
+    it on the recorded steps' own readings (`allocator_offset`)."""
     by_step: dict[int, list[TensorLife]] = defaultdict(list)
     for life in lives:
         by_step[life.step].append(life)
@@ -363,6 +375,23 @@ def allocator_peaks(lives: Sequence[TensorLife], allocator: str, in_use_bytes: i
         if run:
             rises[step] = max(rises.get(step, 0), sim.peak_bytes_in_use - start)
     return {step: in_use_bytes + rises[step] for step in steps}  # each ran after the first run
+
+
+def allocator_offset(trace: Trace) -> int:
+    """What TF's allocator read in the recorded steps of ``trace`` over what its simulation reads for
+    them: ``allocator["recorded_peak_bytes"]`` less the simulated peak of the recorded tensors
+    (`allocator_peaks` on `tensor_lifetimes`); 0 where the trace has no such reading.
+
+    Where the simulation's chunks fall depends on where the allocations before the window left TF's
+    regions, which the window does not record: from empty regions it can put a request in a chunk
+    it cannot split where TF split one, or the other way round, a chunk apart on every step. The
+    recorded steps' own readings say by how much, and a plan's tensors meet the same regions."""
+    allocator = trace.allocator
+    read = allocator.get("recorded_peak_bytes")
+    if read is None or allocator.get("in_use_bytes") is None:
+        return 0
+    simulated = allocator_peaks(tensor_lifetimes(trace), allocator["name"], allocator["in_use_bytes"])
+    return read - max(simulated.values(), default=allocator["in_use_bytes"])
 
 
 def unpredictable_peak(trace: Trace) -> str | None:

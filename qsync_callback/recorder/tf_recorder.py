@@ -341,7 +341,7 @@ class TFRecorder:
         scopes = list(OPTIMIZER_SCOPES)
         if getattr(self.optimizer, "name", None):
             scopes.append(self.optimizer.name)
-        steps, ops, memory_events, allocator = [], [], [], None
+        steps, ops, memory_events, allocator, readings = [], [], [], None, []
         for session, mark_us in self._sessions:
             space = load_xspace(find_xspace(session))
             converted = convert_xspace(
@@ -356,6 +356,8 @@ class TFRecorder:
                 for ts, addr, nbytes, op_id in converted["memory_events"]
             )
             allocator = allocator or converted["allocator"]
+            if converted["recorded_peak_bytes"] is not None:
+                readings.append(converted["recorded_peak_bytes"])
             ops.extend(_shifted(converted["ops"], len(ops), shift))
         allocator = allocator or self._peaks.allocator  # none of the step's requests was counted
         return Trace(
@@ -371,13 +373,23 @@ class TFRecorder:
             resident_bytes=self._resident,
             layers=self.layers,
             memory_events=memory_events,
-            allocator={"name": allocator, "in_use_bytes": self._in_use_at_start} if allocator else {},
+            allocator=self._allocator(allocator, readings),
             measured={"peak_bytes": None, "peak_source": self._peaks.source},
             profiler_overhead_us=dict(self._overhead),
             fingerprint=self.fingerprint,
             raw_trace=PROFILE_DIR,
             communication=self._communication(ops),
         )
+
+    def _allocator(self, name: str | None, readings: list[int]) -> dict[str, Any]:
+        """The trace's ``allocator``: its name, the bytes in use when the window opened, and the
+        most it read in use in the recorded steps (where its profile gave its readings)."""
+        if not name:
+            return {}
+        out = {"name": name, "in_use_bytes": self._in_use_at_start}
+        if readings and self._in_use_at_start is not None:
+            out["recorded_peak_bytes"] = max(readings)
+        return out
 
     def _communication(self, ops: list[Op]) -> dict[str, Any]:
         """The settings in effect, the step's groups, and the timeline (its records go into

@@ -22,6 +22,8 @@ One file per rank, ``<trace_dir>/rank<k>/trace.json``::
                                         # BFC allocators ("mklcpu", "GPU_0_bfc"), simulated by
                                         # `predictor/bfc_allocator.py`, and its bytes in use when
                                         # the window opened; absent: the bytes are the figure (torch)
+                                        # "recorded_peak_bytes": the most it read in use in the
+                                        # recorded steps (its profile's own readings), where given
       "resident_bytes": {"parameters": ..., "gradients": ..., "optimizer_state": ..., "buffers": ...,
                          "gradient_buckets": ..., "other": ...},   # "other": every other live tensor
                                                                   # at the window's start
@@ -461,7 +463,9 @@ _TRACE = Fields(
         "host": STRING,
         "clock_offset_us": FINITE,
         "memory_events": ListOf(ANY),  # each: `_MEMORY_EVENT`, in `_check_memory_events`
-        "allocator": Fields(optional={"name": STRING, "in_use_bytes": Nullable(AMOUNT)}),
+        "allocator": Fields(
+            optional={"name": STRING, "in_use_bytes": Nullable(AMOUNT), "recorded_peak_bytes": AMOUNT}
+        ),
         "resident_bytes": MapOf(AMOUNT),
         "saved_activation_bytes": MapOf(AMOUNT),
         "precision": MapOf(Scalar(lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}")),

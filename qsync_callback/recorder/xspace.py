@@ -27,7 +27,9 @@ collective, in the gradient's name that Horovod puts into the op's name.
 
 Memory: the allocator records each allocation and free it makes (``MemoryAllocation`` and
 ``MemoryDeallocation`` events: the bytes asked for, the address, the op that asked, the
-allocator's name); those within the steps become the trace's memory events. On the CPU with oneDNN
+allocator's name, and the bytes it has in use after it, ``bytes_allocated``, chunks as it counts
+them); those within the steps become the trace's memory events, and the largest of their
+``bytes_allocated`` the recorded steps' own peak (``recorded_peak_bytes``). On the CPU with oneDNN
 that allocator (``mklcpu``) sees requests of 256 KiB and more only (`predictor/bfc_allocator.py`),
 which are also all that TF's memory statistics count.
 
@@ -214,7 +216,8 @@ def convert_xspace(
     overhead_us: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Read an XSpace; return ``steps`` (list[Step]), ``ops`` (list[Op]), ``clock_sync_us``
-    (None when no sync mark was recorded), ``memory_events`` and ``allocator`` (`_memory_events`).
+    (None when no sync mark was recorded), ``memory_events``, ``allocator`` and
+    ``recorded_peak_bytes`` (`_memory_events`).
 
     ``layers`` is ``keras_layers(model)`` (ops get a layer only where one is given); steps are the
     host events named ``step_name`` that carry a ``step_num`` stat; ``collective_tensors`` maps a
@@ -274,24 +277,27 @@ def convert_xspace(
     if overhead_us and any(overhead_us.values()):
         _attribute_overhead(lines, main_line, ops, overhead_us, step_of)
     sync = [e for e in everything if e.name == CLOCK_SYNC]
-    memory_events, allocator = _memory_events(everything, ops, step_of)
+    memory_events, allocator, recorded_peak = _memory_events(everything, ops, step_of)
     return {
         "steps": steps,
         "ops": ops,
         "clock_sync_us": sync[-1].end if sync else None,
         "memory_events": memory_events,
         "allocator": allocator,
+        "recorded_peak_bytes": recorded_peak,
     }
 
 
 def _memory_events(
     everything: Iterable[_Event], ops: Sequence[Op], step_of: Callable[[float], Step | None]
-) -> tuple[list[list], str | None]:
+) -> tuple[list[list], str | None, int | None]:
     """The allocator's allocations and frees within the steps, as the trace's ``memory_events``
-    (``[ts_us, addr, bytes, op_id]``, a free's bytes negative), and the allocator's name (that of
-    the steps' first allocation). An event's op is the one its ``tf_op`` stat names, else (a free
-    names none) the op of its thread it falls in or, between ops, the one that ended last before it
-    there (the op that dropped the tensor's last reference); -1 where none did."""
+    (``[ts_us, addr, bytes, op_id]``, a free's bytes negative), the allocator's name (that of
+    the steps' first allocation), and the most bytes it read in use within the steps (the largest
+    ``bytes_allocated`` of those events; None where they carry none). An event's op is the one its
+    ``tf_op`` stat names, else (a free names none) the op of its thread it falls in or, between ops,
+    the one that ended last before it there (the op that dropped the tensor's last reference); -1
+    where none did."""
     by_name: dict[str, list[Op]] = {}
     for op in ops:
         by_name.setdefault(op.name, []).append(op)
@@ -302,7 +308,7 @@ def _memory_events(
     for nodes in by_line.values():
         nodes.sort(key=lambda e: e.start)
     starts = {line: [n.start for n in nodes] for line, nodes in by_line.items()}
-    events, allocator = [], None
+    events, allocator, peak = [], None, None
     for e in sorted((e for e in everything if e.name in _MEMORY_EVENTS), key=lambda e: e.start):
         nbytes = int(e.stats.get("requested_bytes") or 0)
         if step_of(e.start) is None or nbytes <= 0:
@@ -319,7 +325,9 @@ def _memory_events(
         signed = nbytes if e.name == MEMORY_ALLOCATION else -nbytes
         events.append([e.start, int(e.stats.get("addr") or 0), signed, op.id if op is not None else -1])
         allocator = allocator or e.stats.get("allocator_name")
-    return events, allocator
+        if e.stats.get("bytes_allocated") is not None:
+            peak = max(peak or 0, int(e.stats["bytes_allocated"]))
+    return events, allocator, peak
 
 
 def event_kind(name: str) -> str | None:
