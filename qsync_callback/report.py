@@ -21,7 +21,7 @@ from qsync_callback.planner.activation import NOTHING_TO_FREE
 from qsync_callback.planner.memory_plan import MemoryChoice
 from qsync_callback.planner.precision import PrecisionChoice
 from qsync_callback.precision_links import precision_links
-from qsync_callback.predictor.memory import allocator_offset, unpredictable_peak
+from qsync_callback.predictor.memory import unpredictable_peak
 from qsync_callback.predictor.predict import predict
 from qsync_callback.predictor.statistics import layer_statistics, op_statistics
 from qsync_callback.recorder.trace import Trace
@@ -125,7 +125,7 @@ def build_report(traces: Sequence[Trace], plan: Plan | None = None, top: int = 1
     elif traces[0].allocator.get("in_use_bytes") is not None:
         predicted["peak_allocator"] = traces[0].allocator["name"]
         if plan is None or plan.is_empty:
-            predicted.update(_peak_calibration(traces))
+            predicted.update(_peak_calibration(traces, predicted["peak_bytes_simulated"]))
     return {
         "world_size": traces[0].world_size,
         "device": traces[0].device,
@@ -191,20 +191,18 @@ def _breakdown(breakdown: Mapping[str, int]) -> str:
     return ", ".join(parts)
 
 
-def _peak_calibration(traces: Sequence[Trace]) -> dict[str, Any]:
-    """For a recorded configuration on TF's allocator with its readings in the recorded steps: the
-    simulation's own peak (``peak_bytes_simulated``, the largest rank's) and what the calibration
-    means (`memory.allocator_offset`)."""
-    read = [t for t in traces if t.allocator.get("recorded_peak_bytes") is not None]
-    if not read:
+def _peak_calibration(traces: Sequence[Trace], simulated: int | None) -> dict[str, Any]:
+    """For a recorded configuration on TF's allocator with its readings in the recorded steps: what
+    the calibration of the simulation's own peak (``simulated``, the largest rank's) on them means
+    (`memory.allocator_offset`)."""
+    read = [t.allocator.get("recorded_peak_bytes") for t in traces]
+    read = [reading for reading in read if reading is not None]
+    if not read or simulated is None:
         return {}
-    simulated = max(t.allocator["recorded_peak_bytes"] - allocator_offset(t) for t in read)
-    reading = max(t.allocator["recorded_peak_bytes"] for t in read)
     return {
-        "peak_bytes_simulated": simulated,
         "peak_calibration": PEAK_CALIBRATION.format(
-            read=format_bytes(reading), simulated=format_bytes(simulated)
-        ),
+            read=format_bytes(max(read)), simulated=format_bytes(simulated)
+        )
     }
 
 

@@ -193,10 +193,14 @@ def test_a_trace_with_the_allocators_own_reading_is_calibrated_on_it():
     )
     assert allocator_offset(simulated_only) == 0 and allocator_offset(calibrated) == -2 * MiB
     assert Predictor([simulated_only]).predict().peak_bytes == in_use + 8 * MiB
-    assert Predictor([calibrated]).predict().peak_bytes == in_use + 6 * MiB
+    recorded = Predictor([calibrated]).predict()
+    assert recorded.peak_bytes == in_use + 6 * MiB and recorded.peak_bytes_simulated == in_use + 8 * MiB
     plan = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
     uncalibrated = Predictor([simulated_only]).predict(plan).peak_bytes
-    assert Predictor([calibrated]).predict(plan).peak_bytes == uncalibrated - 2 * MiB
+    planned = Predictor([calibrated]).predict(plan)
+    assert planned.peak_bytes == uncalibrated - 2 * MiB and planned.peak_bytes_simulated == uncalibrated
+    # the tensors' own bytes (a torch trace): nothing simulated
+    assert Predictor([_two_op_trace(made=3 * MiB)]).predict().peak_bytes_simulated is None
     # TF read more than the simulation: the offset raises it
     higher = _two_op_trace(
         {"name": "mklcpu", "in_use_bytes": in_use, "recorded_peak_bytes": in_use + 9 * MiB}, made=3 * MiB

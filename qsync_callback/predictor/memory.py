@@ -73,6 +73,7 @@ class MemoryPrediction:
     peak_step: int | None
     breakdown: dict[str, int] = field(default_factory=dict)
     step_peaks: dict[int, int] = field(default_factory=dict)
+    simulated_peak_bytes: int | None = None  # TF's allocator simulated, before `allocator_offset`
 
 
 def _category(birth: Op | None, death: Op | None) -> str:
@@ -200,7 +201,11 @@ Events = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, byte changes, categ
 
 class MemoryCurve:
     """One rank's recorded memory curve, ready to be priced again with extra tensors: each step's
-    births and deaths (`lifetime_events`)."""
+    births and deaths (`lifetime_events`).
+
+    ``lives`` are the recorded tensors (`tensor_lifetimes`), on which a trace of TF's allocator is
+    calibrated (`allocator_offset`), or, with ``allocator_offset_bytes`` given, a plan's tensors
+    calibrated as the recorded ones were (`with_lives`)."""
 
     def __init__(self, trace: Trace, lives: Sequence[TensorLife], allocator_offset_bytes: int | None = None):
         self.resident_bytes = dict(trace.resident_bytes)
@@ -208,17 +213,34 @@ class MemoryCurve:
         self._trace = trace
         self._resident = sum(trace.resident_bytes.values())
         self._steps = lifetime_events(lives)
-        self._allocator_offset = allocator_offset_bytes  # `allocator_offset(trace)`, when first needed
+        self._allocator_offset = allocator_offset_bytes  # `allocator_offset`, when first needed
+        self._simulated: dict[int, int] | None = None  # `allocator_peaks` of ``lives``, when first needed
 
     def with_lives(self, lives: Sequence[TensorLife]) -> MemoryCurve:
         """The same rank's curve with other tensors (a plan's, `op_precision.op_type_lives`),
         calibrated as this one (`allocator_offset`)."""
-        return MemoryCurve(self._trace, lives, self._offset())
+        return MemoryCurve(self._trace, lives, self.allocator_offset)
 
-    def _offset(self) -> int:
+    @property
+    def allocator_offset(self) -> int:
+        """What TF's allocator read in the recorded steps over what its simulation reads for the
+        recorded tensors (`allocator_offset`); 0 without such a reading."""
         if self._allocator_offset is None:
-            self._allocator_offset = allocator_offset(self._trace)
+            read = self._trace.allocator.get("recorded_peak_bytes")
+            if read is None or self._trace.allocator.get("in_use_bytes") is None:
+                self._allocator_offset = 0
+            else:
+                self._allocator_offset = read - max(
+                    self._simulated_peaks().values(), default=self._trace.allocator["in_use_bytes"]
+                )
         return self._allocator_offset
+
+    def _simulated_peaks(self) -> dict[int, int]:
+        """Per step: TF's allocator simulated on this curve's tensors (`allocator_peaks`), uncalibrated."""
+        if self._simulated is None:
+            allocator = self._trace.allocator
+            self._simulated = allocator_peaks(self.lives, allocator["name"], allocator["in_use_bytes"])
+        return self._simulated
 
     def predict(self, extra: Sequence[dict[int, Events]] = ()) -> MemoryPrediction:
         """The curve's maximum over the recorded steps with the tensors of ``extra``
@@ -226,20 +248,19 @@ class MemoryCurve:
         `predict_memory`). On a trace of TF's allocator (``trace.allocator``, with the bytes it held
         when the window opened) the peak is that allocator's, simulated (`allocator_peaks`) and
         calibrated on its readings in the recorded steps (`allocator_offset`: for the recorded
-        tensors, the peak is then that reading); the bytes by category are still the tensors' own.
+        tensors, the peak is then that reading; ``simulated_peak_bytes`` is the simulation's own);
+        the bytes by category are still the tensors' own.
         ``extra`` comes as byte changes, not as tensors with a birth and a death, so it is not
         simulated: with it the peak is the tensors' sum (no TF plan adds any: an op-type plan's
         tensors replace the recorded ones, `with_lives`)."""
         prediction = self._predict_tensors(extra)
         allocator = self._trace.allocator
         if allocator.get("in_use_bytes") is not None and not extra:
-            offset = self._offset()
-            simulated = allocator_peaks(self.lives, allocator["name"], allocator["in_use_bytes"])
+            offset, simulated = self.allocator_offset, self._simulated_peaks()
             prediction.step_peaks = {step: peak + offset for step, peak in simulated.items()}
             prediction.peak_step = max(prediction.step_peaks, key=prediction.step_peaks.get, default=None)
-            prediction.peak_bytes = prediction.step_peaks.get(
-                prediction.peak_step, allocator["in_use_bytes"] + offset
-            )
+            prediction.simulated_peak_bytes = simulated.get(prediction.peak_step, allocator["in_use_bytes"])
+            prediction.peak_bytes = prediction.simulated_peak_bytes + offset
         return prediction
 
     def _predict_tensors(self, extra: Sequence[dict[int, Events]]) -> MemoryPrediction:
@@ -386,12 +407,7 @@ def allocator_offset(trace: Trace) -> int:
     regions, which the window does not record: from empty regions it can put a request in a chunk
     it cannot split where TF split one, or the other way round, a chunk apart on every step. The
     recorded steps' own readings say by how much, and a plan's tensors meet the same regions."""
-    allocator = trace.allocator
-    read = allocator.get("recorded_peak_bytes")
-    if read is None or allocator.get("in_use_bytes") is None:
-        return 0
-    simulated = allocator_peaks(tensor_lifetimes(trace), allocator["name"], allocator["in_use_bytes"])
-    return read - max(simulated.values(), default=allocator["in_use_bytes"])
+    return MemoryCurve(trace, tensor_lifetimes(trace)).allocator_offset
 
 
 def unpredictable_peak(trace: Trace) -> str | None:
@@ -411,5 +427,7 @@ def unpredictable_peak(trace: Trace) -> str | None:
 def predict_memory(trace: Trace, lives: list[TensorLife] | None = None) -> MemoryPrediction:
     """The memory curve's maximum over the recorded steps, and the bytes by category then.
 
-    Each step's curve starts from the resident bytes and follows its tensors' births and deaths."""
-    return MemoryCurve(trace, tensor_lifetimes(trace) if lives is None else lives).predict()
+    Each step's curve starts from the resident bytes and follows its tensors' births and deaths:
+    the recorded ones, or ``lives`` (calibrated as the recorded ones, `MemoryCurve.with_lives`)."""
+    curve = MemoryCurve(trace, tensor_lifetimes(trace))
+    return (curve if lives is None else curve.with_lives(lives)).predict()

@@ -77,6 +77,7 @@ class Prediction:
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     layer_ms: dict[str, float] = field(default_factory=dict)
     exposed_comm_ms: float = 0.0  # the median step's collectives past its last backward op
+    peak_bytes_simulated: int | None = None  # TF's allocator simulated, uncalibrated (largest rank's)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -318,6 +319,9 @@ class Predictor:
             memory_breakdown=largest.breakdown,
             layer_ms=graph.layer_totals(dur / 1e3, ("forward", "backward", "cast")),
             exposed_comm_ms=graph.exposed_comm_us(timings[typical]) / 1e3,
+            peak_bytes_simulated=max(
+                (m.simulated_peak_bytes for m in memory if m.simulated_peak_bytes is not None), default=None
+            ),
         )
 
     @property
