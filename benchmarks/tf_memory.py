@@ -15,7 +15,14 @@ type, applies the plan on every rank, verifies it and keeps it or rolls it back)
   step time too;
 - **the plan** (verification.json, when one was applied): its measured peak (the verify window's
   timed steps) against its predicted one (its bf16 ops' allocations halved and its casts added,
-  `predictor/op_precision.op_type_lives`).
+  `predictor/op_precision.op_type_lives`);
+- **TF's uniform bf16 rewrite** (``--uniform``, on by default), whichever plan the run chose: the
+  uniform plan (`tf_plans.uniform_plan`) priced on the apply run's traces, then applied from the
+  first call of a run of its own in mode "report" (``--plan``), whose timed steps measure its peak.
+  Its predicted peak is calibrated on what TF's allocator read in the bf16 probe's profiled steps,
+  which ran that rewrite (`op_precision.rewrite_reading`: a reconstruction, in-sample); beside it
+  the same tensors calibrated on the recorded configuration's reading instead, and the simulation
+  alone.
 
 The runs of one repeat go one after the other in every (model, processes), in an order reversed
 from one repeat to the next. Writes ``<out>/tf_memory.md`` and ``<out>/tf_memory.json``; exits
@@ -24,7 +31,7 @@ unless the environment sets it): without it TF's CPU allocator keeps no statisti
 off by itself on some CPUs (this project's VMs without AVX-512); the table's line says which.
 
     python benchmarks/tf_memory.py [--models mlp,cnn,gru,resnet] [--procs 1,2] [--repeats 2]
-        [--batch-size 32] [--out benchmarks/results]
+        [--batch-size 32] [--no-uniform] [--out benchmarks/results]
     python benchmarks/tf_memory.py --quick     # smoke run: mlp and gru, 1 process, once
 """
 
@@ -49,7 +56,10 @@ from runs import (
 )
 
 from qsync_callback.jsonio import read_json
-from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.planner.tf_plans import uniform_plan
+from qsync_callback.predictor.op_precision import op_type_table
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, load_trace_dir
 from qsync_callback.report import change_pct
 from qsync_callback.units import format_bytes
 
@@ -102,6 +112,56 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
             ),
         }
     return row
+
+
+def run_uniform(
+    model: str, procs: int, batch_size: int, run_dir: Path, apply_dir: Path
+) -> dict[str, Any] | str:
+    """TF's uniform bf16 rewrite, priced on the apply run's traces (``apply_dir``) and run in mode
+    report from the first call; its figures, or why there are none."""
+    traces = load_trace_dir(apply_dir / "qsync" / "trace")
+    predictor = Predictor(traces)
+    plan = uniform_plan(predictor)
+    if not plan.op_precision:
+        return f"{model} {procs}p: the bf16 probe measured no op type at bf16"
+    predicted = predictor.predict(plan)
+    plan.prediction = predicted.figures()
+    for trace in traces:  # the same tensors calibrated on the recorded configuration's reading
+        trace.precision_costs[OP_TYPE_COSTS] = {
+            k: v for k, v in op_type_table(trace).items() if k != "recorded_peak_bytes"
+        }
+    on_recorded = Predictor(traces).predict(plan).peak_bytes
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan.save(run_dir / "uniform_plan.json")
+    extra = [*WINDOW[:6], "--mode", "report", "--plan", str(run_dir / "uniform_plan.json")]
+    done = subprocess.run(
+        example_command(model, procs, batch_size, run_dir, extra),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S * 2,
+    )
+    (run_dir / "stdout.log").write_text(done.stdout)
+    (run_dir / "stderr.log").write_text(done.stderr)
+    report_path = run_dir / "qsync" / "report.json"
+    if done.returncode != 0 or not report_path.exists():
+        return f"{model} {procs}p uniform bf16: rc={done.returncode}: {stderr_tail(run_dir)}"
+    measured = read_json(report_path, what="report")["measured"]
+    return {
+        "op_types": sorted(plan.op_precision),
+        "peak_bytes": measured["peak_bytes"],
+        "peak_median_bytes": measured["peak_bytes_median"],
+        "peak_min_bytes": measured["peak_bytes_min"],
+        "predicted_peak_bytes": predicted.peak_bytes,
+        "peak_error_pct": change_pct(predicted.peak_bytes, measured["peak_bytes"]),
+        "peak_median_error_pct": change_pct(predicted.peak_bytes, measured["peak_bytes_median"]),
+        "on_recorded_peak_bytes": on_recorded,
+        "on_recorded_error_pct": change_pct(on_recorded, measured["peak_bytes"]),
+        "simulated_peak_bytes": predicted.peak_bytes_simulated,
+        "simulated_error_pct": change_pct(predicted.peak_bytes_simulated, measured["peak_bytes"]),
+        "step_ms": measured["step_ms"],
+        "predicted_step_ms": predicted.step_ms,
+        "step_error_pct": change_pct(predicted.step_ms, measured["step_ms"]),
+    }
 
 
 def _bytes(value: int | None) -> str:
@@ -193,8 +253,58 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], batch_size: int) -
             f"run-to-run noise of a model's step time (max - min over mean): median {noise:.1f}%."
             + _step_sentence(group)
         )
+    lines += _uniform_lines(rows)
     lines += [f"\nFailed: {f}" for f in failures]
     return "\n".join(lines) + "\n"
+
+
+def _uniform_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The uniform bf16 rewrite's table and its summary per process count (none without such rows)."""
+    runs = [(r, r["uniform"]) for r in rows if r.get("uniform")]
+    if not runs:
+        return []
+    lines = [
+        "\nTF's uniform bf16 rewrite, run from the first call (its own run in mode report): measured "
+        "against its peak priced on the apply run's traces, calibrated on the bf16 probe's reading "
+        "(the product's figure), on the recorded configuration's reading instead, and the simulation "
+        "alone.\n",
+        "| model | processes | op types | measured peak: largest (median, smallest) | predicted "
+        "| error vs largest | error vs median | on the recorded reading (error) | simulation alone "
+        "(error) | step ms measured / predicted (error) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r, u in runs:
+        lines.append(
+            f"| {r['model']} | {r['procs']} | {', '.join(u['op_types'])} | {format_bytes(u['peak_bytes'])} "
+            f"({format_bytes(u['peak_median_bytes'])}, {format_bytes(u['peak_min_bytes'])}) "
+            f"| {format_bytes(u['predicted_peak_bytes'])} | {_pct(u['peak_error_pct'])} "
+            f"| {_pct(u['peak_median_error_pct'])} | {format_bytes(u['on_recorded_peak_bytes'])} "
+            f"({_pct(u['on_recorded_error_pct'])}) | {_bytes(u['simulated_peak_bytes'])} "
+            f"({_pct(u['simulated_error_pct'])}) | {u['step_ms']:.1f} / {u['predicted_step_ms']:.1f} "
+            f"({_pct(u['step_error_pct'])}) |"
+        )
+    for procs in sorted({r["procs"] for r, _ in runs}):
+        group = [u for r, u in runs if r["procs"] == procs]
+        errors = {
+            name: [abs(u[key]) for u in group if u[key] is not None]
+            for name, key in (
+                ("calibrated on the probe's reading", "peak_error_pct"),
+                ("on the recorded reading", "on_recorded_error_pct"),
+                ("the simulation alone", "simulated_error_pct"),
+            )
+        }
+        parts = [
+            f"{name} median {statistics.median(e):.1f}% ({sum(x <= TARGET_PCT for x in e)} of {len(e)} "
+            f"within {TARGET_PCT:g}%)"
+            for name, e in errors.items()
+            if e
+        ]
+        lines.append(
+            f"\n{procs} process(es), uniform bf16, |peak error| against the largest step: "
+            + "; ".join(parts)
+            + "."
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp and gru, 1 process, once")
+    parser.add_argument(
+        "--no-uniform", dest="uniform", action="store_false", help="skip the uniform bf16 rewrite's runs"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     models, procs, repeats = args.models.split(","), [int(p) for p in args.procs.split(",")], args.repeats
@@ -215,13 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     rows, failures = [], []
     for repeat in range(repeats):
         for model, n in cells if repeat % 2 == 0 else cells[::-1]:
-            result = run_once(
-                model, n, args.batch_size, args.out / "tf_memory_runs" / f"{model}-{n}p-{repeat}"
-            )
+            run_dir = args.out / "tf_memory_runs" / f"{model}-{n}p-{repeat}"
+            result = run_once(model, n, args.batch_size, run_dir)
             if isinstance(result, str):
                 failures.append(result)
-            else:
-                rows.append({**result, "repeat": repeat})
+                continue
+            if args.uniform:
+                uniform = run_uniform(
+                    model, n, args.batch_size, run_dir.with_name(run_dir.name + "-uniform"), run_dir
+                )
+                if isinstance(uniform, str):
+                    failures.append(uniform)
+                else:
+                    result["uniform"] = uniform
+            rows.append({**result, "repeat": repeat})
     rows.sort(key=lambda r: (models.index(r["model"]), r["procs"], r["repeat"]))
     write_results(
         args.out,

@@ -30,6 +30,7 @@ from qsync_callback.predictor.memory import (
     tensor_lifetimes,
     unpredictable_peak,
 )
+from qsync_callback.predictor.op_precision import rewrite_reading
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Step, Trace
 
@@ -134,10 +135,10 @@ def test_random_sequences_give_one_peak_from_one_start():
 # ----------------------------------------------------------------------------- hand-made traces
 
 
-def _two_op_trace(allocator=None, made=4 * MiB, weight=8 * MiB):
+def _two_op_trace(allocator=None, made=4 * MiB, weight=8 * MiB, extra_events=()):
     """fc/MatMul (0-100 us) makes ``made`` bytes freed when fc/Relu (105-125) ends; fc/Relu makes as
     many, freed when loss (125-135) ends; the MatMul's inputs x (4 MiB) and w (``weight``) are no
-    recorded ops."""
+    recorded ops; ``extra_events`` are more of the trace's memory events."""
     ops = [
         op(0, "fc/MatMul", "forward", "main", 0.0, 100.0),
         op(1, "fc/Relu", "forward", "main", 105.0, 20.0),
@@ -154,6 +155,7 @@ def _two_op_trace(allocator=None, made=4 * MiB, weight=8 * MiB):
         "casts": {"fp32->bf16": {"us_per_byte": 0.0}, "bf16->fp32": {"us_per_byte": 0.0}},
     }
     events = [[1.0, 1, made, 0], [106.0, 2, made, 1], [125.0, 1, -made, 1], [134.0, 2, -made, 2]]
+    events = sorted([*events, *extra_events])
     return trace(
         ops, 135.0, precision_costs={"op_types": table}, memory_events=events, allocator=allocator or {}
     )
@@ -168,6 +170,25 @@ def test_an_op_type_plan_halves_what_its_ops_make_and_adds_its_casts():
     assert predictor.predict(plan).peak_bytes == 2 * MiB + 4 * MiB + 4 * MiB
     both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})  # one cast back, at the loss
     assert predictor.predict(both).peak_bytes == max(2 + 2 + 4, 2 + 2 + 4) * MiB
+
+
+def test_an_op_at_bf16_takes_the_rewrites_scratch_in_place_of_its_recorded_one():
+    """fc/MatMul's fp32 run took 1 MiB of scratch (10-50 us, within it); under the rewrite it took
+    6 MiB. At bf16 its recorded scratch is gone and the rewrite's is alive from its start to its end,
+    over its output (2 MiB) and the casts of x and w (2 + 4 MiB): 14 MiB. A trace recorded before
+    scratch was measured (no ``scratch`` in its table) scales the recorded scratch as it scales what
+    the op makes: the peak is then after the MatMul (10 MiB, as without the scratch)."""
+    scratch_events = [[10.0, 9, MiB, 0], [50.0, 9, -MiB, 0]]
+    trace_ = _two_op_trace(extra_events=scratch_events)
+    plan = Plan(op_precision={"MatMul": "bf16"})
+    predictor = Predictor([trace_])
+    assert predictor.predict().peak_bytes == 8 * MiB  # the recorded scratch under the MatMul's 4 MiB
+    assert predictor.predict(plan).peak_bytes == 10 * MiB
+    trace_.precision_costs["op_types"]["scratch"] = {"fc/MatMul": [MiB, 6 * MiB]}
+    assert Predictor([trace_]).predict(plan).peak_bytes == (2 + 2 + 4 + 6) * MiB
+    # an op the plan leaves at fp32 keeps its recorded scratch, whatever the rewrite took
+    trace_.precision_costs["op_types"]["scratch"] = {"fc/Relu": [0, 64 * MiB]}
+    assert Predictor([trace_]).predict(plan).peak_bytes == 10 * MiB
 
 
 def test_a_trace_of_tensorflows_allocator_is_priced_as_that_allocator_counts():
@@ -208,6 +229,29 @@ def test_a_trace_with_the_allocators_own_reading_is_calibrated_on_it():
     assert (
         allocator_offset(higher) == MiB and Predictor([higher]).predict(plan).peak_bytes == uncalibrated + MiB
     )
+
+
+def test_the_uniform_rewrites_plan_is_calibrated_on_what_the_allocator_read_under_the_rewrite():
+    """The bf16 probe's profiled steps ran TF's uniform rewrite (MatMul and Relu at bf16 here) and the
+    allocator read 13 MiB in them: the plan that is that rewrite is calibrated on its own reading,
+    not on the recorded configuration's; a plan of other op types keeps the recorded one's offset."""
+    in_use = 10 * MiB
+    recorded = {"name": "mklcpu", "in_use_bytes": in_use, "recorded_peak_bytes": in_use + 6 * MiB}
+    trace_ = _two_op_trace(recorded, made=3 * MiB)
+    uniform, matmul = (
+        Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"}),
+        Plan(op_precision={"MatMul": "bf16"}),
+    )
+    before = [Predictor([trace_]).predict(p) for p in (uniform, matmul)]
+    trace_.precision_costs["op_types"]["recorded_peak_bytes"] = in_use + 3 * MiB
+    after = [Predictor([trace_]).predict(p) for p in (uniform, matmul)]
+    assert after[0].peak_bytes == in_use + 3 * MiB != before[0].peak_bytes
+    assert after[0].peak_bytes_simulated == before[0].peak_bytes_simulated
+    assert after[1].peak_bytes == before[1].peak_bytes == after[1].peak_bytes_simulated - 2 * MiB
+    # the reading belongs to one precision's rewrite: a plan of the same types at fp16 is not it
+    assert rewrite_reading(trace_.precision_costs["op_types"], uniform.op_precision) == in_use + 3 * MiB
+    assert rewrite_reading(trace_.precision_costs["op_types"], {"MatMul": "fp16", "Relu": "fp16"}) is None
+    assert rewrite_reading(trace_.precision_costs["op_types"], {"MatMul": "bf16", "Relu": "fp16"}) is None
 
 
 def test_a_reading_that_is_no_amount_of_bytes_is_refused():

@@ -27,9 +27,10 @@ from qsync_callback.integrations.horovod_tf.mixed_precision import (
     rewrite_on,
 )
 from qsync_callback.plan import Constraints, Plan
-from qsync_callback.planner.op_precision import choose_op_precision
+from qsync_callback.planner.op_precision import choose_op_precision, measured_op_types
 from qsync_callback.predictor.op_precision import op_precisions
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.tf_op_types import allocated_per_step
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import keras_layers
 
@@ -342,6 +343,12 @@ def test_the_examples_planning_window_measures_tfs_bf16_rewrite_per_op_type(tmp_
     assert len(trace.measured["step_ms"]) == 3
     assert (out / "trace" / "rank0" / "profile" / "bf16_probe").is_dir()  # a TensorBoard run of its own
     predictor = Predictor([trace])
+    # the allocator's reading in the probe's profiled steps: the uniform plan's peak is calibrated on it
+    assert table["recorded_peak_bytes"] > trace.allocator["in_use_bytes"]
+    uniform = Plan(
+        fingerprint=trace.fingerprint, op_precision=dict.fromkeys(measured_op_types(predictor), "bf16")
+    )
+    assert predictor.predict(uniform).peak_bytes == table["recorded_peak_bytes"]
     verification = out / "verification.json"
     if verification.exists():  # a plan was predicted faster: it was applied and verified
         candidate = Plan.from_dict(json.loads(verification.read_text())["plan"])
@@ -351,6 +358,28 @@ def test_the_examples_planning_window_measures_tfs_bf16_rewrite_per_op_type(tmp_
     else:
         assert Plan.load(out / "plan.json").is_empty
         assert "the recorded configuration is the plan; nothing to apply" in run.stdout
+
+
+def test_what_an_op_makes_is_told_from_its_scratch_by_when_its_allocations_are_freed():
+    """Over two steps: conv (0-10 us) is given 1 MiB (freed at 5) and 2 MiB (freed at 8) of scratch,
+    3 MiB alive at once, and makes 4 MiB freed after it; relu (10-20) makes 1 MiB never freed in the
+    steps. An address given again after its free is paired with its new allocation."""
+    ops = [op(0, "conv", "forward", "main", 0.0, 10.0), op(1, "relu", "forward", "main", 10.0, 10.0)]
+    MiB = 1 << 20
+    events = [
+        [1.0, 0xA, MiB, 0],
+        [2.0, 0xB, 2 * MiB, 0],
+        [3.0, 0xC, 4 * MiB, 0],
+        [5.0, 0xA, -MiB, 0],
+        [8.0, 0xB, -2 * MiB, 0],
+        [9.0, 0xA, MiB, 0],  # 0xA again: scratch of 1 MiB, alive beside nothing else of conv's
+        [9.5, 0xA, -MiB, 0],
+        [12.0, 0xD, MiB, 1],
+        [15.0, 0xC, -4 * MiB, 1],
+    ]
+    made, scratch = allocated_per_step(ops, events, steps=2)
+    assert made == {"conv": 2 * MiB, "relu": MiB // 2}  # per step, over the two
+    assert scratch == {"conv": 3 * MiB}
 
 
 def test_ops_the_plan_does_not_name_follow_the_ops_upstream_of_them():

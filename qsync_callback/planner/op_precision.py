@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qsync_callback.plan import FULL_PRECISION, Plan
-from qsync_callback.predictor.op_precision import op_type_table
+from qsync_callback.predictor.op_precision import op_type_table, uniform_op_types
 from qsync_callback.predictor.predict import Prediction, Predictor
 
 EXHAUSTIVE_MAX = 6
@@ -64,10 +64,7 @@ def candidate_op_types(predictor: Predictor, decided: Iterable[str], low: str = 
 def measured_op_types(predictor: Predictor, low: str = LOW_PRECISION) -> list[str]:
     """Op types measured at ``low`` on every one of their ops (what the framework's own rewrite ran
     there): the per-op-type picture of its uniform rewrite."""
-    costs = op_type_table(predictor.traces[0]).get("costs", {})
-    return sorted(
-        t for t, c in costs.items() if c.get(f"{low}_us") is not None and c["measured_ops"] == c["ops"]
-    )
+    return uniform_op_types(op_type_table(predictor.traces[0]), low)
 
 
 def choose_op_precision(

@@ -36,7 +36,9 @@ recorded no allocations) is refused, with the reason.
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
 those the rewrite ran at bf16 is a configuration the probe already ran: its figure reconstructs the
-probe's profiled op times on the recorded step, rather than predicting an unseen configuration.
+probe's profiled op times on the recorded step, and its peak is its tensors' simulation calibrated
+on what TF's allocator read in the probe's profiled steps (`op_precision.rewrite_reading`), rather
+than predicting an unseen configuration.
 The table marks such a candidate (`reconstructs_probe`). Its verification (`verify.py`) still
 measures it on calls of its own that feed no prediction.
 
@@ -137,8 +139,9 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     if rebuilt:
         notes.append(
             f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled; the figure "
-            "reconstructs those profiled op times on the recorded step (an in-sample figure, not a "
-            "prediction of an unseen configuration)"
+            "reconstructs those profiled op times on the recorded step, and its peak is calibrated on "
+            "what the allocator read in those steps (in-sample figures, not a prediction of an unseen "
+            "configuration)"
         )
     return PlanChoice(plan, best in feasible, _table(priced, best[0], notes, rebuilt))
 
@@ -177,6 +180,13 @@ def beats(plan: Prediction, other: Prediction, margin_pct: float) -> bool:
     return statistics.fmean(changes) + mean_band(changes) < -margin_pct
 
 
+def uniform_plan(predictor: Predictor) -> Plan:
+    """TF's uniform bf16 rewrite as an op-type plan: every op type it ran at bf16 on all its ops
+    (`op_precision.measured_op_types`), at bf16."""
+    uniform = dict.fromkeys(measured_op_types(predictor), LOW_PRECISION)
+    return Plan(fingerprint=dict(predictor.traces[0].fingerprint), op_precision=uniform)
+
+
 def _op_type_plans(
     predictor: Predictor, constraints: Constraints, notes: list[str]
 ) -> list[tuple[str, Plan]]:
@@ -190,8 +200,8 @@ def _op_type_plans(
         notes.append(f"bf16 plans: {why}")
         return []
     fingerprint = dict(predictor.traces[0].fingerprint)
-    uniform = dict.fromkeys(measured_op_types(predictor), LOW_PRECISION)
-    plans = [(f"bf16 uniform ({len(uniform)} op types)", Plan(fingerprint=fingerprint, op_precision=uniform))]
+    uniform = uniform_plan(predictor)
+    plans = [(f"bf16 uniform ({len(uniform.op_precision)} op types)", uniform)]
     choice = choose_op_precision(predictor, Plan(fingerprint=fingerprint), UNSAFE_OP_TYPES)
     low = sorted(t for t, p in choice.plan.op_precision.items() if p == LOW_PRECISION)
     if low:

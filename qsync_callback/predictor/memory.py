@@ -203,30 +203,44 @@ class MemoryCurve:
     """One rank's recorded memory curve, ready to be priced again with extra tensors: each step's
     births and deaths (`lifetime_events`).
 
-    ``lives`` are the recorded tensors (`tensor_lifetimes`), on which a trace of TF's allocator is
-    calibrated (`allocator_offset`), or, with ``allocator_offset_bytes`` given, a plan's tensors
-    calibrated as the recorded ones were (`with_lives`)."""
+    On a trace of TF's allocator, the simulation of ``lives`` is calibrated on a reading of that
+    allocator in steps that ran them (`allocator_offset`): ``lives`` are the recorded tensors
+    (`tensor_lifetimes`), calibrated on the recorded steps' reading, or a plan's tensors calibrated
+    on ``allocator_reading`` (the steps of the configuration they are: `with_lives`), or calibrated
+    as the recorded ones were, by ``allocator_offset_bytes``."""
 
-    def __init__(self, trace: Trace, lives: Sequence[TensorLife], allocator_offset_bytes: int | None = None):
+    def __init__(
+        self,
+        trace: Trace,
+        lives: Sequence[TensorLife],
+        allocator_offset_bytes: int | None = None,
+        allocator_reading: int | None = None,
+    ):
         self.resident_bytes = dict(trace.resident_bytes)
         self.lives = list(lives)
         self._trace = trace
         self._resident = sum(trace.resident_bytes.values())
         self._steps = lifetime_events(lives)
         self._allocator_offset = allocator_offset_bytes  # `allocator_offset`, when first needed
+        self._reading = (
+            trace.allocator.get("recorded_peak_bytes") if allocator_reading is None else allocator_reading
+        )
         self._simulated: dict[int, int] | None = None  # `allocator_peaks` of ``lives``, when first needed
 
-    def with_lives(self, lives: Sequence[TensorLife]) -> MemoryCurve:
+    def with_lives(self, lives: Sequence[TensorLife], reading: int | None = None) -> MemoryCurve:
         """The same rank's curve with other tensors (a plan's, `op_precision.op_type_lives`),
-        calibrated as this one (`allocator_offset`)."""
+        calibrated on ``reading`` where the allocator read the configuration they are (the uniform
+        rewrite's profiled steps, `op_precision.rewrite_reading`), else as this one."""
+        if reading is not None:
+            return MemoryCurve(self._trace, lives, allocator_reading=reading)
         return MemoryCurve(self._trace, lives, self.allocator_offset)
 
     @property
     def allocator_offset(self) -> int:
-        """What TF's allocator read in the recorded steps over what its simulation reads for the
-        recorded tensors (`allocator_offset`); 0 without such a reading."""
+        """What TF's allocator read in steps that ran this curve's tensors over what its simulation
+        reads for them (`allocator_offset`); 0 without such a reading."""
         if self._allocator_offset is None:
-            read = self._trace.allocator.get("recorded_peak_bytes")
+            read = self._reading
             if read is None or self._trace.allocator.get("in_use_bytes") is None:
                 self._allocator_offset = 0
             else:

@@ -24,8 +24,13 @@ measured cost per byte of the casts that rewrite inserted.
   it. Ops the trace gives no type (inputs, variables, ops of other threads) count as fp32.
 
 - Memory (`op_type_lives`): a recorded allocation made by an op that now runs at a 16-bit
-  precision is resized by what the uniform rewrite's profiled steps allocated for that op over
-  what the recorded steps did (``allocated``; half where the rewrite did not run it low). Each cast
+  precision and outliving it is resized by what the uniform rewrite's profiled steps allocated for
+  that op and kept past it over what the recorded steps did (``allocated``; half where the rewrite
+  did not run it low). Its scratch (what it allocates and frees before it ends) is the rewrite's
+  (``scratch``: the most of it alive at once, from the op's start to its end), in place of the
+  recorded one: oneDNN's low-precision kernels can take far more than the fp32 ones (a
+  convolution's filter gradient in bf16 on a CPU without native bf16: 26 MiB, where fp32 took
+  none the allocator counted). Each cast
   of a producer's output to the other precision is a new tensor, one for all its consumers there:
   to the low precision from the start of the first of them, back to fp32 from the producer's end,
   to the end of the last of them; its bytes as the rewrite's own cast of that output allocated
@@ -55,6 +60,26 @@ from qsync_callback.recorder.trace import OP_TYPE_COSTS, Op, Trace
 def op_type_table(trace: Trace) -> Mapping:
     """The trace's per-op-type costs (empty if it has none)."""
     return trace.precision_costs.get(OP_TYPE_COSTS, {})
+
+
+def uniform_op_types(table: Mapping, low: str) -> list[str]:
+    """Op types of ``table`` measured at ``low`` on every one of their ops (what the framework's own
+    rewrite ran there): the per-op-type picture of its uniform rewrite."""
+    costs = table.get("costs", {})
+    return sorted(
+        t for t, c in costs.items() if c.get(f"{low}_us") is not None and c["measured_ops"] == c["ops"]
+    )
+
+
+def rewrite_reading(table: Mapping, op_precision: Mapping[str, str]) -> int | None:
+    """What the allocator read in use in the profiled steps of the uniform rewrite
+    (``recorded_peak_bytes``) where ``op_precision`` is that rewrite (its changed op types exactly
+    `uniform_op_types` at one precision); else None."""
+    changed = changed_op_types(op_precision)
+    precisions = set(changed.values())
+    if len(precisions) != 1 or sorted(changed) != uniform_op_types(table, precisions.pop()):
+        return None
+    return table.get("recorded_peak_bytes")
 
 
 def changed_op_types(op_precision: Mapping[str, str]) -> dict[str, str]:
@@ -213,21 +238,34 @@ def op_type_lives(
     trace: Trace, lives: Sequence[TensorLife], op_precision: Mapping[str, str]
 ) -> list[TensorLife]:
     """The tensors of ``trace``'s recorded steps (``lives``, `memory.tensor_lifetimes`) under op-type
-    plan ``op_precision``: those its low-precision ops make resized, and its casts added (see the
-    module docstring)."""
+    plan ``op_precision``: those its low-precision ops make resized, their scratch as the rewrite's,
+    and its casts added (see the module docstring)."""
     if not changed_op_types(op_precision):
         return list(lives)
     table = op_type_table(trace)
     precisions = op_precisions(table, op_precision)
-    out = [
-        dataclasses.replace(life, bytes=int(life.bytes * _made_ratio(table, life.birth_op.name)))
-        if life.birth_op is not None and precisions.get(life.birth_op.name, FULL_PRECISION) != FULL_PRECISION
-        else life
-        for life in lives
-    ]
+    scratch = table.get("scratch")  # None in traces recorded before it was measured
+
+    def low(op: Op | None) -> bool:
+        return op is not None and precisions.get(op.name, FULL_PRECISION) != FULL_PRECISION
+
+    out = []
+    for life in lives:
+        if not low(life.birth_op):
+            out.append(life)
+        elif scratch is None or life.death_us is None or life.death_us > life.birth_op.end_us:
+            out.append(
+                dataclasses.replace(life, bytes=int(life.bytes * _made_ratio(table, life.birth_op.name)))
+            )
     ran: dict[tuple[int, str], list[Op]] = defaultdict(list)
     for op in trace.ops:
         ran[(op.step, op.name)].append(op)
+        if scratch is not None and low(op) and scratch.get(op.name, (0, 0))[1]:
+            out.append(
+                TensorLife(
+                    -1, scratch[op.name][1], op.step, op.start_us, op.end_us, op, op, "temporaries", op.layer
+                )
+            )
     steps = sorted({op.step for op in trace.ops})
     casts: dict[tuple[int, str, str], list] = {}  # (step, producer, to) -> [bytes, birth op, birth, last use]
     for producer, consumer, nbytes in table.get("edges", []):
@@ -258,8 +296,8 @@ def op_type_lives(
 
 
 def _made_ratio(table: Mapping, name: str) -> float:
-    """What op ``name`` allocates at the low precision over at fp32: as measured under the uniform
-    rewrite where it ran at it (``allocated``), else half."""
+    """What op ``name`` makes (allocations that outlive it) at the low precision over at fp32: as
+    measured under the uniform rewrite where it ran at it (``allocated``), else half."""
     fp32, low = table.get("allocated", {}).get(name, (0, 0))
     if fp32 and name in table.get("low_ops", ()):
         return low / fp32

@@ -41,7 +41,13 @@ from qsync_callback.predictor.compiled_regions import (
 )
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import MemoryCurve, TensorLife, lifetime_events, tensor_lifetimes
-from qsync_callback.predictor.op_precision import apply_op_precision, check_op_precision_plan, op_type_lives
+from qsync_callback.predictor.op_precision import (
+    apply_op_precision,
+    check_op_precision_plan,
+    op_type_lives,
+    op_type_table,
+    rewrite_reading,
+)
 from qsync_callback.predictor.precision import (
     PrecisionDurations,
     PrecisionLives,
@@ -180,7 +186,10 @@ class Predictor:
         curves = None
         if plan.op_precision:
             curves = [
-                curve.with_lives(op_type_lives(trace, curve.lives, plan.op_precision))
+                curve.with_lives(
+                    op_type_lives(trace, curve.lives, plan.op_precision),
+                    rewrite_reading(op_type_table(trace), plan.op_precision),
+                )
                 for trace, curve in zip(self.traces, self._curves, strict=True)
             ]
         runs = [(c.dur, frozenset()) for c in compiled]

@@ -7,7 +7,10 @@ returns the undo), after the recorded window: the first call with TF's graph col
 yields the graph TF really runs (names, fused types, dtypes, data inputs, the rewrite's Cast ops);
 `SETTLE_CALLS` unprofiled (the first calls of a rewritten step are slower: TF and oneDNN build and
 cache its kernels, which would make bf16 look slow against the recorded fp32 steps); then
-`PROFILED_STEPS` under one ``tf.profiler`` session, each marked as a step. The calls always run,
+`PROFILED_STEPS` under one ``tf.profiler`` session, each marked as a step. Five, not fewer: the
+allocator's peak under the rewrite moves from step to step by more than under fp32 (the example's
+MLP on one process, on a CPU without native bf16: 27.0 to 34.0 MiB over 31 steps, where fp32 read
+18.0 to 20.0), and the uniform plan's predicted peak is the most these steps read. The calls always run,
 once each; a failure of the probe's own work switches the step back at once, and the table then
 only says why nothing was measured (``{"note": ...}``).
 
@@ -20,8 +23,11 @@ bf16 op types are those the rewrite ran, the configuration these calls profiled;
 reconstruction of them, and the planner's table says so (`planner/tf_plans.py`).
 
 `op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
-(schema in `recorder/trace.py`), with what the allocator gave each op per step in both, and each
-of the rewrite's casts (what an op-type plan's peak is priced on, `predictor/op_precision.py`).
+(schema in `recorder/trace.py`), with what the allocator gave each op per step in both (what it
+made, and its scratch: `allocated_per_step`), and each of the rewrite's casts (what an op-type
+plan's peak is priced on, `predictor/op_precision.py`), and
+the most the allocator read in use in the profiled steps (the rewrite's own peak, on which the
+uniform plan's predicted peak is calibrated).
 The table's unit is TF's: an op type as its lists name it. The profile names ops after fusion
 (a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as
 its root type (MatMul). Tensor sizes come from the traced step
@@ -45,7 +51,7 @@ from qsync_callback.recorder.xspace import STEP_NAME, convert_xspace, find_xspac
 
 LOW = "bf16"
 SETTLE_CALLS = 3  # after graph collection: oneDNN creates and caches the bf16 primitives, TF warms up
-PROFILED_STEPS = 3
+PROFILED_STEPS = 5
 PROBE_CALLS = 1 + SETTLE_CALLS + PROFILED_STEPS
 _FIRST_PROFILED = 1 + SETTLE_CALLS
 _FUSED_ROOT = {
@@ -198,14 +204,41 @@ def _per_step_us(names_durs: Sequence[tuple[str, float]], steps: int) -> dict[st
     return totals
 
 
-def _allocated_per_step(ops: Sequence[Any], memory_events: Sequence[Sequence], steps: int) -> dict[str, int]:
-    """Bytes the allocator gave each op (by name) per step, over ``steps`` steps."""
-    names = {op.id: op.name for op in ops}
-    totals: dict[str, int] = {}
-    for _, _, nbytes, op_id in memory_events:
-        if nbytes > 0 and op_id in names:
-            totals[names[op_id]] = totals.get(names[op_id], 0) + nbytes
-    return {name: total // max(steps, 1) for name, total in totals.items()}
+def allocated_per_step(
+    ops: Sequence[Any], memory_events: Sequence[Sequence], steps: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per op (by name): the bytes the allocator gave it per step that outlived it (over ``steps``
+    steps), and its scratch: the most bytes it was given and freed before it ended alive at once
+    (the largest over its runs). An allocation is paired with the next free of its address."""
+    by_id = {op.id: op for op in ops}
+    events = sorted(memory_events, key=lambda e: (e[0], e[2]))  # at one time, frees first
+    freed_at: dict[int, float] = {}  # event index of an allocation -> when its address was freed
+    open_at: dict[Any, int] = {}
+    for k, (ts, addr, nbytes, _) in enumerate(events):
+        if nbytes > 0:
+            open_at[addr] = k
+        elif addr in open_at:
+            freed_at[open_at.pop(addr)] = ts
+    made: dict[str, int] = {}
+    scratch: dict[str, int] = {}
+    alive: dict[int, int] = {}  # op id -> its scratch bytes alive now
+    scratch_of: dict[Any, tuple[int, int]] = {}  # address -> (op id, bytes) of scratch alive there
+    for k, (_, addr, nbytes, op_id) in enumerate(events):
+        if nbytes < 0:
+            if addr in scratch_of:
+                owner, given = scratch_of.pop(addr)
+                alive[owner] -= given
+            continue
+        op = by_id.get(op_id)
+        if op is None:
+            continue
+        if freed_at.get(k, float("inf")) <= op.start_us + op.dur_us:
+            scratch_of[addr] = (op.id, nbytes)
+            alive[op.id] = alive.get(op.id, 0) + nbytes
+            scratch[op.name] = max(scratch.get(op.name, 0), alive[op.id])
+        else:
+            made[op.name] = made.get(op.name, 0) + nbytes
+    return {name: total // max(steps, 1) for name, total in made.items()}, scratch
 
 
 def op_type_table(
@@ -268,8 +301,10 @@ def op_type_table(
         entry["casts"] += 1
     for entry in cast_costs.values():
         entry["us_per_byte"] = entry["us"] / entry["bytes"]
-    fp32_bytes = _allocated_per_step(trace.ops, trace.memory_events, len(trace.steps))
-    bf16_bytes = _allocated_per_step(converted["ops"], converted["memory_events"], len(converted["steps"]))
+    fp32_bytes, fp32_scratch = allocated_per_step(trace.ops, trace.memory_events, len(trace.steps))
+    bf16_bytes, bf16_scratch = allocated_per_step(
+        converted["ops"], converted["memory_events"], len(converted["steps"])
+    )
     cast_allocated = {}
     for name, node in casts.items():
         found = source(node.input[0])
@@ -277,16 +312,24 @@ def op_type_table(
             direction = LOW if node.attr["DstT"].type == bf16 else FULL_PRECISION
             key = f"{found[0]}->{direction}"
             cast_allocated[key] = cast_allocated.get(key, 0) + bf16_bytes.get(name, 0)
-    return {
+    table = {
         "ops": ops,
         "low_ops": sorted(low_ops),
         "edges": edges,
         "costs": costs,
         "casts": cast_costs,
         "allocated": {name: [fp32_bytes.get(name, 0), bf16_bytes.get(name, 0)] for name in ops},
+        "scratch": {
+            name: [fp32_scratch.get(name, 0), bf16_scratch.get(name, 0)]
+            for name in ops
+            if fp32_scratch.get(name) or bf16_scratch.get(name)
+        },
         "cast_allocated": cast_allocated,
         "source": (
             f"rank {trace.rank}: fp32 from its {len(trace.steps)} recorded steps, bf16 and the rewrite's "
             f"casts from {len(converted['steps'])} profiled steps of TF's uniform bf16 rewrite"
         ),
     }
+    if converted["recorded_peak_bytes"] is not None:
+        table["recorded_peak_bytes"] = converted["recorded_peak_bytes"]
+    return table

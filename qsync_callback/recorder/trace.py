@@ -97,9 +97,15 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
      "casts": {"fp32->bf16": {"us_per_byte": .., "bytes": .., "casts": 9}, "bf16->fp32": {...}},
                                                # the rewrite's own Cast ops, per step, per fp32 byte
      "allocated": {"mlp/fc1/Relu": [1048576, 524288], ...},   # bytes the allocator gave an op per
-                                               # step: recorded (fp32), and under the rewrite
+                                               # step that outlived it: recorded (fp32), and under
+                                               # the rewrite
+     "scratch": {"g/conv/Conv2DBackpropFilter": [0, 27721728], ...},   # the most bytes an op was
+                                               # given and freed before it ended alive at once:
+                                               # recorded, and under the rewrite (ops with some)
      "cast_allocated": {"mlp/fc1/Relu->bf16": 524288, ...},   # the same of the rewrite's casts of a
                                                # producer's output, by producer and direction
+     "recorded_peak_bytes": 34603008,          # the most TF's allocator read in use in the profiled
+                                               # steps of the rewrite (where it reads)
      "source": "..."}                          # what was measured where (rank, steps)
     {"note": "..."}                            # instead, where the probe measured nothing: why
 """
@@ -401,7 +407,9 @@ _PRECISION_COSTS = Fields(
                 "costs": MapOf(Fields(optional={"ops": COUNT, "measured_ops": COUNT}, rest=Nullable(NUMBER))),
                 "casts": MapOf(Fields(required={"us_per_byte": NUMBER})),
                 "allocated": MapOf(Row((AMOUNT, AMOUNT), "[fp32 bytes, bf16 bytes]")),
+                "scratch": MapOf(Row((AMOUNT, AMOUNT), "[fp32 bytes, bf16 bytes]")),
                 "cast_allocated": MapOf(AMOUNT),
+                "recorded_peak_bytes": AMOUNT,
                 "source": STRING,
             }
         ),
