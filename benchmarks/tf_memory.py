@@ -100,7 +100,7 @@ def run_once(model: str, procs: int, batch_size: int, run_dir: Path) -> dict[str
     }
     if (qsync / "verification.json").exists():
         verification = read_json(qsync / "verification.json", what="verification")
-        plan = read_json(qsync / "plan.json", what="plan") if (qsync / "plan.json").exists() else {}
+        plan = verification.get("plan") or {}  # the plan verified (plan.json: the one kept)
         low = sorted(t for t, p in (plan.get("op_precision") or {}).items() if p != "fp32")
         row["plan"] = {
             "op_types": low,
