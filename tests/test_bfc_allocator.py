@@ -216,6 +216,7 @@ def test_a_trace_with_the_allocators_own_reading_is_calibrated_on_it():
     assert Predictor([simulated_only]).predict().peak_bytes == in_use + 8 * MiB
     recorded = Predictor([calibrated]).predict()
     assert recorded.peak_bytes == in_use + 6 * MiB and recorded.peak_bytes_simulated == in_use + 8 * MiB
+    assert memory.predict_memory(calibrated).step_peaks == {0: in_use + 6 * MiB}  # each step moved
     plan = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
     uncalibrated = Predictor([simulated_only]).predict(plan).peak_bytes
     planned = Predictor([calibrated]).predict(plan)

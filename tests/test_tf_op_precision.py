@@ -15,7 +15,6 @@ import pytest
 import tensorflow as tf
 
 from qsync_callback.cache import plan_cache_path, store_plan
-from qsync_callback.errors import QSyncInputError
 from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.integrations.horovod_tf.horovod_run import batch_shapes_of, job_name, tf_fingerprint
 from qsync_callback.integrations.horovod_tf.mixed_precision import (
@@ -27,8 +26,7 @@ from qsync_callback.integrations.horovod_tf.mixed_precision import (
     rewrite_on,
 )
 from qsync_callback.plan import Constraints, Plan
-from qsync_callback.planner.op_precision import choose_op_precision, measured_op_types
-from qsync_callback.predictor.op_precision import op_precisions
+from qsync_callback.planner.op_precision import measured_op_types
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.tf_op_types import allocated_per_step
 from qsync_callback.recorder.trace import load_trace_dir
@@ -36,77 +34,7 @@ from qsync_callback.recorder.xspace import keras_layers
 
 from keras_steps import NO_BF16_CPU, cpu_runs_bf16, mlp_and_step
 from tf_launch import EXAMPLE, run_python
-from tracebuilder import op, trace
-
-
-def _op_trace(costs: dict, threads: tuple[str, str] = ("main", "main")):
-    """One step: fc/MatMul (0-100 us) then fc/Relu (105-125) then loss (125-135); the MatMul's
-    inputs are the batch x (400 bytes) and the weight w (800 bytes), which are no recorded ops."""
-    mm, relu = threads
-    ops = [
-        op(0, "fc/MatMul", "forward", mm, 0.0, 100.0),
-        op(1, "fc/Relu", "forward", relu, 105.0, 20.0),
-        op(2, "loss", "forward", "main", 125.0, 10.0),
-    ]
-    table = {
-        "ops": {"fc/MatMul": "MatMul", "fc/Relu": "Relu", "loss": "Sum"},
-        "edges": [["x", "fc/MatMul", 400], ["w", "fc/MatMul", 800], ["fc/MatMul", "fc/Relu", 400]]
-        + [["fc/Relu", "loss", 400]],
-        "costs": costs,
-        "casts": {"fp32->bf16": {"us_per_byte": 0.01}, "bf16->fp32": {"us_per_byte": 0.02}},
-    }
-    return trace(ops, 135.0, precision_costs={"op_types": table})
-
-
-MATMUL = {"ops": 1, "measured_ops": 1, "fp32_us": 100.0, "bf16_us": 25.0}
-RELU = {"ops": 1, "measured_ops": 1, "fp32_us": 20.0, "bf16_us": 10.0}
-
-
-def test_changed_op_types_are_scaled_and_casts_added_where_precisions_meet():
-    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": RELU})])
-    assert predictor.predict().step_ms == pytest.approx(0.135)
-    # MatMul at bf16: 100 -> 25 us; x and w cast to bf16 before it (4 + 8 us), its output back to
-    # fp32 after it (8 us); the host gap before Relu (5 us) stays: Relu 20, loss 10
-    only_matmul = Plan(op_precision={"MatMul": "bf16"})
-    assert predictor.predict(only_matmul).step_ms == pytest.approx((4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3)
-    # MatMul and Relu at bf16: no cast between them; Relu's output cast back (8 us)
-    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
-    assert predictor.predict(both).step_ms == pytest.approx((4 + 8 + 25 + 5 + 10 + 8 + 10) / 1e3)
-    # an op type kept at fp32 changes nothing
-    assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
-
-
-def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():
-    """Relu runs on another thread and waited 105 us for the MatMul: with the MatMul faster (and its
-    casts), Relu starts right after them, not after the recorded 105 us."""
-    predictor = Predictor([_op_trace({"MatMul": MATMUL}, threads=("tid:1", "main"))])
-    assert predictor.predict().step_ms == pytest.approx(0.135)
-    plan = Plan(op_precision={"MatMul": "bf16"})
-    assert predictor.predict(plan).step_ms == pytest.approx((4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3)
-
-
-def test_plans_the_traces_cannot_price_are_refused():
-    predictor = Predictor([_op_trace({"MatMul": MATMUL})])
-    with pytest.raises(QSyncInputError, match="op type 'Relu' at bf16 was not measured"):
-        predictor.predict(Plan(op_precision={"Relu": "bf16"}))
-    bare = Predictor([trace([op(0, "fc/MatMul", "forward", "main", 0.0, 10.0)], 10.0)])
-    with pytest.raises(QSyncInputError, match="has no per-op-type precision costs"):
-        bare.predict(Plan(op_precision={"MatMul": "bf16"}))
-
-
-def test_the_planner_chooses_by_predicted_step_and_leaves_excluded_types_alone():
-    """Relu is slower at bf16 (30 us against 20): at bf16 it would save the cast between it and the
-    MatMul (8 us) but need one after it (8 us), a loss of 10 us, so it stays fp32. Sum is excluded."""
-    slower_relu = {**RELU, "bf16_us": 30.0}
-    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": slower_relu, "Sum": dict(MATMUL)})])
-    choice = choose_op_precision(predictor, Plan(), exclude=["Sum"])
-    assert choice.plan.op_precision == {"MatMul": "bf16", "Relu": "fp32"}
-    assert choice.candidates == ["MatMul"] and choice.search == "exhaustive" and choice.plans_priced == 4
-    # cheaper at bf16, Relu joins MatMul there: 25 + 15 and one cast back instead of 25 + 20
-    faster_relu = {**RELU, "bf16_us": 15.0}
-    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": faster_relu})])
-    assert choose_op_precision(predictor, Plan()).plan.op_precision == {"MatMul": "bf16", "Relu": "bf16"}
-    assert choice.prediction.step_ms == predictor.predict(choice.plan).step_ms
+from tracebuilder import op
 
 
 def test_an_op_type_plan_becomes_tf_env_lists_and_a_priorlist(tmp_path):
@@ -380,33 +308,3 @@ def test_what_an_op_makes_is_told_from_its_scratch_by_when_its_allocations_are_f
     made, scratch = allocated_per_step(ops, events, steps=2)
     assert made == {"conv": 2 * MiB, "relu": MiB // 2}  # per step, over the two
     assert scratch == {"conv": 3 * MiB}
-
-
-def test_ops_the_plan_does_not_name_follow_the_ops_upstream_of_them():
-    """As TF paints infer and clear ops after low-precision ones: a follower (an op the uniform
-    rewrite ran at bf16, of a type the plan does not name; recorded or not) runs at bf16 when a
-    tensor reaches it from a planned bf16 op through followers only."""
-    table = {
-        "ops": {"conv": "Conv2D", "relu": "Relu", "pool": "MaxPool", "grad": "ReluGrad"},
-        "low_ops": ["conv", "relu", "pool", "grad", "fused"],
-        "edges": [
-            ["x", "conv", 64],
-            ["conv", "relu", 64],
-            ["relu", "pool", 64],
-            ["pool", "fused", 16],
-            ["fused", "loss", 16],
-            ["loss", "grad", 16],
-        ],
-    }
-    assert op_precisions(table, {"Conv2D": "bf16"}) == {
-        "conv": "bf16",
-        "relu": "bf16",
-        "pool": "bf16",
-        "fused": "bf16",  # not recorded (fused, renamed), still a follower
-    }  # grad: behind the fp32 loss, so fp32
-    # a type the plan names never follows, at fp32 included: the rewrite denies it
-    assert op_precisions(table, {"Conv2D": "bf16", "MaxPool": "fp32"}) == {"conv": "bf16", "relu": "bf16"}
-    # nothing upstream of a planned op follows it
-    assert op_precisions(table, {"MaxPool": "bf16"}) == {"pool": "bf16", "fused": "bf16"}
-    # a table from before low_ops was kept: the plan's types only
-    assert op_precisions({**table, "low_ops": []}, {"Conv2D": "bf16"}) == {"conv": "bf16"}

@@ -1,0 +1,259 @@
+"""Per-op-type precision plans priced on hand-made traces (`predictor/op_precision.py`, no TF):
+changed op types scaled, casts added where precisions meet, data edges across threads, followers,
+and the planner's choice among op types. The probe that measures the table on a real TF step, and
+the plans applied to TF, are in `tests/test_tf_op_precision.py`."""
+
+import pytest
+
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.plan import Plan
+from qsync_callback.planner.op_precision import choose_op_precision
+from qsync_callback.predictor.graph import build_global_graph
+from qsync_callback.predictor.memory import TensorLife
+from qsync_callback.predictor.op_precision import apply_op_precision, op_precisions, op_type_lives
+from qsync_callback.predictor.predict import Predictor
+
+from tracebuilder import op, trace
+
+
+def _op_trace(costs: dict, threads: tuple[str, str] = ("main", "main")):
+    """One step: fc/MatMul (0-100 us) then fc/Relu (105-125) then loss (125-135); the MatMul's
+    inputs are the batch x (400 bytes) and the weight w (800 bytes), which are no recorded ops."""
+    mm, relu = threads
+    ops = [
+        op(0, "fc/MatMul", "forward", mm, 0.0, 100.0),
+        op(1, "fc/Relu", "forward", relu, 105.0, 20.0),
+        op(2, "loss", "forward", "main", 125.0, 10.0),
+    ]
+    table = {
+        "ops": {"fc/MatMul": "MatMul", "fc/Relu": "Relu", "loss": "Sum"},
+        "edges": [["x", "fc/MatMul", 400], ["w", "fc/MatMul", 800], ["fc/MatMul", "fc/Relu", 400]]
+        + [["fc/Relu", "loss", 400]],
+        "costs": costs,
+        "casts": {"fp32->bf16": {"us_per_byte": 0.01}, "bf16->fp32": {"us_per_byte": 0.02}},
+    }
+    return trace(ops, 135.0, precision_costs={"op_types": table})
+
+
+MATMUL = {"ops": 1, "measured_ops": 1, "fp32_us": 100.0, "bf16_us": 25.0}
+RELU = {"ops": 1, "measured_ops": 1, "fp32_us": 20.0, "bf16_us": 10.0}
+
+
+def test_changed_op_types_are_scaled_and_casts_added_where_precisions_meet():
+    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": RELU})])
+    assert predictor.predict().step_ms == pytest.approx(0.135)
+    # MatMul at bf16: 100 -> 25 us; x and w cast to bf16 before it (4 + 8 us), its output back to
+    # fp32 after it (8 us); the host gap before Relu (5 us) stays: Relu 20, loss 10
+    only_matmul = Plan(op_precision={"MatMul": "bf16"})
+    assert predictor.predict(only_matmul).step_ms == pytest.approx((4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3)
+    # MatMul and Relu at bf16: no cast between them; Relu's output cast back (8 us)
+    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
+    assert predictor.predict(both).step_ms == pytest.approx((4 + 8 + 25 + 5 + 10 + 8 + 10) / 1e3)
+    # an op type kept at fp32 changes nothing
+    assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
+
+
+def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():
+    """Relu runs on another thread and waited 105 us for the MatMul: with the MatMul faster (and its
+    casts), Relu starts right after them, not after the recorded 105 us."""
+    predictor = Predictor([_op_trace({"MatMul": MATMUL}, threads=("tid:1", "main"))])
+    assert predictor.predict().step_ms == pytest.approx(0.135)
+    plan = Plan(op_precision={"MatMul": "bf16"})
+    assert predictor.predict(plan).step_ms == pytest.approx((4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3)
+
+
+def test_plans_the_traces_cannot_price_are_refused():
+    predictor = Predictor([_op_trace({"MatMul": MATMUL})])
+    with pytest.raises(QSyncInputError, match="op type 'Relu' at bf16 was not measured"):
+        predictor.predict(Plan(op_precision={"Relu": "bf16"}))
+    bare = Predictor([trace([op(0, "fc/MatMul", "forward", "main", 0.0, 10.0)], 10.0)])
+    with pytest.raises(QSyncInputError, match="has no per-op-type precision costs"):
+        bare.predict(Plan(op_precision={"MatMul": "bf16"}))
+
+
+def test_the_planner_chooses_by_predicted_step_and_leaves_excluded_types_alone():
+    """Relu is slower at bf16 (30 us against 20): at bf16 it would save the cast between it and the
+    MatMul (8 us) but need one after it (8 us), a loss of 10 us, so it stays fp32. Sum is excluded."""
+    slower_relu = {**RELU, "bf16_us": 30.0}
+    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": slower_relu, "Sum": dict(MATMUL)})])
+    choice = choose_op_precision(predictor, Plan(), exclude=["Sum"])
+    assert choice.plan.op_precision == {"MatMul": "bf16", "Relu": "fp32"}
+    assert choice.candidates == ["MatMul"] and choice.search == "exhaustive" and choice.plans_priced == 4
+    # cheaper at bf16, Relu joins MatMul there: 25 + 15 and one cast back instead of 25 + 20
+    faster_relu = {**RELU, "bf16_us": 15.0}
+    predictor = Predictor([_op_trace({"MatMul": MATMUL, "Relu": faster_relu})])
+    assert choose_op_precision(predictor, Plan()).plan.op_precision == {"MatMul": "bf16", "Relu": "bf16"}
+    assert choice.prediction.step_ms == predictor.predict(choice.plan).step_ms
+
+
+def test_ops_the_plan_does_not_name_follow_the_ops_upstream_of_them():
+    """As TF paints infer and clear ops after low-precision ones: a follower (an op the uniform
+    rewrite ran at bf16, of a type the plan does not name; recorded or not) runs at bf16 when a
+    tensor reaches it from a planned bf16 op through followers only."""
+    table = {
+        "ops": {"conv": "Conv2D", "relu": "Relu", "pool": "MaxPool", "grad": "ReluGrad"},
+        "low_ops": ["conv", "relu", "pool", "grad", "fused"],
+        "edges": [
+            ["x", "conv", 64],
+            ["conv", "relu", 64],
+            ["relu", "pool", 64],
+            ["pool", "fused", 16],
+            ["fused", "loss", 16],
+            ["loss", "grad", 16],
+        ],
+    }
+    assert op_precisions(table, {"Conv2D": "bf16"}) == {
+        "conv": "bf16",
+        "relu": "bf16",
+        "pool": "bf16",
+        "fused": "bf16",  # not recorded (fused, renamed), still a follower
+    }  # grad: behind the fp32 loss, so fp32
+    # a type the plan names never follows, at fp32 included: the rewrite denies it
+    assert op_precisions(table, {"Conv2D": "bf16", "MaxPool": "fp32"}) == {"conv": "bf16", "relu": "bf16"}
+    # nothing upstream of a planned op follows it
+    assert op_precisions(table, {"MaxPool": "bf16"}) == {"pool": "bf16", "fused": "bf16"}
+    # a table from before low_ops was kept: the plan's types only
+    assert op_precisions({**table, "low_ops": []}, {"Conv2D": "bf16"}) == {"conv": "bf16"}
+
+
+# ----------------------------------------------------------------------------- memory: op_type_lives
+
+
+def _branching_trace(steps=(0, 1), **table_extra):
+    """Steps ``steps`` (each 1000 us after the one before), each: fc/MatMul (0-100 us, layer fc) of x
+    and w; fc/Relu (105-125) and add (130-140) both read the MatMul's output; add reads fc/Relu's
+    too; loss (140-150) reads add's. The edges list add before fc/Relu."""
+    ops = []
+    for step in steps:
+        at = 1000.0 * step
+        ops += [
+            op(4 * step, "fc/MatMul", "forward", "main", at, 100.0, step=step, layer="fc"),
+            op(4 * step + 1, "fc/Relu", "forward", "main", at + 105, 20.0, step=step, layer="fc"),
+            op(4 * step + 2, "add", "forward", "main", at + 130, 10.0, step=step),
+            op(4 * step + 3, "loss", "forward", "main", at + 140, 10.0, step=step),
+        ]
+    table = {
+        "ops": {"fc/MatMul": "MatMul", "fc/Relu": "Relu", "add": "AddV2", "loss": "Sum"},
+        "edges": [
+            ["x", "fc/MatMul", 400],
+            ["w", "fc/MatMul", 800],
+            ["fc/MatMul", "add", 400],
+            ["fc/MatMul", "fc/Relu", 400],
+            ["fc/Relu", "add", 400],
+            ["add", "loss", 400],
+        ],
+        **table_extra,
+    }
+    return trace(ops, 2000.0, precision_costs={"op_types": table}), ops
+
+
+def _casts(lives):
+    return [
+        (life.addr, life.bytes, life.step, life.birth_us, life.death_us, life.birth_op.name)
+        + (life.death_op.name, life.category, life.layer)
+        for life in lives
+    ]
+
+
+def test_each_tensor_crossing_precisions_is_cast_once_for_all_its_consumers_in_each_step():
+    """MatMul at bf16: x and w are cast to bf16 over it (half their fp32 bytes), and its output back to
+    fp32 from its end to the end of its last consumer (add), once for both consumers."""
+    trace_, _ = _branching_trace()
+    lives = op_type_lives(trace_, [], {"MatMul": "bf16"})
+    expected = []
+    for step in (0, 1):
+        at = 1000.0 * step
+        expected += [
+            (-1, 400, step, at + 100, at + 140, "fc/MatMul", "add", "temporaries", "fc"),  # back to fp32
+            (-1, 400, step, at, at + 100, "fc/MatMul", "fc/MatMul", "temporaries", "fc"),  # w
+            (-1, 200, step, at, at + 100, "fc/MatMul", "fc/MatMul", "temporaries", "fc"),  # x
+        ]
+    assert _casts(lives) == expected
+
+
+def test_a_cast_to_bf16_is_made_before_its_first_consumer_whichever_edge_names_it_first():
+    """fc/Relu and add at bf16: the MatMul's output is cast to bf16 once, before fc/Relu (the first to
+    run, though the edges name add first), and lives until add ends; add's output goes back to fp32
+    for the loss; nothing is cast between fc/Relu and add."""
+    trace_, _ = _branching_trace()
+    lives = op_type_lives(trace_, [], {"Relu": "bf16", "AddV2": "bf16"})
+    assert _casts(lives) == [
+        (-1, 400, 0, 140.0, 150.0, "add", "loss", "temporaries", None),
+        (-1, 200, 0, 105.0, 140.0, "fc/Relu", "add", "temporaries", "fc"),
+        (-1, 400, 1, 1140.0, 1150.0, "add", "loss", "temporaries", None),
+        (-1, 200, 1, 1105.0, 1140.0, "fc/Relu", "add", "temporaries", "fc"),
+    ]
+
+
+def test_what_a_bf16_op_makes_and_its_scratch_are_the_rewrites():
+    """Measured under the rewrite: the MatMul made 300 bytes where fp32 made 1000 (its recorded output
+    resized by 0.3), its scratch 5000 bytes (in place of the 500 recorded), the rewrite's cast of x
+    150 bytes; w reached the MatMul, and its output fc/Relu, where the rewrite's precisions changed
+    without a counted cast (0 bytes each). An op at fp32 (fc/Relu) keeps its tensors and scratch."""
+    table = {
+        "low_ops": ["fc/MatMul"],
+        "allocated": {"fc/MatMul": [1000, 300]},
+        "scratch": {"fc/MatMul": [500, 5000], "fc/Relu": [64, 9000]},
+        "cast_allocated": {"x->bf16": 150},
+    }
+    trace_, ops = _branching_trace(**table)
+    matmul, relu = ops[0], ops[1]
+    output = TensorLife(7, 1000, 0, 1.0, 140.0, matmul, ops[2], "activations", "fc")
+    scratch = TensorLife(8, 500, 0, 10.0, 50.0, matmul, matmul, "temporaries", "fc")
+    relu_scratch = TensorLife(9, 64, 0, 106.0, 110.0, relu, relu, "temporaries", "fc")
+    lives = op_type_lives(trace_, [output, scratch, relu_scratch], {"MatMul": "bf16"})
+    step0 = [life for life in lives if life.step == 0]
+    assert step0[0] == TensorLife(7, 300, 0, 1.0, 140.0, matmul, ops[2], "activations", "fc")
+    assert step0[1] is relu_scratch
+    assert step0[2] == TensorLife(-1, 5000, 0, 0.0, 100.0, matmul, matmul, "temporaries", "fc")
+    assert [(life.bytes, life.birth_us) for life in step0[3:]] == [(0, 100.0), (0, 0.0), (150, 0.0)]
+    # without the rewrite's own figures: half of what fp32 made, the recorded scratch halved too
+    bare, _ = _branching_trace()
+    halved = op_type_lives(bare, [output, scratch], {"MatMul": "bf16"})
+    assert [life.bytes for life in halved[:2]] == [500, 250]
+
+
+def test_the_time_graph_casts_each_tensor_once_next_to_its_first_consumer_or_its_producer():
+    """fc/Relu and add at bf16: one cast node of the MatMul's output to bf16, on fc/Relu's queue right
+    before it (the first consumer to run, though the edges name add first), taking its host gap; one
+    of add's output back to fp32 right after add; each priced at its bytes times the cast's cost per
+    byte, with the attributes the replay and the reports read."""
+    costs = {
+        "costs": {
+            "Relu": {"ops": 1, "measured_ops": 1, "fp32_us": 20.0, "bf16_us": 10.0},
+            "AddV2": {"ops": 1, "measured_ops": 1, "fp32_us": 10.0, "bf16_us": 5.0},
+        },
+        "casts": {"fp32->bf16": {"us_per_byte": 0.01}, "bf16->fp32": {"us_per_byte": 0.02}},
+    }
+    trace_, _ = _branching_trace(steps=(0,), **costs)
+    graph = build_global_graph([trace_], 0)
+    out = apply_op_precision(graph, [trace_], {"Relu": "bf16", "AddV2": "bf16"})
+    node_of = {attrs["name"]: n for n, attrs in graph.nodes(data=True) if attrs["rank"] is not None}
+    relu, add = node_of["fc/Relu"], node_of["add"]
+    to_bf16, to_fp32 = out.nodes["r0/cast/fc/MatMul/bf16"], out.nodes["r0/cast/add/fp32"]
+    common = {"kind": "cast", "rank": 0, "bytes": 400, "collective": None, "op_id": None}
+    assert to_bf16 == {
+        **common,
+        "name": "qsync::cast_fp32_bf16:fc/MatMul",
+        "queue": graph.nodes[relu]["queue"],
+        "layer": "fc",
+        "gap": graph.nodes[relu]["gap"],
+        "recorded_start": graph.nodes[relu]["recorded_start"],
+        "dur": 4.0,
+    }
+    assert to_fp32 == {
+        **common,
+        "name": "qsync::cast_bf16_fp32:add",
+        "queue": graph.nodes[add]["queue"],
+        "layer": None,
+        "gap": 0.0,
+        "recorded_start": graph.nodes[add]["recorded_start"],
+        "dur": 8.0,
+    }
+    assert out.has_edge("r0/cast/fc/MatMul/bf16", relu) and out.nodes[relu]["gap"] == 0.0
+    assert out.has_edge(add, "r0/cast/add/fp32")
+    assert (
+        out.nodes[relu]["dur"] == graph.nodes[relu]["dur"] / 2
+        and out.nodes[add]["dur"] == graph.nodes[add]["dur"] / 2
+    )
+    assert sum(attrs["kind"] == "cast" for _, attrs in out.nodes(data=True)) == 2
