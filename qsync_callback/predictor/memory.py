@@ -73,7 +73,7 @@ class MemoryPrediction:
     peak_step: int | None
     breakdown: dict[str, int] = field(default_factory=dict)
     step_peaks: dict[int, int] = field(default_factory=dict)
-    simulated_peak_bytes: int | None = None  # TF's allocator simulated, before `allocator_offset`
+    peak_bytes_simulated: int | None = None  # TF's allocator simulated, before `allocator_offset`
 
 
 def _category(birth: Op | None, death: Op | None) -> str:
@@ -262,7 +262,7 @@ class MemoryCurve:
         `predict_memory`). On a trace of TF's allocator (``trace.allocator``, with the bytes it held
         when the window opened) the peak is that allocator's, simulated (`allocator_peaks`) and
         calibrated on its readings in the recorded steps (`allocator_offset`: for the recorded
-        tensors, the peak is then that reading; ``simulated_peak_bytes`` is the simulation's own);
+        tensors, the peak is then that reading; ``peak_bytes_simulated`` is the simulation's own);
         the bytes by category are still the tensors' own.
         ``extra`` comes as byte changes, not as tensors with a birth and a death, so it is not
         simulated: with it the peak is the tensors' sum (no TF plan adds any: an op-type plan's
@@ -273,8 +273,8 @@ class MemoryCurve:
             offset, simulated = self.allocator_offset, self._simulated_peaks()
             prediction.step_peaks = {step: peak + offset for step, peak in simulated.items()}
             prediction.peak_step = max(prediction.step_peaks, key=prediction.step_peaks.get, default=None)
-            prediction.simulated_peak_bytes = simulated.get(prediction.peak_step, allocator["in_use_bytes"])
-            prediction.peak_bytes = prediction.simulated_peak_bytes + offset
+            prediction.peak_bytes_simulated = simulated.get(prediction.peak_step, allocator["in_use_bytes"])
+            prediction.peak_bytes = prediction.peak_bytes_simulated + offset
         return prediction
 
     def _predict_tensors(self, extra: Sequence[dict[int, Events]]) -> MemoryPrediction:

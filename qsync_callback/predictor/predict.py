@@ -329,7 +329,7 @@ class Predictor:
             layer_ms=graph.layer_totals(dur / 1e3, ("forward", "backward", "cast")),
             exposed_comm_ms=graph.exposed_comm_us(timings[typical]) / 1e3,
             peak_bytes_simulated=max(
-                (m.simulated_peak_bytes for m in memory if m.simulated_peak_bytes is not None), default=None
+                (m.peak_bytes_simulated for m in memory if m.peak_bytes_simulated is not None), default=None
             ),
         )
 

@@ -10,9 +10,9 @@ cache its kernels, which would make bf16 look slow against the recorded fp32 ste
 `PROFILED_STEPS` under one ``tf.profiler`` session, each marked as a step. Five, not fewer: the
 allocator's peak under the rewrite moves from step to step by more than under fp32 (the example's
 MLP on one process, on a CPU without native bf16: 27.0 to 34.0 MiB over 31 steps, where fp32 read
-18.0 to 20.0), and the uniform plan's predicted peak is the most these steps read. The calls always run,
-once each; a failure of the probe's own work switches the step back at once, and the table then
-only says why nothing was measured (``{"note": ...}``).
+18.0 to 20.0), and the uniform plan's predicted peak is the most these steps read. The calls
+always run, once each; a failure of the probe's own work switches the step back at once, and the
+table then only says why nothing was measured (``{"note": ...}``).
 
 Which calls feed what: the probe's calls come after the window's timed calls and none of them is
 timed (`TFRecorder` times no call from the probe's first on), so the baseline's measured step time
@@ -25,10 +25,9 @@ reconstruction of them, and the planner's table says so (`planner/tf_plans.py`).
 `op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
 (schema in `recorder/trace.py`), with what the allocator gave each op per step in both (what it
 made, and its scratch: `allocated_per_step`), and each of the rewrite's casts (what an op-type
-plan's peak is priced on, `predictor/op_precision.py`), and
-the most the allocator read in use in the profiled steps (the rewrite's own peak, on which the
-uniform plan's predicted peak is calibrated).
-The table's unit is TF's: an op type as its lists name it. The profile names ops after fusion
+plan's peak is priced on, `predictor/op_precision.py`), and the most the allocator read in use in
+the profiled steps (the rewrite's own peak, on which the uniform plan's predicted peak is
+calibrated). The table's unit is TF's: an op type as its lists name it. The profile names ops after fusion
 (a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as
 its root type (MatMul). Tensor sizes come from the traced step
 function's static shapes. On a CPU without bfloat16 the rewrite changes no op, and the table has
