@@ -28,7 +28,8 @@ For each model (the transformer-like ones by default):
    eager's) against the measured one. Separate processes differ by more than many plans change; in
    turns the drift between processes and over minutes cancels, as in the loop's verify.
 4. **cost model**: the chosen regions and the best other candidates that were not compiled during
-   the warm-up, each compiled alone (as the warm-up compiles, on the arguments of its first call):
+   the warm-up (the planner's left-out ones among them: saving within the model's error on the
+   warm-up's probes), each compiled alone (as the warm-up compiles, on the arguments of its first call):
    measured compiled/eager ratio against the model's.
 
 With ``--procs 2`` (in the default ``1,2``), each model is also recorded under Lightning DDP on two
@@ -206,7 +207,9 @@ def bench_model(
     choice = choose_regions(predictor, Plan.empty(traces[0].fingerprint))
     planning_s = time.perf_counter() - start
     graph = predictor.graphs[predictor.typical_step]
-    search = RegionSearch(graph, predictor.fusion_costs, choice.steps_left or RUN_STEPS)
+    search = RegionSearch(
+        graph, predictor.fusion_costs, choice.steps_left or RUN_STEPS, optimism=choice.optimism
+    )
     plan = choice.plan or Plan(fingerprint=traces[0].fingerprint)
     blocks = Plan(
         fingerprint=traces[0].fingerprint, fused_regions=[[m] for m in repeated_blocks(traces[0], graph)]
@@ -268,7 +271,7 @@ def bench_model(
             warm_compile_s = step_figures(json.loads((done / "steps.json").read_text())["step_ms"])[1]
     probed = set(traces[0].compiled_regions.get("probes", {}))
     chosen = [r.module for r in choice.chosen] if choice.plan is not None else []
-    others = sorted(search.regions.values(), key=lambda c: -c.saving_us)
+    others = sorted([*search.regions.values(), *search.doubtful], key=lambda c: -c.saving_us)
     check = [m for m in [*chosen, *(c.module for c in others)] if m not in probed]
     check = list(dict.fromkeys(check))[:MAX_CHECKED] if procs == 1 else []
     model_errors: dict[str, float] = {}
@@ -312,6 +315,8 @@ def bench_model(
         "mcmc_value_s": mcmc[1],
         "calibration": predictor.fusion_costs.to_dict(),
         "calibration_errors_pct": choice.probe_errors,
+        "optimism": choice.optimism,
+        "left_out": [r.module for r in choice.doubtful],
         "uncalibrated_errors_pct": model_errors,
     }
 
@@ -357,10 +362,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         calibrated = ", ".join(f"{m} {e:+.0f}%" for m, e in row["calibration_errors_pct"].items()) or "-"
         uncalibrated = ", ".join(f"{m} {e:+.0f}%" for m, e in row["uncalibrated_errors_pct"].items()) or "-"
+        left_out = row.get("left_out") or []
+        doubted = (
+            f"; left out, their saving within the model's error (a probe {100 * row['optimism']:.0f}% over "
+            f"its price): {', '.join(left_out[:4])}" + (", ..." if len(left_out) > 4 else "")
+            if left_out
+            else ""
+        )
         notes.append(
             f"- {_label(row)}: planning {row['planning_s']:.2f} s over {row['candidates']} candidates "
             f"({gap}); chose {', '.join(row['chosen'][:4]) or 'none (eager)'}; next launch of the plan "
-            f"compiles in {na(row['next_launch_compile_s'], '.1f')} s; "
+            f"compiles in {na(row['next_launch_compile_s'], '.1f')} s{doubted}; "
             f"cost model error on the modules compiled during the warm-up: {calibrated}; on others: "
             f"{uncalibrated}."
         )

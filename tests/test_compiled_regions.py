@@ -20,6 +20,7 @@ from qsync_callback.planner.compiled_regions import (
     _heat,
     choose_regions,
     format_region_plan,
+    model_optimism,
     probe_errors,
 )
 from qsync_callback.predictor.compiled_regions import (
@@ -754,6 +755,83 @@ def test_probe_errors_compare_the_model_with_each_probe_that_measured_both_times
     assert probe_errors(predictor, predictor.fusion_costs) == {"b0": pytest.approx(0.0, abs=1e-9)}
     choice = choose_regions(predictor, Plan.empty())
     assert choice.probe_errors == probe_errors(predictor, predictor.fusion_costs)
+
+
+def test_the_models_optimism_is_its_worst_under_pricing_of_a_probe():
+    # priced at 0.69 of a probe's measured time: that probe took 1/0.69 of the price
+    assert model_optimism({"block": -31.0, "norm": 62.0, "linear": -2.0}) == pytest.approx(100 / 69 - 1)
+    assert model_optimism({"norm": 62.0, "linear": 0.0}) == 0.0  # over-priced: no optimism
+    assert model_optimism({}) == 0.0  # no probe: the model is taken at its price
+
+
+def test_a_regions_saving_beyond_the_models_optimism_counts_only_the_models_part():
+    # 1000 us eager, 800 compiled of which 300 at a probe's measured ratio: the model priced 500
+    region = RegionCost("m", 1000.0, 800.0, 2, 0.0, 1, 1.0, measured_us=300.0)
+    assert region.measured and region.saving_us == 200.0
+    assert region.saving_beyond_us(0.0) == 200.0
+    assert region.saving_beyond_us(0.5) == pytest.approx(200.0 - 0.5 * 500.0)
+    measured = RegionCost("m", 1000.0, 800.0, 2, 0.0, 1, 1.0, measured_us=800.0)
+    assert measured.saving_beyond_us(10.0) == 200.0  # priced at a probe alone: nothing to doubt
+    assert not RegionCost("m", 1000.0, 800.0, 2, 0.0, 1, 1.0).measured
+
+
+def test_regions_whose_saving_the_models_error_could_undo_are_left_out_and_named(short_walks):
+    linear = {"eager_us": 1000.0, "compiled_us": 1000.0, "graphs": 1}
+    # the block measured 1.5 times slower compiled: the model, fitted on the Linear, priced it far
+    # below that (-61%); the block and its twin are priced at that measured ratio and save nothing
+    block = {"eager_us": 1000.0, "compiled_us": 1500.0, "graphs": 1}
+    predictor = Predictor([region_trace(steps_left=10**6, probes={"b0.fc": linear, "b0": block})])
+    choice = choose_regions(predictor, Plan.empty())
+    assert choice.probe_errors["b0"] < -50 and choice.probe_errors["b0.fc"] == pytest.approx(0.0, abs=1e-9)
+    assert choice.optimism == pytest.approx(model_optimism(choice.probe_errors))
+    # the layer norms are priced by the model alone to save, but not by more than its optimism
+    assert [region.module for region in choice.doubtful] == ["b0.ln", "b1.ln"]
+    for region in choice.doubtful:
+        assert region.saving_us > 0 >= region.saving_beyond_us(choice.optimism)
+        assert region.saving_beyond_us(0.0) == region.saving_us
+    assert choice.chosen == [] and choice.plan is None and choice.search["candidates"] == 0
+    table = format_region_plan(choice)
+    saving = choice.doubtful[0].saving_us / 1e3
+    assert (
+        f"\n  left out: b0.ln: priced to save {saving:.3f} ms/step, not beyond the model's error "
+        f"(a probe measured {100 * choice.optimism:.0f}% over its price)\n"
+    ) in table
+    # without the block's probe the model is not shown wrong: the blocks are compiled
+    trusted = choose_regions(
+        Predictor([region_trace(steps_left=10**6, probes={"b0.fc": linear})]), Plan.empty()
+    )
+    assert trusted.optimism == 0.0 and trusted.doubtful == []
+    assert [region.module for region in trusted.chosen] == ["b0", "b1"] and trusted.plan is not None
+
+
+def test_the_search_counts_each_regions_saving_beyond_the_models_optimism():
+    graph = build_global_graph([model_trace(("b0", "b1"), slow=SLOW)], 0)
+    trusting = RegionSearch(graph, COSTS, steps_left=10**6)
+    saving = trusting.regions["b0"].saving_beyond_us(0.3)
+    assert saving > 0
+    doubting = RegionSearch(graph, COSTS, steps_left=10**6, optimism=0.3)
+    assert doubting.saving["b0"] == pytest.approx(saving)
+    assert doubting.value(["b0"]) == pytest.approx(
+        trusting.value(["b0"]) - trusting.regions["b0"].saving_us + saving
+    )
+    # the layer norms save 77 us each against 573 compiled, all priced by the model: 0.3 of it undoes them
+    assert [r.module for r in doubting.doubtful] == ["b0.ln", "b1.ln"]
+    assert doubting.names == ["b0", "b1"] and trusting.names == ["b0", "b0.ln", "b1", "b1.ln"]
+    assert all(doubting.saving[m] > 0 for m in doubting.names)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(1.0, 20.0))
+def test_more_optimism_never_adds_a_region_nor_a_second_of_value(low, high, slow):
+    low, high = sorted((low, high))
+    graph = build_global_graph([model_trace(("b0", "b1"), slow=slow)], 0)
+    trusting, doubting = (RegionSearch(graph, COSTS, steps_left=10**6, optimism=o) for o in (low, high))
+    assert set(doubting.names) <= set(trusting.names)
+    assert {r.module for r in doubting.doubtful} == {r.module for r in trusting.doubtful} | (
+        set(trusting.names) - set(doubting.names)
+    )
+    for names in (doubting.names, [n for n in doubting.names if n.endswith("ln")]):
+        assert doubting.value(names) <= trusting.value(names) + 1e-9
 
 
 # --- format_region_plan --------------------------------------------------------------------------------

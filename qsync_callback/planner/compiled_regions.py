@@ -26,6 +26,14 @@ Where an epoch ends with a smaller batch (``partial_last_batch``: a new shape), 
 once more, then with dynamic shapes for every later size (the applier's docstring says what was
 measured): its compile time counts twice.
 
+**A saving the model cannot stand behind is not counted.** The warm-up's probes measure how far the
+model's compiled time is from a compiled module's (`probe_errors`); its worst under-pricing among
+them is its optimism (`model_optimism`: 0.45 where it priced a probe at 0.69 of its measured time).
+A region's part priced by the model (not at a probe's measured ratio) is counted that much slower
+(`RegionCost.saving_beyond_us`): a region that then saves nothing is left out of the search and
+named in the plan table, since a saving within the model's error could as well be a slowdown.
+Without a probe that measured both times the model is taken at its price.
+
 The exhaustive search runs where it can; the MCMC where it cannot (the benchmark runs both on small
 models and reports the gap). With the steps left unknown (an iterable data set without a length), a
 region's compile is counted against `UNKNOWN_STEPS_LEFT` steps. The chosen set is priced by
@@ -40,7 +48,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -79,6 +87,8 @@ class RegionChoice:
     compile_s: float
     search: dict[str, float | int | str] = field(default_factory=dict)
     probe_errors: dict[str, float] = field(default_factory=dict)  # per probe: predicted vs measured, %
+    optimism: float = 0.0  # `model_optimism` of probe_errors
+    doubtful: list[RegionCost] = field(default_factory=list)  # saving within the model's optimism
 
 
 def _prefixes(module: str) -> list[str]:
@@ -98,6 +108,7 @@ class RegionSearch:
         broken: Iterable[str] = (),
         called_blocks: Iterable[str] | None = None,
         compiles: int = 1,
+        optimism: float = 0.0,
     ):
         self.steps_left = steps_left
         self.compiles = compiles  # per region: 2 where an epoch's last batch is smaller
@@ -109,7 +120,11 @@ class RegionSearch:
         left_out = {a for m in broken_names for a in [m, *_prefixes(m)]}
         measured = measured_ratios(graph, costs)
         priced = [price_region(graph, m, costs, measured) for m in candidates if m not in left_out]
-        self.regions = {c.module: c for c in priced if c is not None and c.saving_us > 0}
+        saving = [c for c in priced if c is not None and c.saving_us > 0]
+        # what each saves beyond the model's optimism; those that then save nothing are left out
+        self.saving = {c.module: c.saving_beyond_us(optimism) for c in saving}
+        self.regions = {c.module: c for c in saving if self.saving[c.module] > 0}
+        self.doubtful = sorted((c for c in saving if self.saving[c.module] <= 0), key=lambda c: c.module)
         self.names = sorted(self.regions)
         self.signature = {m: region_signature(graph, m) for m in self.names}
         names = set(self.names)
@@ -137,9 +152,9 @@ class RegionSearch:
         return total * self.compiles
 
     def value(self, chosen: Iterable[str]) -> float:
-        """Seconds the set saves over the steps left, less its compile time."""
+        """Seconds the set saves over the steps left (beyond the model's optimism), less its compile time."""
         chosen = list(chosen)
-        saving_us = sum(self.regions[m].saving_us for m in chosen)
+        saving_us = sum(self.saving[m] for m in chosen)
         return saving_us * self.steps_left / 1e6 - self.compile_s(chosen)
 
     def nested_free(self, chosen: Sequence[str]) -> bool:
@@ -240,7 +255,9 @@ def choose_regions(predictor: Predictor, base: Plan) -> RegionChoice:
     broken = [m for m, probe in recorded.get("probes", {}).items() if probe.get("graphs", 1) > 1]
     steps = steps_left if steps_left is not None else UNKNOWN_STEPS_LEFT
     compiles = 2 if recorded.get("partial_last_batch") else 1
-    search = RegionSearch(graph, costs, steps, broken, recorded.get("called_blocks"), compiles)
+    errors = probe_errors(predictor, costs)
+    optimism = model_optimism(errors)
+    search = RegionSearch(graph, costs, steps, broken, recorded.get("called_blocks"), compiles, optimism)
     base_prediction = predictor.predict(base)
     if len(search.names) <= EXHAUSTIVE_MAX:
         chosen, value, tried = search.exhaustive()
@@ -250,8 +267,9 @@ def choose_regions(predictor: Predictor, base: Plan) -> RegionChoice:
         chosen, value, tried = search.mcmc()
         stats = {"method": "mcmc", "steps": tried, "value_s": value}
     stats["candidates"] = len(search.names)
-    errors = probe_errors(predictor, costs)
-    choice = RegionChoice(None, base_prediction, [], None, costs, steps_left, 0.0, stats, errors)
+    choice = RegionChoice(
+        None, base_prediction, [], None, costs, steps_left, 0.0, stats, errors, optimism, search.doubtful
+    )
     if not chosen:
         return choice
     regions = [[m] for m in chosen]
@@ -284,6 +302,13 @@ def probe_errors(predictor: Predictor, costs: FusionCosts) -> dict[str, float]:
     return out
 
 
+def model_optimism(errors: Mapping[str, float]) -> float:
+    """The most the model under-priced a probe's compiled time, as a share of its price (0 where it
+    under-priced none): a probe's error of -31% (`probe_errors`) is a measured time 1/0.69 of the
+    price, an optimism of 0.45."""
+    return max([0.0, *(100 / (100 + e) - 1 for e in errors.values())])
+
+
 def format_region_plan(choice: RegionChoice) -> str:
     """The chosen regions as a table: each one's predicted saving and compile time, the plan's
     predicted step time against the plan without them, and where the cost model's constants came from."""
@@ -294,6 +319,11 @@ def format_region_plan(choice: RegionChoice) -> str:
     ]
     for module, error in choice.probe_errors.items():
         lines.append(f"  compiled during the warm-up: {module}: model {error:+.1f}% against measured")
+    for region in choice.doubtful:
+        lines.append(
+            f"  left out: {region.module[:40]}: priced to save {region.saving_us / 1e3:.3f} ms/step, "
+            f"not beyond the model's error (a probe measured {100 * choice.optimism:.0f}% over its price)"
+        )
     for region in choice.chosen:
         lines.append(
             f"  {region.module[:40]:<40} saves {region.saving_us / 1e3:7.3f} ms/step  "

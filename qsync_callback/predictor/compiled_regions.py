@@ -176,11 +176,22 @@ class RegionCost:
     library_us: float
     fused_kernels: int
     compile_s: float
-    measured: bool = False  # compiled_us from a module of the same ops compiled during the warm-up
+    # of compiled_us, the parts priced at the measured ratio of a module of the same ops compiled
+    # during the warm-up; the rest is the model's
+    measured_us: float = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.measured_us > 0
 
     @property
     def saving_us(self) -> float:
         return self.eager_us - self.compiled_us
+
+    def saving_beyond_us(self, optimism: float) -> float:
+        """The saving should the model's part of the compiled time be ``optimism`` (a share) more than
+        it priced: what a region saves beyond the model's error (the planner's `model_optimism`)."""
+        return self.saving_us - optimism * (self.compiled_us - self.measured_us)
 
 
 def region_nodes(graph: nx.DiGraph, module: str) -> dict[int, tuple[list[str], list[str]]]:
@@ -325,7 +336,7 @@ def _price_rank(
         library_us=sum(p[2] for p in priced),
         fused_kernels=sum(p[3] for p in priced),
         compile_s=costs.compile_s_fixed + costs.compile_s_per_op * ops,
-        measured=bool(parts),
+        measured_us=scaled,
     )
 
 
