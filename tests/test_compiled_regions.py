@@ -844,10 +844,12 @@ def _prediction(step_ms):
 def test_the_region_table_lists_the_search_the_probes_and_each_chosen_region():
     block = RegionCost("blocks.0", 4000.0, 1500.0, ops=10, library_us=900.0, fused_kernels=4, compile_s=12.34)
     long = RegionCost("encoder.layers.0.self_attention.out_projection", 600.0, 500.0, 2, 0.0, 1, 1.0)
+    stack = RegionCost("net", 9000.0, 6000.0, 40, 3000.0, 2, 20.0, measured_us=6000.0)
+    head = RegionCost("head", 3000.0, 2000.0, 8, 900.0, 3, 5.0, measured_us=1500.0)
     choice = RegionChoice(
-        plan=Plan(fused_regions=[[block.module], [long.module]]),
+        plan=Plan(fused_regions=[[block.module], [long.module], ["net"], ["head"]]),
         base=_prediction(10.0),
-        chosen=[block, long],
+        chosen=[block, long, stack, head],
         prediction=_prediction(9.0),
         costs=FusionCosts(op_us=5.0, bytes_per_us=1e3, source="calibrated on 1 compiled region(s): blocks.0"),
         steps_left=500,
@@ -863,6 +865,12 @@ def test_the_region_table_lists_the_search_the_probes_and_each_chosen_region():
         "  blocks.0" + " " * 32 + " saves   2.500 ms/step  compile ~ 12.3 s  (10 ops, 4 fused kernels)",
         "  encoder.layers.0.self_attention.out_proj saves   0.100 ms/step  compile ~  1.0 s  "
         "(2 ops, 1 fused kernels)",
+        "  net"
+        + " " * 37
+        + " saves   3.000 ms/step  compile ~ 20.0 s  (40 ops, priced as the one compiled in "
+        "the warm-up)",
+        "  head" + " " * 36 + " saves   1.000 ms/step  compile ~  5.0 s  (8 ops, 75% of its compiled time "
+        "priced as compiled in the warm-up, the rest 3 fused kernels)",
         "  predicted 9.00 ms/step against 10.00 (-10.0%), compile ~13 s",
     ]
 

@@ -309,6 +309,17 @@ def model_optimism(errors: Mapping[str, float]) -> float:
     return max([0.0, *(100 / (100 + e) - 1 for e in errors.values())])
 
 
+def _priced_as(region: RegionCost) -> str:
+    """How a region was priced: at a warm-up probe's measured ratio, by the model, or both."""
+    if region.measured_us >= region.compiled_us:
+        return "priced as the one compiled in the warm-up"
+    kernels = f"{region.fused_kernels} fused kernels"
+    if not region.measured:
+        return kernels
+    share = 100 * region.measured_us / region.compiled_us
+    return f"{share:.0f}% of its compiled time priced as compiled in the warm-up, the rest {kernels}"
+
+
 def format_region_plan(choice: RegionChoice) -> str:
     """The chosen regions as a table: each one's predicted saving and compile time, the plan's
     predicted step time against the plan without them, and where the cost model's constants came from."""
@@ -327,12 +338,7 @@ def format_region_plan(choice: RegionChoice) -> str:
     for region in choice.chosen:
         lines.append(
             f"  {region.module[:40]:<40} saves {region.saving_us / 1e3:7.3f} ms/step  "
-            f"compile ~{region.compile_s:5.1f} s  ({region.ops} ops, "
-            + (
-                "priced as the one compiled in the warm-up)"
-                if region.measured
-                else f"{region.fused_kernels} fused kernels)"
-            )
+            f"compile ~{region.compile_s:5.1f} s  ({region.ops} ops, {_priced_as(region)})"
         )
     if choice.prediction is not None:
         change = 100 * (choice.prediction.step_ms / choice.base.step_ms - 1)
