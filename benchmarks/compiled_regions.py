@@ -60,7 +60,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from models import get_model, timed_fit
-from plan_turns import in_turns_change, measure_in_turns, turns_cell, turns_worker
+from plan_turns import in_turns_change, measure_in_turns, page_faults_cell, turns_cell, turns_worker
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import Plan
@@ -378,8 +378,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
     turns = [
         "| model | plan | processes x rounds | change in turns (predicted / measured +- noise) | "
-        "error in turns | within noise |",
-        "|---|---|---:|---|---:|---|",
+        "error in turns | within noise | page faults a step in turns (eager / plan) |",
+        "|---|---|---:|---|---:|---|---:|",
     ]
     errors, within = [], 0
     for row in rows:
@@ -395,7 +395,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 within += told
             turns.append(
                 f"| {_label(row)} | {name} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
-                f"{na(error, '+.1f')}% | {'yes' if told else 'no'} |"
+                f"{na(error, '+.1f')}% | {'yes' if told else 'no'} | {page_faults_cell(figures)} |"
             )
     if errors:
         turns.append(

@@ -21,6 +21,7 @@ A benchmark runs them in a fresh process of its own script (`measure_in_turns`),
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -31,10 +32,11 @@ import pytorch_lightning as pl
 from models import get_model, timed_fit
 from runs import launch, stderr_tail
 
-from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PLAN, SETTLE_STEPS, paired_change
+from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PAGE_FAULTS, PLAN, SETTLE_STEPS, paired_change
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.appliers.torch_regions import RegionApplier
+from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.plan import Plan
 from qsync_callback.tuning_loop import apply_plan
 from qsync_callback.verify import combined_noise_pct
@@ -64,9 +66,13 @@ class PlansInTurns(pl.Callback):
         self._times: list[dict[str, list[list[float]]]] = [
             {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]} for _ in self.plans
         ]
+        self._faults: list[dict[str, list[list[int]]]] = [
+            {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]} for _ in self.plans
+        ]
         self._appliers: dict[str, Any] = {}
         self._undo = None
         self._started = 0.0
+        self._started_faults = 0
         self._step = 0  # the run's steps started so far
 
     @property
@@ -85,7 +91,7 @@ class PlansInTurns(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
+        now, faults = time.perf_counter(), minor_page_faults()
         step, self._step = self._step - self._warmup, self._step + 1  # this step, in the turns
         if step < 0:
             return
@@ -93,12 +99,13 @@ class PlansInTurns(pl.Callback):
             r, i, config, timed = self._schedule[step - 1]
             if timed:
                 self._times[i][config][r].append((now - self._started) * 1e3)
+                self._faults[i][config][r].append(faults - self._started_faults)
         if step == len(self._schedule):
             self._close()  # the step that ends the last timed one runs the recorded configuration
         elif step < len(self._schedule):
             if step % BLOCK_LENGTH == 0:
                 self._switch(*self._schedule[step][1:3])
-            self._started = time.perf_counter()
+            self._started, self._started_faults = time.perf_counter(), minor_page_faults()
 
     def _switch(self, index: int, config: str) -> None:
         """Undo what is in force; apply plan ``index`` where the block is the plan's."""
@@ -115,8 +122,11 @@ class PlansInTurns(pl.Callback):
         self._close()
 
     def results(self) -> list[dict[str, Any]]:
-        """Per plan, in ``plans``' order: `paired_change` of its rounds."""
-        return [paired_change([times]) for times in self._times]
+        """Per plan, in ``plans``' order: `paired_change` of its rounds, with their page faults."""
+        return [
+            paired_change([{**times, PAGE_FAULTS: faults}])
+            for times, faults in zip(self._times, self._faults, strict=True)
+        ]
 
 
 def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | None = None) -> None:
@@ -167,6 +177,17 @@ def in_turns_change(row: Mapping[str, Any]) -> tuple[float, float] | None:
         return None
     noise = combined_noise_pct(*(t["noise_pct"] for t in measured)) / len(measured)
     return sum(t["change_pct"] for t in measured) / len(measured), noise
+
+
+def page_faults_cell(row: Mapping[str, Any]) -> str:
+    """A plan row's page faults a step in turns, "baseline / plan" (the median over the processes
+    that counted them; "-" where none did): a configuration run right after another can fault more
+    than it does alone, and the change in turns holds that."""
+    counted = [t["page_faults_per_step"] for t in row.get("in_turns", []) if t.get("page_faults_per_step")]
+    if not counted:
+        return "-"
+    baseline, plan = (statistics.median(c[config] for c in counted) for config in (BASELINE, PLAN))
+    return f"{baseline:.0f} / {plan:.0f}"
 
 
 def turns_cell(row: Mapping[str, Any]) -> tuple[str, float | None]:

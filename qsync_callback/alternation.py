@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qsync_callback.mean_band import band_factor
+from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.report import change_pct, median_band, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
@@ -42,6 +43,7 @@ MEDIAN_ROUNDS = 6  # the fewest rounds whose median has a noise: the fewest whos
 # bound it with 95% confidence whatever their distribution (1 - 2 / 2**6 = 96.9%); under that the
 # interquartile band of a median (`report.median_band`) is narrower than the rounds can support
 BASELINE, PLAN = "baseline", "plan"
+PAGE_FAULTS = "page_faults"
 
 
 @dataclass(frozen=True)
@@ -91,34 +93,44 @@ class Alternation:
 
 @dataclass
 class BlockTimes:
-    """One rank's step clock over an `Alternation`: ``times[config][round]`` in ms."""
+    """One rank's step clock over an `Alternation`: ``times[config][round]`` in ms, and beside them
+    ``page_faults[config][round]``, each timed step's minor page faults (`page_faults`)."""
 
     alternation: Alternation
     times: dict[str, list[list[float]]] = field(init=False)
+    page_faults: dict[str, list[list[int]]] = field(init=False)
     _last: float | None = field(default=None, init=False)
+    _last_faults: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         rounds = self.alternation.most_rounds
         self.times = {config: [[] for _ in range(rounds)] for config in (BASELINE, PLAN)}
+        self.page_faults = {config: [[] for _ in range(rounds)] for config in (BASELINE, PLAN)}
 
     def boundary(self, step: int) -> None:
         """Boundary ``step`` was reached (before any switch made at it): time the step that ended."""
-        now = time.perf_counter()
+        now, faults = time.perf_counter(), minor_page_faults()
         block = self.alternation.timed_block(step)
         if block is not None and self._last is not None:
             round_, config = block
             self.times[config][round_].append((now - self._last) * 1e3)
+            self.page_faults[config][round_].append(faults - self._last_faults)
 
     def restart(self) -> None:
         """The next step starts now (after the loop's own work at this boundary)."""
-        self._last = time.perf_counter()
+        self._last, self._last_faults = time.perf_counter(), minor_page_faults()
+
+    def record(self) -> dict[str, Any]:
+        """The rank's record for `paired_change`: its times, and its page faults under ``page_faults``."""
+        return {**self.times, PAGE_FAULTS: self.page_faults}
 
 
 def paired_change(
-    ranks: Sequence[Mapping[str, Sequence[Sequence[float]]]], band: Callable[[int], float] = band_factor
+    ranks: Sequence[Mapping[str, Any]], band: Callable[[int], float] = band_factor
 ) -> dict[str, Any]:
     """The plan's step-time change against the recorded configuration, from every rank's block
-    times (`BlockTimes.times`), over the rounds in which both blocks were timed.
+    times (`BlockTimes.times`, or its `BlockTimes.record` with page faults), over the rounds in which
+    both blocks were timed.
 
     A block's step time is the median of the slowest rank's steps in it (the rank with the largest
     median, as the report measures a step). Each round gives a change in %, plan block against
@@ -127,19 +139,29 @@ def paired_change(
     rounds' disagreement (their mean's band, ``band(rounds)`` standard errors: `band_factor`'s 95%
     unless another rule is asked for); 0 where neither can be estimated. Beside them, the rounds'
     median change and its noise (the larger of the blocks' and the rounds' `median_band`; None under
-    `MEDIAN_ROUNDS`), which a few rounds far off the rest (a stall of the disk, say) do not widen."""
-    rounds = []
+    `MEDIAN_ROUNDS`), which a few rounds far off the rest (a stall of the disk, say) do not widen.
+    And the page faults a step of each configuration (``page_faults_per_step``: the median over the
+    rounds of the median of the blocks timed; None where a rank recorded none): a configuration run
+    right after the other can take thousands more a step than it does alone (`page_faults`), which
+    the change holds."""
+    rounds, faults = [], []
     for k in range(min(len(rank[BASELINE]) for rank in ranks)):
-        blocks = {}
+        blocks, blocks_faults = {}, {}
         for config in (BASELINE, PLAN):
-            timed = [list(rank[config][k]) for rank in ranks if len(rank[config][k]) > 0]
+            timed = [(list(rank[config][k]), rank) for rank in ranks if len(rank[config][k]) > 0]
             if len(timed) == len(ranks):
-                blocks[config] = max(timed, key=statistics.median)
+                blocks[config], slowest = max(timed, key=lambda pair: statistics.median(pair[0]))
+                stepped = slowest.get(PAGE_FAULTS, {}).get(config, [])
+                if k < len(stepped) and stepped[k]:
+                    blocks_faults[config] = statistics.median(stepped[k])
         if len(blocks) == 2:
             rounds.append(blocks)
+            faults.append(blocks_faults)
     if not rounds:
         nothing = dict.fromkeys(("change_pct", "noise_pct", "median_change_pct", "median_noise_pct"))
-        return {"rounds": 0, **nothing, "baseline_ms": [], "plan_ms": []}
+        return {"rounds": 0, **nothing, "baseline_ms": [], "plan_ms": [], "page_faults_per_step": None}
+    counted = all(len(f) == 2 for f in faults)
+    page_faults = {c: statistics.median(f[c] for f in faults) for c in (BASELINE, PLAN)} if counted else None
     baseline_ms = [statistics.median(r[BASELINE]) for r in rounds]
     plan_ms = [statistics.median(r[PLAN]) for r in rounds]
     changes = [change_pct(p, b) for p, b in zip(plan_ms, baseline_ms, strict=True)]
@@ -158,4 +180,5 @@ def paired_change(
         "round_changes_pct": changes,
         "baseline_ms": baseline_ms,
         "plan_ms": plan_ms,
+        "page_faults_per_step": page_faults,
     }

@@ -471,6 +471,14 @@ def format_verification(verification: Mapping[str, Any]) -> str:
             f"{turns['change_pct']:+.1f}% +-{turns['noise_pct']:.1f}%, predicted "
             f"{_signed_pct(verification.get('predicted_change_pct'))}"
         )
+        faults = turns.get("page_faults_per_step") or {}
+        if max(faults.values(), default=0) >= NOISY_PAGE_FAULTS:
+            lines.append(
+                f"  in turns    page faults a step: baseline {faults['baseline']:.0f}, "
+                f"plan {faults['plan']:.0f} (fresh pages the allocator took again; a configuration run "
+                "right after another can take thousands more a step than it does alone, and the change "
+                "holds their cost)"
+            )
     lines.append(
         f"  peak memory plan measured {format_bytes(measured['peak_bytes'])}   predicted "
         f"{format_bytes(predicted['peak_bytes'])}   "

@@ -629,7 +629,7 @@ class TuningLoop:
         if not self._agree():
             return True
         loss_finite = self._all_true(self._loss_finite)
-        texts = self._exchange(json.dumps(self._turns.times))
+        texts = self._exchange(json.dumps(self._turns.record()))
         decision = ""
         if self._integration.collective.rank == 0 and texts is not None:
             decision = self._safe.run(self._verify_in_turns, texts, loss_finite, last) or ""

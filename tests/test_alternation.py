@@ -2,6 +2,7 @@
 its noise from every rank's block times, and the loop running it in real Lightning training."""
 
 import json
+import mmap
 import statistics
 import time
 
@@ -16,6 +17,7 @@ from qsync_callback.alternation import (
     BLOCK_STEPS,
     LOOKS,
     MEDIAN_ROUNDS,
+    PAGE_FAULTS,
     PLAN,
     SETTLE_STEPS,
     Alternation,
@@ -71,6 +73,47 @@ def _rank(baseline, plan):
     return {BASELINE: [list(b) for b in baseline], PLAN: [list(p) for p in plan]}
 
 
+def test_block_times_count_each_timed_steps_page_faults():
+    """The plan's steps touch 512 fresh pages each (a new anonymous mapping written page by page):
+    at least that many minor faults a step, where the baseline's steps touch none of their own."""
+    clock = BlockTimes(Alternation(rounds=1))
+    page = mmap.PAGESIZE
+    for step in range(clock.alternation.done_step + 1):
+        clock.boundary(step)
+        clock.restart()
+        if clock.alternation.timed_block(step + 1) in [(r, PLAN) for r in range(LOOKS)]:
+            fresh = mmap.mmap(-1, 512 * page)
+            for offset in range(0, 512 * page, page):
+                fresh[offset] = 1
+            fresh.close()
+    record = clock.record()
+    assert record[BASELINE] == clock.times[BASELINE] and record[PLAN] == clock.times[PLAN]
+    assert record[PAGE_FAULTS] == clock.page_faults
+    assert [len(b) for b in clock.page_faults[PLAN]] == [BLOCK_STEPS] * LOOKS
+    assert min(f for block in clock.page_faults[PLAN] for f in block) >= 512
+    assert statistics.median(f for block in clock.page_faults[BASELINE] for f in block) < 512
+    counted = paired_change([json.loads(json.dumps(record))])["page_faults_per_step"]
+    assert counted[PLAN] >= 512 > counted[BASELINE]
+
+
+def test_the_page_faults_a_step_are_the_slowest_ranks_blocks_medians_over_the_rounds():
+    quiet = {
+        **_rank([[10.0] * 4, [12.0] * 4], [[9.0] * 4, [10.8] * 4]),
+        PAGE_FAULTS: {BASELINE: [[100, 300, 200, 200], [400] * 4], PLAN: [[5] * 4, [7] * 4]},
+    }
+    # one round, one block: the median of its steps
+    assert paired_change([quiet])["page_faults_per_step"] == {BASELINE: 300.0, PLAN: 6.0}
+    # a second rank slower in round 0's plan block: that block's faults are its, as its times are
+    slow = {
+        **_rank([[10.0] * 4, [12.0] * 4], [[11.0] * 4, [10.8] * 4]),
+        PAGE_FAULTS: {BASELINE: [[0] * 4, [0] * 4], PLAN: [[1000] * 4, [0] * 4]},
+    }
+    assert paired_change([quiet, slow])["page_faults_per_step"] == {BASELINE: 300.0, PLAN: 503.5}
+    # the slowest block of a round on a rank that counted none (times alone): no figure
+    bare = _rank([[10.0] * 4, [12.0] * 4], [[11.0] * 4, [10.8] * 4])
+    assert paired_change([quiet, bare])["page_faults_per_step"] is None
+
+
 def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
     quiet = _rank([[10.0] * 4, [12.0] * 4], [[9.0] * 4, [10.8] * 4])
     result = paired_change([quiet])
@@ -83,6 +126,7 @@ def test_the_change_is_the_mean_of_the_rounds_on_the_slowest_rank():
         "round_changes_pct": [pytest.approx(-10.0), pytest.approx(-10.0)],
         "baseline_ms": [10.0, 12.0],
         "plan_ms": [9.0, 10.8],
+        "page_faults_per_step": None,  # times alone: no page faults counted
     }
     # the slowest rank is the one with the largest median, not the largest first step
     spiky = _rank([[10.0] * 4, [12.0] * 4], [[30.0, 1.0, 1.0, 1.0], [10.8] * 4])
@@ -113,6 +157,7 @@ def test_rounds_that_disagree_are_noise_and_an_unfinished_round_does_not_count()
         "median_noise_pct": None,
         "baseline_ms": [],
         "plan_ms": [],
+        "page_faults_per_step": None,
     }
 
 
@@ -215,6 +260,9 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
     assert verification["step_ms_change_pct"] == pytest.approx(turns["change_pct"])
     assert verification["windows"]["step_ms_change_pct"] is not None
     assert "against the baseline in turns" in verification["reason"]
+    # each configuration's page faults a step in its blocks, counted on the rank
+    faults = turns["page_faults_per_step"]
+    assert set(faults) == {"baseline", "plan"} and all(f >= 0 for f in faults.values())
     kept = Plan.load(tmp_path / "q" / "plan.json")
     assert verification["decision"] == "keep" and kept.precision
     assert _lp_precisions(model) == kept.precision
@@ -234,5 +282,6 @@ def test_two_ranks_switch_together_and_agree_on_the_turns(tmp_path):
     assert per_rank[0]["precisions"] == per_rank[1]["precisions"]
     verification = json.loads((tmp_path / "q" / "verification.json").read_text())
     assert verification["alternation"]["rounds"] == 3
+    assert set(verification["alternation"]["page_faults_per_step"]) == {"baseline", "plan"}
     kept = Plan.load(tmp_path / "q" / "plan.json")
     assert per_rank[0]["precisions"] == (kept.precision if verification["decision"] == "keep" else {})

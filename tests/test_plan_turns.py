@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import memory_plans  # noqa: E402
-from plan_turns import BLOCK_LENGTH, PlansInTurns, in_turns_change  # noqa: E402
+from plan_turns import BLOCK_LENGTH, PlansInTurns, in_turns_change, page_faults_cell  # noqa: E402
 
 from qsync_callback.alternation import BLOCK_STEPS  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
@@ -84,6 +84,7 @@ def test_each_plan_is_in_force_in_its_own_blocks_only_and_timed_in_every_round()
         assert result["rounds"] == 2
         assert len(result["baseline_ms"]) == len(result["plan_ms"]) == 2
         assert result["change_pct"] is not None
+        assert set(result["page_faults_per_step"]) == {"baseline", "plan"}
     times = turns._times[0]
     assert all(len(block) == BLOCK_STEPS for config in times.values() for block in config)
 
@@ -105,6 +106,17 @@ def test_in_turns_change_averages_the_processes_and_combines_their_noise():
     row["in_turns"].append({"change_pct": None, "noise_pct": None})
     assert in_turns_change(row) == (15.0, 2.5)
     assert in_turns_change(_row("x", None)) is None
+
+
+def test_the_page_faults_cell_gives_each_configurations_median_over_the_processes():
+    row = _row("x", 10.0)
+    assert page_faults_cell(row) == "-"  # a process that did not count them
+    row["in_turns"] = [
+        {"page_faults_per_step": {"baseline": 12000.0, "plan": 3000.0}},
+        {"page_faults_per_step": {"baseline": 14000.0, "plan": 7001.0}},
+        {"page_faults_per_step": None},
+    ]
+    assert page_faults_cell(row) == "13000 / 5000"
 
 
 def test_against_best_takes_the_fastest_plan_within_its_budget():

@@ -7,7 +7,14 @@ import statistics
 import pytest
 
 from qsync_callback.plan import Plan
-from qsync_callback.report import build_report, format_summary, median_band, median_noise_pct
+from qsync_callback.report import (
+    NOISY_PAGE_FAULTS,
+    build_report,
+    format_summary,
+    format_verification,
+    median_band,
+    median_noise_pct,
+)
 from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, combined_noise_pct, verify_plan
 
 from tracebuilder import op, trace
@@ -117,6 +124,31 @@ def test_a_memory_plan_is_decided_on_memory_and_a_non_finite_loss_always_rolls_b
     assert not_smaller["decision"] == ROLL_BACK
     infinite = _verify(_samples(10, 2), _samples(5, 2), loss_finite=False)
     assert infinite["decision"] == ROLL_BACK and infinite["reason"] == "the loss stopped being finite"
+
+
+def test_the_verification_says_the_page_faults_a_step_in_turns_where_they_are_many():
+    baseline = build_report([_run(_samples(10, 2))])
+    turns = {"rounds": 2, "change_pct": -25.0, "noise_pct": 3.0, "baseline_ms": [10.0, 10.0]}
+    turns["plan_ms"] = [7.5, 7.5]
+
+    def lines(faults):
+        alternation = {**turns, "page_faults_per_step": faults}
+        verified = verify_plan(
+            PLAN, baseline, [_run(_samples(8, 2))], loss_finite=True, alternation=alternation
+        )
+        assert verified["alternation"]["page_faults_per_step"] == faults
+        return format_verification(verified).split("\n")
+
+    said = [line for line in lines({"baseline": 12224.0, "plan": 3040.0}) if "page faults" in line]
+    assert said == [
+        "  in turns    page faults a step: baseline 12224, plan 3040 (fresh pages the allocator took again; "
+        "a configuration run right after another can take thousands more a step than it does alone, and "
+        "the change holds their cost)"
+    ]
+    few = NOISY_PAGE_FAULTS - 1
+    assert not [line for line in lines({"baseline": few, "plan": 0.0}) if "page faults" in line]
+    assert [line for line in lines({"baseline": 0.0, "plan": few + 1}) if "page faults" in line]
+    assert not [line for line in lines(None) if "page faults" in line]
 
 
 def test_in_turns_the_change_measured_in_turns_decides_and_the_windows_stand_beside_it():

@@ -63,11 +63,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-try:
-    import resource
-except ImportError:  # not on Windows
-    resource = None
-
 import orjson
 import torch
 
@@ -75,6 +70,7 @@ from qsync_callback.errors import QSyncInputError
 from qsync_callback.lp.costs import device_name
 from qsync_callback.lp.modules import LPModule
 from qsync_callback.model_layers import blocks_of, layer_table, layers_of
+from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.plan import fingerprint_key, module_layers
 from qsync_callback.recorder.copy_costs import copy_costs
 from qsync_callback.recorder.ddp_buckets import (
@@ -209,11 +205,6 @@ def batch_shapes_of(batch: Any) -> list[list[int]]:
     if isinstance(batch, (list, tuple)):
         return [s for v in batch for s in batch_shapes_of(v)]
     return []
-
-
-def _minor_page_faults() -> int:
-    """Minor page faults of this process so far (0 where the platform does not count them)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
 
 def recorded_steps(warmup_steps: int, profile_steps: int) -> list[int]:
@@ -384,7 +375,7 @@ class TorchRecorder:
     def step_boundary(self) -> Trace | None:
         """Mark the start of the next step. Returns the trace on the boundary that closes the window."""
         now = time.perf_counter()
-        faults = _minor_page_faults()
+        faults = minor_page_faults()
         step = self._steps_started
         settling = step - 1 == self.warmup_steps
         trial = self._trial is not None and step > self.trial_start  # the step that ended was the trial's
@@ -426,7 +417,7 @@ class TorchRecorder:
             self._trial.boundary(step - self.trial_start)  # its result: at `save`
         self._steps_started += 1
         self._last_boundary = time.perf_counter()
-        self._last_faults = _minor_page_faults()
+        self._last_faults = minor_page_faults()
         return finished
 
     def restart_step_clock(self) -> None:
@@ -444,7 +435,7 @@ class TorchRecorder:
             time_probes(self.trace.compiled_regions["probes"], compiled)
             self.overhead_s += time.perf_counter() - start
         self._last_boundary = time.perf_counter()
-        self._last_faults = _minor_page_faults()
+        self._last_faults = minor_page_faults()
 
     def _keep_region_inputs(self, step: int) -> None:
         """The arguments of the modules to compile during the warm-up, from their first call in the
