@@ -38,8 +38,11 @@ applies and undoes them at the same steps; rank 0's clock, which DDP's all-reduc
 with rank 1's): steps 1, 3 and the planner's figures, not the fresh-process timings or the cost
 model's check, which are the machine's, not DDP's.
 
-The table gives per model: each configuration's step time (runs, spread), compile time, the region
-plan's predicted step time and its error, and the cost model's per-region errors.
+The table gives per model: each configuration's step time (runs, spread), its page faults a step
+(each run's median over the steps timed: glibc's malloc gives fresh pages to a process whose
+thresholds let it hand memory back, and the step pays for each), compile time, the region plan's
+predicted step time and its error, and the cost model's per-region errors; in turns, each
+configuration's page faults a step in its blocks beside the change.
 
     python benchmarks/compiled_regions.py [--models attention,transformer] [--repeats 2] [--procs 1,2]
         [--turn-rounds 12] [--turn-repeats 2] [--quick] [--out benchmarks/results] [--resume]
@@ -139,7 +142,8 @@ def time_worker(model: str, config: str, plan: Path | None, run_dir: Path) -> No
 
     _, timer, _, _ = timed_fit(get_model(model), TIME_STEPS + 1, prepare=prepare)
     stats = applier.region_stats() if applier is not None else {}
-    (run_dir / "steps.json").write_text(json.dumps({"step_ms": timer.step_ms, "regions": stats}))
+    steps = {"step_ms": timer.step_ms, "page_faults": timer.page_faults, "regions": stats}
+    (run_dir / "steps.json").write_text(json.dumps(steps))
 
 
 def probe_worker(model: str, modules: list[str], run_dir: Path) -> None:
@@ -226,6 +230,7 @@ def bench_model(
         "blocks": predictor.predict(blocks).step_ms if blocks.fused_regions else None,
     }
     measured: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    faults: dict[str, list[float]] = {c: [] for c in CONFIGS}  # per run: its median page faults a step
     compile_s: dict[str, list[float]] = {c: [] for c in CONFIGS}
     last_cache: Path | None = None
     for r in range(repeats if procs == 1 else 0):
@@ -237,8 +242,10 @@ def bench_model(
             args += ["--plan", str(paths.get(config, ""))]
             done = run_worker(script, args, runs / f"{model}-{config.replace(' ', '-')}-{r}", timeout, cache)
             if done is not None:
-                median, compiled = step_figures(json.loads((done / "steps.json").read_text())["step_ms"])
+                steps = json.loads((done / "steps.json").read_text())
+                median, compiled = step_figures(steps["step_ms"])
                 measured[config].append(median)
+                faults[config].append(statistics.median(steps["page_faults"][SKIP_STEPS:]))
                 compile_s[config].append(compiled)
                 if config == "regions":
                     last_cache = cache
@@ -304,6 +311,7 @@ def bench_model(
         "measured_ms": measured,
         "median_ms": medians,
         "noise_pct": {c: range_noise_pct(v) for c, v in measured.items()},
+        "page_faults": faults,
         "turns": turns,
         "turn_rounds": turn_rounds,
         "compile_s": {c: statistics.median(v) if v else None for c, v in compile_s.items()},
@@ -325,14 +333,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     """Per model and configuration: measured step time (runs), spread, compile time, predicted step
     time and its error (predicted less measured); and per model the planner's figures."""
     lines = [
-        "| model | configuration | measured ms (runs) | noise | compile s (predicted) | predicted ms "
-        "| error |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| model | configuration | measured ms (runs) | noise | page faults a step (runs) "
+        "| compile s (predicted) | predicted ms | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     notes = []
     for row in rows:
         if "failed" in row:
-            lines.append(f"| {_label(row)} | failed: {row['failed']} | | | | | |")
+            lines.append(f"| {_label(row)} | failed: {row['failed']} | | | | | | |")
             continue
         for config in CONFIGS if row["procs"] == 1 else ():  # DDP's plans: in turns only
             runs = row["measured_ms"][config]
@@ -350,10 +358,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             else:
                 compiled_text = na(compiled, ".1f")
             listed = ", ".join(f"{m:.1f}" for m in runs) or "as eager"
+            counted = ", ".join(f"{f:.0f}" for f in row.get("page_faults", {}).get(config, [])) or "-"
             lines.append(
                 f"| {row['model']} | {label} | {na(row['median_ms'][config], '.1f')} ({listed}) | "
-                f"{na(row['noise_pct'][config], '.1f')}% | {compiled_text} | {na(predicted, '.1f')} | "
-                f"{na(row['error_pct'].get(config), '+.1f')}% |"
+                f"{na(row['noise_pct'][config], '.1f')}% | {counted} | {compiled_text} | "
+                f"{na(predicted, '.1f')} | {na(row['error_pct'].get(config), '+.1f')}% |"
             )
         gap = (
             f"MCMC {row['mcmc_value_s']:.1f} s against exhaustive {row['exhaustive_value_s']:.1f} s"

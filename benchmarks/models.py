@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from qsync_callback.page_faults import minor_page_faults
+
 SEED = 1234
 NUM_CLASSES = 10
 
@@ -535,17 +537,21 @@ def get_model(name: str) -> ModelSpec:
 
 
 class StepTimer(pl.Callback):
-    """Wall-clock time between consecutive ``on_train_batch_start`` calls, in ms."""
+    """Wall-clock time between consecutive ``on_train_batch_start`` calls, in ms, and the minor page
+    faults over the same steps (`qsync_callback.page_faults`)."""
 
     def __init__(self) -> None:
         self.step_ms: list[float] = []
+        self.page_faults: list[int] = []
         self._last: float | None = None
+        self._last_faults = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int):
-        now = time.perf_counter()
+        now, faults = time.perf_counter(), minor_page_faults()
         if self._last is not None:
             self.step_ms.append((now - self._last) * 1e3)
-        self._last = now
+            self.page_faults.append(faults - self._last_faults)
+        self._last, self._last_faults = now, faults
 
 
 def timed_fit(
