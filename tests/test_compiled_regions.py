@@ -820,6 +820,18 @@ def test_the_search_counts_each_regions_saving_beyond_the_models_optimism():
     assert all(doubting.saving[m] > 0 for m in doubting.names)
 
 
+def test_a_region_saving_anything_beyond_the_optimism_is_searched_and_not_doubted():
+    graph = build_global_graph([model_trace(("b0", "b1"), slow=SLOW)], 0)
+    norm = RegionSearch(graph, COSTS, steps_left=10**6).regions["b0.ln"]
+    model_us = norm.compiled_us - norm.measured_us
+    # half a microsecond left beyond the optimism: searched; none left: doubted
+    barely = RegionSearch(graph, COSTS, steps_left=10**6, optimism=(norm.saving_us - 0.5) / model_us)
+    assert barely.saving["b0.ln"] == pytest.approx(0.5)
+    assert "b0.ln" in barely.names and "b0.ln" not in [r.module for r in barely.doubtful]
+    undone = RegionSearch(graph, COSTS, steps_left=10**6, optimism=(norm.saving_us + 0.5) / model_us)
+    assert "b0.ln" not in undone.names and "b0.ln" in [r.module for r in undone.doubtful]
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(1.0, 20.0))
 def test_more_optimism_never_adds_a_region_nor_a_second_of_value(low, high, slow):
