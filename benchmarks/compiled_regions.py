@@ -230,7 +230,8 @@ def bench_model(
         "blocks": predictor.predict(blocks).step_ms if blocks.fused_regions else None,
     }
     measured: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    faults: dict[str, list[float]] = {c: [] for c in CONFIGS}  # per run: its median page faults a step
+    # per run: its median page faults a step (None: a run of an --out from before they were counted)
+    faults: dict[str, list[float | None]] = {c: [] for c in CONFIGS}
     compile_s: dict[str, list[float]] = {c: [] for c in CONFIGS}
     last_cache: Path | None = None
     for r in range(repeats if procs == 1 else 0):
@@ -245,7 +246,8 @@ def bench_model(
                 steps = json.loads((done / "steps.json").read_text())
                 median, compiled = step_figures(steps["step_ms"])
                 measured[config].append(median)
-                faults[config].append(statistics.median(steps["page_faults"][SKIP_STEPS:]))
+                counted = steps.get("page_faults")
+                faults[config].append(statistics.median(counted[SKIP_STEPS:]) if counted else None)
                 compile_s[config].append(compiled)
                 if config == "regions":
                     last_cache = cache
@@ -358,7 +360,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             else:
                 compiled_text = na(compiled, ".1f")
             listed = ", ".join(f"{m:.1f}" for m in runs) or "as eager"
-            counted = ", ".join(f"{f:.0f}" for f in row.get("page_faults", {}).get(config, [])) or "-"
+            counted = ", ".join(na(f, ".0f") for f in row.get("page_faults", {}).get(config, [])) or "-"
             lines.append(
                 f"| {row['model']} | {label} | {na(row['median_ms'][config], '.1f')} ({listed}) | "
                 f"{na(row['noise_pct'][config], '.1f')}% | {counted} | {compiled_text} | "
