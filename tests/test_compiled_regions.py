@@ -783,7 +783,8 @@ def test_regions_whose_saving_the_models_error_could_undo_are_left_out_and_named
     predictor = Predictor([region_trace(steps_left=10**6, probes={"b0.fc": linear, "b0": block})])
     choice = choose_regions(predictor, Plan.empty())
     assert choice.probe_errors["b0"] < -50 and choice.probe_errors["b0.fc"] == pytest.approx(0.0, abs=1e-9)
-    assert choice.optimism == pytest.approx(model_optimism(choice.probe_errors))
+    # the block priced at 0.389 of its measured compiled time: measured 2.568 times its price
+    assert choice.optimism == pytest.approx(1.5682, abs=1e-4)
     # the layer norms are priced by the model alone to save, but not by more than its optimism
     assert [region.module for region in choice.doubtful] == ["b0.ln", "b1.ln"]
     for region in choice.doubtful:

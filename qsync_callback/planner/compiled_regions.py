@@ -87,8 +87,12 @@ class RegionChoice:
     compile_s: float
     search: dict[str, float | int | str] = field(default_factory=dict)
     probe_errors: dict[str, float] = field(default_factory=dict)  # per probe: predicted vs measured, %
-    optimism: float = 0.0  # `model_optimism` of probe_errors
     doubtful: list[RegionCost] = field(default_factory=list)  # saving within the model's optimism
+
+    @property
+    def optimism(self) -> float:
+        """The cost model's optimism on the warm-up's probes (`model_optimism`)."""
+        return model_optimism(self.probe_errors)
 
 
 def _prefixes(module: str) -> list[str]:
@@ -256,8 +260,9 @@ def choose_regions(predictor: Predictor, base: Plan) -> RegionChoice:
     steps = steps_left if steps_left is not None else UNKNOWN_STEPS_LEFT
     compiles = 2 if recorded.get("partial_last_batch") else 1
     errors = probe_errors(predictor, costs)
-    optimism = model_optimism(errors)
-    search = RegionSearch(graph, costs, steps, broken, recorded.get("called_blocks"), compiles, optimism)
+    search = RegionSearch(
+        graph, costs, steps, broken, recorded.get("called_blocks"), compiles, model_optimism(errors)
+    )
     base_prediction = predictor.predict(base)
     if len(search.names) <= EXHAUSTIVE_MAX:
         chosen, value, tried = search.exhaustive()
@@ -268,7 +273,7 @@ def choose_regions(predictor: Predictor, base: Plan) -> RegionChoice:
         stats = {"method": "mcmc", "steps": tried, "value_s": value}
     stats["candidates"] = len(search.names)
     choice = RegionChoice(
-        None, base_prediction, [], None, costs, steps_left, 0.0, stats, errors, optimism, search.doubtful
+        None, base_prediction, [], None, costs, steps_left, 0.0, stats, errors, search.doubtful
     )
     if not chosen:
         return choice
