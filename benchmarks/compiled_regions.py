@@ -63,7 +63,14 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from models import get_model, timed_fit
-from plan_turns import in_turns_change, measure_in_turns, page_faults_cell, turns_cell, turns_worker
+from plan_turns import (
+    WHOLE_MODEL,
+    in_turns_change,
+    measure_in_turns,
+    page_faults_cell,
+    turns_cell,
+    turns_worker,
+)
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
 from qsync_callback.plan import Plan
@@ -77,12 +84,13 @@ from qsync_callback.predictor.compiled_regions import (
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 RUN_STEPS = 20_000  # the nominal length of the run the plan is made for
 TIME_STEPS, SKIP_STEPS = 40, 8
 MAX_CHECKED = 4  # regions compiled alone to check the cost model on, per model
-CONFIGS = ("eager", "regions", "blocks", "whole model")
+CONFIGS = ("eager", "regions", "blocks", WHOLE_MODEL)
 TURN_ROUNDS, TURN_REPEATS = 12, 2
 
 
@@ -138,7 +146,7 @@ def time_worker(model: str, config: str, plan: Path | None, run_dir: Path) -> No
         if config in ("regions", "blocks"):
             applier = RegionApplier(module)
             applier(Plan.load(plan))
-        return torch.compile(module) if config == "whole model" else module
+        return torch.compile(module) if config == WHOLE_MODEL else module
 
     _, timer, _, _ = timed_fit(get_model(model), TIME_STEPS + 1, prepare=prepare)
     stats = applier.region_stats() if applier is not None else {}
@@ -251,12 +259,14 @@ def bench_model(
                 compile_s[config].append(compiled)
                 if config == "regions":
                     last_cache = cache
-    turned = {name: paths[name] for name in plans if plans[name].fused_regions}
+    turned: dict[str, Path | str] = {name: paths[name] for name in plans if plans[name].fused_regions}
     turns: dict[str, Any] = {
         name: {"predicted_change_pct": 100 * (predicted[name] / predicted["eager"] - 1), "in_turns": []}
         for name in turned
     }
-    for k in range(turn_repeats if turned else 0):
+    turned[WHOLE_MODEL] = WHOLE_MODEL  # the anchor, in the same rounds: not priced by the predictor
+    turns[WHOLE_MODEL] = {"predicted_change_pct": None, "in_turns": []}
+    for k in range(turn_repeats):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(caches / f"turns-{k}")
         measured_turns = measure_in_turns(
             script, model, turned, runs / f"{label}-turns-r{k}", timeout, turn_rounds, procs
@@ -392,28 +402,61 @@ def table(rows: list[dict[str, Any]]) -> str:
         "error in turns | within noise | page faults a step in turns (eager / plan) |",
         "|---|---|---:|---|---:|---|---:|",
     ]
-    errors, within = [], 0
+    errors, within, anchors = [], 0, []
     for row in rows:
-        for name in ("regions", "blocks"):
+        for name in ("regions", "blocks", WHOLE_MODEL):
             figures = row.get("turns", {}).get(name)
             if figures is None:
                 continue
             cell, error = turns_cell(figures)
             measured = in_turns_change(figures)
-            told = measured is not None and abs(figures["predicted_change_pct"] - measured[0]) <= measured[1]
-            if error is not None:
+            told = "n/a"
+            if error is not None and measured is not None:
                 errors.append(abs(error))
-                within += told
+                told = "yes" if abs(figures["predicted_change_pct"] - measured[0]) <= measured[1] else "no"
+                within += told == "yes"
             turns.append(
                 f"| {_label(row)} | {name} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
-                f"{na(error, '+.1f')}% | {'yes' if told else 'no'} | {page_faults_cell(figures)} |"
+                f"{na(error, '+.1f')}% | {told} | {page_faults_cell(figures)} |"
             )
+        anchor = against_whole_model(row)
+        if anchor is not None:
+            anchors.append(f"- {_label(row)}: {anchor}")
     if errors:
         turns.append(
             f"\nMedian |error in turns| over the plans: {statistics.median(errors):.1f}%; predicted change "
             f"within the measured one's noise: {within} of {len(errors)}."
         )
+    if anchors:
+        turns += ["", "The chosen plan against the whole model compiled, in the same rounds:", *anchors]
     return "\n".join([*lines, "", *notes, "", *turns])
+
+
+def against_whole_model(row: dict[str, Any]) -> str | None:
+    """The chosen plan's step against the whole model compiled, both measured in turns with eager in
+    the same rounds: the ratio of their steps, each referred to eager's (the chosen plan is eager
+    itself where it compiles nothing), with their noises combined; and their compile times from the
+    fresh runs where those ran. None where the turns did not time the whole model."""
+    turns = row.get("turns", {})
+    whole = in_turns_change(turns.get(WHOLE_MODEL, {}))
+    if whole is None:
+        return None
+    chosen = in_turns_change(turns["regions"]) if "regions" in turns else (0.0, 0.0)
+    if chosen is None:
+        return None
+    change = 100 * ((100 + chosen[0]) / (100 + whole[0]) - 1)
+    what = ", ".join(row["chosen"][:4]) or "none (eager)"
+    compiled = row["compile_s"]
+    compile_text = (
+        f"; compile {na(compiled['regions'] if row['chosen'] else 0.0, '.1f')} s against "
+        f"{na(compiled[WHOLE_MODEL], '.1f')} s (fresh runs)"
+        if row["procs"] == 1
+        else ""
+    )
+    return (
+        f"chosen {what}: {change:+.1f}% (+-{combined_noise_pct(chosen[1], whole[1]):.1f}) against the whole "
+        f"model compiled ({whole[0]:+.1f}% against eager){compile_text}"
+    )
 
 
 def _label(row: dict[str, Any]) -> str:

@@ -14,6 +14,10 @@ itself outside them. Each plan's change against the recorded configuration is
 `alternation.paired_change` over its rounds (a block of the plan against the baseline block right
 before it): a drift of the machine's speed cancels in each pair, as in the loop's own turns.
 
+A "plan" may also be `WHOLE_MODEL`: the LightningModule compiled whole, the way Lightning compiles
+a model given to ``fit`` compiled (`compile_whole_model`), so that a plan and the whole model compiled
+are each measured against the recorded configuration in the same rounds.
+
 A benchmark runs them in a fresh process of its own script (`measure_in_turns`), whose worker mode
 "turns" calls `turns_worker`.
 """
@@ -24,12 +28,14 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from models import get_model, timed_fit
+from pytorch_lightning.utilities.compile import from_compiled, to_uncompiled
 from runs import launch, stderr_tail
 
 from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PAGE_FAULTS, PLAN, SETTLE_STEPS, paired_change
@@ -45,13 +51,24 @@ BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
 WARMUP_STEPS = 5
 TURN_ROUNDS = 6
 TURNS_FILE = "turns.json"
+WHOLE_MODEL = "whole model"  # in a turns listing: the LightningModule compiled whole
+
+
+def compile_whole_model(module: pl.LightningModule) -> Callable[[], None]:
+    """Compile ``module`` whole, in place, as Lightning compiles a model given to ``fit`` compiled
+    (`from_compiled`: its forward and step methods under one ``torch.compile``); the undo
+    (`to_uncompiled`). Dynamo keeps its graphs per code object: compiled again after an undo, the
+    module runs them again without compiling."""
+    from_compiled(torch.compile(module))
+    return lambda: to_uncompiled(module)
 
 
 class PlansInTurns(pl.Callback):
-    """``plans`` in turns with the recorded configuration for ``rounds`` rounds (see the module
-    docstring); the run needs `steps` steps. `results` gives each plan's `paired_change`."""
+    """``plans`` (each a `Plan` or `WHOLE_MODEL`) in turns with the recorded configuration for
+    ``rounds`` rounds (see the module docstring); the run needs `steps` steps. `results` gives each
+    plan's `paired_change`."""
 
-    def __init__(self, plans: Sequence[Plan], rounds: int, warmup_steps: int = WARMUP_STEPS):
+    def __init__(self, plans: Sequence[Plan | str], rounds: int, warmup_steps: int = WARMUP_STEPS):
         self.plans = list(plans)
         self._warmup = warmup_steps
         # per step after the warm-up: (round, plan index, configuration, timed); the block it is in
@@ -70,6 +87,7 @@ class PlansInTurns(pl.Callback):
             {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]} for _ in self.plans
         ]
         self._appliers: dict[str, Any] = {}
+        self._module: pl.LightningModule | None = None
         self._undo = None
         self._started = 0.0
         self._started_faults = 0
@@ -87,6 +105,7 @@ class PlansInTurns(pl.Callback):
             "activation": ActivationApplier(pl_module),
             "fused_regions": RegionApplier(pl_module),
         }
+        self._module = pl_module
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -110,8 +129,11 @@ class PlansInTurns(pl.Callback):
     def _switch(self, index: int, config: str) -> None:
         """Undo what is in force; apply plan ``index`` where the block is the plan's."""
         self._close()
-        if config == PLAN:
-            self._undo = apply_plan(self.plans[index], self._appliers)
+        plan = self.plans[index]
+        if config == PLAN and plan == WHOLE_MODEL:
+            self._undo = compile_whole_model(self._module)
+        elif config == PLAN:
+            self._undo = apply_plan(plan, self._appliers)
 
     def _close(self) -> None:
         undo, self._undo = self._undo, None
@@ -130,14 +152,14 @@ class PlansInTurns(pl.Callback):
 
 
 def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | None = None) -> None:
-    """The plans listed in ``plan_files`` (JSON: the plans' paths, the rounds and the processes, as
-    `measure_in_turns` writes them) in turns with the recorded configuration, in one training run of
-    ``model`` (in a subprocess; under DDP on more than one process, each rank applying each plan at
-    the same step; ``batches``: `timed_fit`'s); each plan's `paired_change` in
+    """The plans listed in ``plan_files`` (JSON: the plans' paths or `WHOLE_MODEL`, the rounds and
+    the processes, as `measure_in_turns` writes them) in turns with the recorded configuration, in
+    one training run of ``model`` (in a subprocess; under DDP on more than one process, each rank
+    applying each plan at the same step; ``batches``: `timed_fit`'s); each plan's `paired_change` in
     ``run_dir / TURNS_FILE``, in the list's order, from rank 0's clock (DDP's all-reduces keep the
     ranks' steps in step)."""
     listing = json.loads(plan_files.read_text())
-    plans = [Plan.load(path) for path in listing["plans"]]
+    plans = [path if path == WHOLE_MODEL else Plan.load(path) for path in listing["plans"]]
     turns = PlansInTurns(plans, listing["rounds"])
     trainer, *_ = timed_fit(get_model(model), turns.steps, [turns], listing["procs"], batches=batches)
     if trainer.global_rank == 0:
@@ -147,15 +169,15 @@ def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | Non
 def measure_in_turns(
     script: Path,
     model: str,
-    files: Mapping[str, Path],
+    files: Mapping[str, Path | str],
     run_dir: Path,
     timeout: float,
     rounds: int = TURN_ROUNDS,
     procs: int = 1,
 ) -> dict[str, Any]:
-    """Run the plans in ``files`` (saved plans, by key) in turns for ``rounds`` rounds in one fresh
-    run of ``script``'s worker mode "turns" on ``procs`` processes; each key's `paired_change`, or
-    none where the run failed (said on stderr)."""
+    """Run the plans in ``files`` (saved plans' paths or `WHOLE_MODEL`, by key) in turns for
+    ``rounds`` rounds in one fresh run of ``script``'s worker mode "turns" on ``procs`` processes;
+    each key's `paired_change`, or none where the run failed (said on stderr)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     listing = run_dir.with_name(f"{run_dir.name}-plans.json")
     plans = [str(path) for path in files.values()]
@@ -192,11 +214,14 @@ def page_faults_cell(row: Mapping[str, Any]) -> str:
 
 def turns_cell(row: Mapping[str, Any]) -> tuple[str, float | None]:
     """A plan row's table cell for its change in turns, "predicted / measured (+-noise)" ("-" where
-    no process timed it), and its step error in turns: the predicted step against the measured one,
-    both referred to the recorded configuration's, in % (None where not timed)."""
+    no process timed it; "n/a" for the predicted change where the row has none), and its step error in
+    turns: the predicted step against the measured one, both referred to the recorded configuration's,
+    in % (None where not timed or not predicted)."""
     turned = in_turns_change(row)
     if turned is None:
         return "-", None
     predicted = row["predicted_change_pct"]
-    error = 100.0 * ((100 + predicted) / (100 + turned[0]) - 1)
-    return f"{predicted:+.1f}% / {turned[0]:+.1f}% (+-{turned[1]:.1f})", error
+    measured = f"{turned[0]:+.1f}% (+-{turned[1]:.1f})"
+    if predicted is None:  # a configuration the predictor does not price (the whole model compiled)
+        return f"n/a / {measured}", None
+    return f"{predicted:+.1f}% / {measured}", 100.0 * ((100 + predicted) / (100 + turned[0]) - 1)

@@ -11,7 +11,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import memory_plans  # noqa: E402
-from plan_turns import BLOCK_LENGTH, PlansInTurns, in_turns_change, page_faults_cell  # noqa: E402
+from plan_turns import (  # noqa: E402
+    BLOCK_LENGTH,
+    WHOLE_MODEL,
+    PlansInTurns,
+    in_turns_change,
+    page_faults_cell,
+)
 
 from qsync_callback.alternation import BLOCK_STEPS  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
@@ -39,6 +45,8 @@ class Blocks(pl.LightningModule):
         self.calls = {"net.0": 0, "net.1": 0}
         self.net = nn.Sequential(CountedBlock("net.0", self.calls, 16), CountedBlock("net.1", self.calls, 4))
         self.per_step: list[dict[str, int]] = []
+        self.compiled_steps: list[bool] = []  # per step: compiled whole, as Lightning's `from_compiled`
+        self.frames_compiled: list[int] = []  # per step: the frames dynamo has compiled so far
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -46,6 +54,8 @@ class Blocks(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.per_step.append(dict(self.calls))
+        self.compiled_steps.append(self._compiler_ctx is not None)
+        self.frames_compiled.append(torch._dynamo.utils.counters["frames"]["ok"])
         self.calls.update(dict.fromkeys(self.calls, 0))
 
     def configure_optimizers(self):
@@ -87,6 +97,27 @@ def test_each_plan_is_in_force_in_its_own_blocks_only_and_timed_in_every_round()
         assert set(result["page_faults_per_step"]) == {"baseline", "plan"}
     times = turns._times[0]
     assert all(len(block) == BLOCK_STEPS for config in times.values() for block in config)
+
+
+def test_the_whole_model_compiled_is_in_force_in_its_own_blocks_only_and_compiles_once():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Blocks()
+    turns = PlansInTurns([WHOLE_MODEL, Plan(activation={"net.0": "recompute"})], rounds=2, warmup_steps=2)
+    _fit(model, turns)
+    expected = [False] * 2
+    for r in range(2):
+        for j in range(2):
+            expected += [False] * BLOCK_LENGTH + [(j + r) % 2 == 0] * BLOCK_LENGTH
+    assert model.compiled_steps[: len(expected)] == expected
+    assert model.compiled_steps[len(expected) :] == [False]
+    # the compiled step ran the blocks as eager does
+    assert all(calls == {"net.0": 1, "net.1": 1} for calls in model.per_step[: 2 + 2 * BLOCK_LENGTH])
+    # compiled in the first compiled block's first step; its second block, a round later, compiled nothing
+    first = expected.index(True)
+    assert model.frames_compiled[first] > model.frames_compiled[first - 1]
+    assert model.frames_compiled[first] == model.frames_compiled[-1]
+    assert all(result["change_pct"] is not None for result in turns.results())
 
 
 def _row(who, change, noise=1.0, within=True, activation=None):
