@@ -20,13 +20,16 @@ For each model (the transformer-like ones by default):
    time beyond two median steps. Then the region plan once more on the cache of its last run: the
    next launch of a kept plan (inductor's FX graph cache).
 3. **in turns**, in ``--turn-repeats`` fresh processes (`plan_turns.py`, as the other plan
-   benchmarks measure their plans): the chosen plan and the blocks plan, each applied and undone in
-   turns with eager at step boundaries, ``--turn-rounds`` rounds (a region compiled in its plan's
-   first block, in a step not timed). A plan's measured change is the mean over the processes of
+   benchmarks measure their plans): the chosen plan, the blocks plan and the whole model compiled
+   (Lightning's ``from_compiled``, the anchor), each applied and undone in turns with eager at step
+   boundaries, ``--turn-rounds`` rounds (a region, or the whole model, compiled in its first block,
+   in a step not timed). A plan's measured change is the mean over the processes of
    its rounds' mean change, with its noise (`alternation.paired_change`'s 95% band, combined over
    the processes); its error in turns sets the predicted change (the plan's predicted step over
-   eager's) against the measured one. Separate processes differ by more than many plans change; in
-   turns the drift between processes and over minutes cancels, as in the loop's verify.
+   eager's) against the measured one; the chosen plan against the whole model is the ratio of their
+   steps, each referred to eager's in the same rounds (`against_whole_model`). Separate processes
+   differ by more than many plans change; in turns the drift between processes and over minutes
+   cancels, as in the loop's verify.
 4. **cost model**: the chosen regions and the best other candidates that were not compiled during
    the warm-up (the planner's left-out ones among them: saving within the model's error on the
    warm-up's probes), each compiled alone (as the warm-up compiles, on the arguments of its first call):

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import compiled_regions  # noqa: E402
 import memory_plans  # noqa: E402
 from plan_turns import (  # noqa: E402
     BLOCK_LENGTH,
@@ -172,3 +173,27 @@ def test_against_best_takes_the_fastest_plan_within_its_budget():
     assert memory_plans._against_best([lowered, alone], lowered).startswith(
         "+0.0% against the fastest (ours: 1"
     )
+
+
+def test_the_chosen_plan_is_set_against_the_whole_model_measured_in_the_same_rounds():
+    def timed(change, noise):
+        return {"in_turns": [{"change_pct": change, "noise_pct": noise}]}
+
+    row = {
+        "chosen": ["net"],
+        "procs": 1,
+        "compile_s": {"regions": 31.4, WHOLE_MODEL: 29.4},
+        "turns": {"regions": timed(-20.0, 3.0), WHOLE_MODEL: timed(-24.0, 4.0)},
+    }
+    # the plan's step 0.80 of eager's, the whole model's 0.76: the plan 5.3% slower than the whole model
+    assert compiled_regions.against_whole_model(row) == (
+        "chosen net: +5.3% (+-5.0) against the whole model compiled (-24.0% against eager); "
+        "compile 31.4 s against 29.4 s (fresh runs)"
+    )
+    # a plan that compiles nothing is eager itself, exactly; under DDP no fresh runs timed the compiles
+    eager = {"chosen": [], "procs": 2, "compile_s": {}, "turns": {WHOLE_MODEL: timed(25.0, 6.0)}}
+    assert compiled_regions.against_whole_model(eager) == (
+        "chosen none (eager): -20.0% (+-6.0) against the whole model compiled (+25.0% against eager)"
+    )
+    assert compiled_regions.against_whole_model({**eager, "turns": {WHOLE_MODEL: timed(None, None)}}) is None
+    assert compiled_regions.against_whole_model({**row, "turns": {"regions": timed(-20.0, 3.0)}}) is None
