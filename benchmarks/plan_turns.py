@@ -80,11 +80,15 @@ class PlansInTurns(pl.Callback):
             for config in (BASELINE, PLAN)
             for k in range(BLOCK_LENGTH)
         ]
-        self._times: list[dict[str, list[list[float]]]] = [
-            {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]} for _ in self.plans
-        ]
-        self._faults: list[dict[str, list[list[int]]]] = [
-            {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]} for _ in self.plans
+        # per plan, as `alternation.BlockTimes.record` gives a rank's: each block's step times (ms)
+        # by configuration and round, and their page faults under PAGE_FAULTS
+        self._records: list[dict[str, Any]] = [
+            {
+                BASELINE: [[] for _ in range(rounds)],
+                PLAN: [[] for _ in range(rounds)],
+                PAGE_FAULTS: {BASELINE: [[] for _ in range(rounds)], PLAN: [[] for _ in range(rounds)]},
+            }
+            for _ in self.plans
         ]
         self._appliers: dict[str, Any] = {}
         self._module: pl.LightningModule | None = None
@@ -117,8 +121,8 @@ class PlansInTurns(pl.Callback):
         if step > 0:
             r, i, config, timed = self._schedule[step - 1]
             if timed:
-                self._times[i][config][r].append((now - self._started) * 1e3)
-                self._faults[i][config][r].append(faults - self._started_faults)
+                self._records[i][config][r].append((now - self._started) * 1e3)
+                self._records[i][PAGE_FAULTS][config][r].append(faults - self._started_faults)
         if step == len(self._schedule):
             self._close()  # the step that ends the last timed one runs the recorded configuration
         elif step < len(self._schedule):
@@ -145,10 +149,7 @@ class PlansInTurns(pl.Callback):
 
     def results(self) -> list[dict[str, Any]]:
         """Per plan, in ``plans``' order: `paired_change` of its rounds, with their page faults."""
-        return [
-            paired_change([{**times, PAGE_FAULTS: faults}])
-            for times, faults in zip(self._times, self._faults, strict=True)
-        ]
+        return [paired_change([record]) for record in self._records]
 
 
 def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | None = None) -> None:

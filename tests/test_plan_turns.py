@@ -96,8 +96,10 @@ def test_each_plan_is_in_force_in_its_own_blocks_only_and_timed_in_every_round()
         assert len(result["baseline_ms"]) == len(result["plan_ms"]) == 2
         assert result["change_pct"] is not None
         assert set(result["page_faults_per_step"]) == {"baseline", "plan"}
-    times = turns._times[0]
-    assert all(len(block) == BLOCK_STEPS for config in times.values() for block in config)
+    record = turns._records[0]
+    for config in ("baseline", "plan"):  # every timed step has its time and its page faults
+        assert all(len(block) == BLOCK_STEPS for block in record[config])
+        assert all(len(block) == BLOCK_STEPS for block in record["page_faults"][config])
 
 
 def test_the_whole_model_compiled_is_in_force_in_its_own_blocks_only_and_compiles_once():
