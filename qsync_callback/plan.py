@@ -50,13 +50,21 @@ COMMUNICATION_SETTINGS = {
     "cycle_time_ms": (float, "how long the communication thread waits to fuse tensors, ms"),
 }
 
-LEVERS = ("precision", "activation", "regions", "buckets")
+# glibc malloc's thresholds a plan may fix (`qsync_callback.malloc_thresholds`), bytes, for the process
+MALLOC_SETTINGS = {
+    "mmap_threshold_bytes": (int, "blocks of this many bytes+ are mapped afresh, unmapped when freed"),
+    "trim_threshold_bytes": (int, "the heap's free top beyond this many bytes goes back to the system"),
+}
+MALLOC_LIMIT = 2**31  # mallopt takes a C int
+
+LEVERS = ("precision", "activation", "regions", "buckets", "allocator")
 # the plan fields each lever's decisions live in
 LEVER_FIELDS = {
     "precision": ("precision", "op_precision"),
     "activation": ("activation",),
     "regions": ("fused_regions",),
     "buckets": ("buckets", "communication"),
+    "allocator": ("malloc_thresholds",),
 }
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
@@ -148,6 +156,7 @@ _FIELDS = (
     "fused_regions",
     "activation",
     "communication",
+    "malloc_thresholds",
     "prediction",
     "constraints",
 )
@@ -214,20 +223,23 @@ def _check_groups(value: Any, name: str, source: str) -> list[list[str]]:
     return out
 
 
-def _check_communication(value: Any, source: str) -> dict[str, int | float]:
-    """Validate communication settings (`COMMUNICATION_SETTINGS`): known names, non-negative numbers."""
+def _check_settings(
+    value: Any, name: str, settings: Mapping[str, tuple[type, str]], source: str, limit: float = float("inf")
+) -> dict[str, int | float]:
+    """Validate a plan's settings ``name`` (``settings``: name -> (type, what it is)): known names,
+    non-negative numbers below ``limit``."""
     if not isinstance(value, Mapping):
-        raise QSyncInputError(f"{source}: communication is {_type_name(value)}; expected an object")
+        raise QSyncInputError(f"{source}: {name} is {_type_name(value)}; expected an object")
     out: dict[str, int | float] = {}
     for key, item in value.items():
-        if key not in COMMUNICATION_SETTINGS:
-            known = ", ".join(COMMUNICATION_SETTINGS)
-            raise QSyncInputError(f"{source}: unknown communication setting {key!r}; expected {known}")
-        kind, what = COMMUNICATION_SETTINGS[key]
+        if key not in settings:
+            raise QSyncInputError(f"{source}: unknown {name} setting {key!r}; expected {', '.join(settings)}")
+        kind, what = settings[key]
         number = isinstance(item, (int, float)) and not isinstance(item, bool)
-        if not number or (kind is int and not isinstance(item, int)) or item < 0 or item != item:
+        if not number or (kind is int and not isinstance(item, int)) or not 0 <= item < limit:
             expected = "a non-negative integer" if kind is int else "a non-negative number"
-            raise QSyncInputError(f"{source}: communication {key} ({what}) is {item!r}; expected {expected}")
+            below = f" below {limit}" if limit < float("inf") else ""
+            raise QSyncInputError(f"{source}: {name} {key} ({what}) is {item!r}; expected {expected}{below}")
         out[key] = kind(item)
     return out
 
@@ -262,6 +274,7 @@ class Plan:
     fused_regions: list[list[str]] = field(default_factory=list)
     activation: dict[str, str] = field(default_factory=dict)
     communication: dict[str, int | float] = field(default_factory=dict)  # COMMUNICATION_SETTINGS
+    malloc_thresholds: dict[str, int] = field(default_factory=dict)  # MALLOC_SETTINGS
     prediction: dict[str, Any] | None = None
     constraints: dict[str, Any] = field(default_factory=dict)  # what it was chosen under (`Constraints`)
     version: int = PLAN_VERSION
@@ -281,6 +294,7 @@ class Plan:
             or self.fused_regions
             or self.activation
             or self.communication
+            or self.malloc_thresholds
         )
 
     def without(self, dropped: Mapping[str, Sequence[Any]]) -> Plan:
@@ -311,6 +325,7 @@ class Plan:
             "fused_regions": [list(region) for region in self.fused_regions],
             "activation": dict(self.activation),
             "communication": dict(self.communication),
+            "malloc_thresholds": dict(self.malloc_thresholds),
             "prediction": _canonical(self.prediction) if self.prediction is not None else None,
             "constraints": _canonical(self.constraints),
         }
@@ -360,7 +375,12 @@ class Plan:
             activation=_check_str_map(
                 data.get("activation", {}), "activation", ACTIVATION_POLICIES, "activation policy", source
             ),
-            communication=_check_communication(data.get("communication", {}), source),
+            communication=_check_settings(
+                data.get("communication", {}), "communication", COMMUNICATION_SETTINGS, source
+            ),
+            malloc_thresholds=_check_settings(
+                data.get("malloc_thresholds", {}), "malloc_thresholds", MALLOC_SETTINGS, source, MALLOC_LIMIT
+            ),
             prediction=None if prediction is None else _check_object(prediction, "prediction", source),
             constraints=_check_object(data.get("constraints", {}), "constraints", source),
             version=version,

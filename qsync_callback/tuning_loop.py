@@ -810,7 +810,8 @@ def _describe(plan: Plan) -> str:
     """What a plan decides, in a few words."""
     parts = [
         f"{len(value)} {name}"
-        for name in ("precision", "op_precision", "buckets", "fused_regions", "activation", "communication")
+        for names in LEVER_FIELDS.values()
+        for name in names
         if (value := getattr(plan, name))
     ]
     return ", ".join(parts) or "no changes"

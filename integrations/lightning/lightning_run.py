@@ -13,10 +13,12 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from qsync_callback.activation_trial import activation_trials_for
+from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_ddp_buckets import DDPBucketApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.appliers.torch_regions import RegionApplier
+from qsync_callback.malloc_thresholds import recorded_thresholds
 from qsync_callback.predictor.compiled_regions import payback_gate
 from qsync_callback.recorder.torch_recorder import TorchRecorder, batch_shapes_of, torch_fingerprint
 from qsync_callback.tuning_loop import Applier
@@ -86,9 +88,15 @@ class LightningRun:
             # keyed by its plan field (`tuning_loop.apply_plan`); one object for the run: a plan applied
             # again (the loop's turns) runs the graphs its first apply compiled
             "fused_regions": RegionApplier(pl_module),
+            "malloc_thresholds": MallocThresholdApplier(self._recorded_thresholds),
         }
         if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):  # world size > 1
             self._appliers["buckets"] = DDPBucketApplier(lambda: trainer.strategy.model, self._set_ddp)
+
+    def _recorded_thresholds(self) -> dict[str, int] | None:
+        """glibc malloc's thresholds the recorded steps ran under (None before a window closed)."""
+        trace = self._recorder.trace if self._recorder is not None else None
+        return recorded_thresholds(trace) if trace is not None else None
 
     def _set_ddp(self, wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
         """The strategy runs its next step through ``wrapper``; a static graph's first iteration,

@@ -8,7 +8,9 @@ TensorFlow runs the op-type and gradient-groups planner (`tf_plans.py`: traces w
 Horovod's settings); and on a torch run under DDP with the buckets lever allowed, DDP's gradient
 buckets (`ddp_buckets.py`), on top of the precision plan where there is one (activation policies
 and buckets are not priced together yet); and on a torch run recorded for them with the regions
-lever allowed, the modules to compile (`compiled_regions.py`), on top of both. A new plan kind adds
+lever allowed, the modules to compile (`compiled_regions.py`), on top of both; and on a torch run on
+the CPU with the allocator lever allowed, glibc malloc's thresholds (`malloc_thresholds.py`), on top
+of all of them. A new plan kind adds
 its planner here, next to a predictor transform and an applier; never a branch in an integration.
 """
 
@@ -22,6 +24,7 @@ from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner import PlanChoice
 from qsync_callback.planner.compiled_regions import choose_regions, format_region_plan
 from qsync_callback.planner.ddp_buckets import choose_buckets, format_bucket_plan
+from qsync_callback.planner.malloc_thresholds import choose_malloc_thresholds, format_malloc_plan
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.planner.precision import plan_precision
 from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
@@ -55,7 +58,11 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
         return choose_tf_plan(traces, constraints)
     on_top = [
         planner
-        for wanted, planner in ((_plans_buckets, _plan_buckets), (_plans_regions, _plan_regions))
+        for wanted, planner in (
+            (_plans_buckets, _plan_buckets),
+            (_plans_regions, _plan_regions),
+            (_plans_malloc, _plan_malloc),
+        )
         if wanted(traces, constraints)
     ]
     if on_top:
@@ -107,6 +114,16 @@ def _plans_regions(traces: Sequence[Trace], constraints: Constraints) -> bool:
     return "regions" in constraints.levers and bool(traces) and bool(traces[0].compiled_regions)
 
 
+def _plans_malloc(traces: Sequence[Trace], constraints: Constraints) -> bool:
+    """Whether malloc's thresholds are to be chosen: the lever allowed, on a torch run on the CPU."""
+    return (
+        "allocator" in constraints.levers
+        and bool(traces)
+        and traces[0].framework == "torch"
+        and traces[0].device == "cpu"
+    )
+
+
 def _plan_buckets(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
     """DDP's buckets on top of ``base`` (`_on_top`'s planner)."""
     buckets = choose_buckets(predictor, base)
@@ -117,6 +134,12 @@ def _plan_regions(predictor: Predictor, base: Plan) -> tuple[Plan | None, Predic
     """Compiled regions on top of ``base`` (`_on_top`'s planner)."""
     regions = choose_regions(predictor, base)
     return regions.plan, regions.base, format_region_plan(regions)
+
+
+def _plan_malloc(predictor: Predictor, base: Plan) -> tuple[Plan | None, Prediction, str]:
+    """glibc malloc's thresholds on top of ``base`` (`_on_top`'s planner)."""
+    malloc = choose_malloc_thresholds(predictor, base)
+    return malloc.plan, malloc.base, format_malloc_plan(malloc)
 
 
 def _on_top(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import networkx as nx
 import numpy as np
@@ -40,6 +40,7 @@ from qsync_callback.predictor.compiled_regions import (
     fit_fusion_costs,
 )
 from qsync_callback.predictor.graph import build_global_graph
+from qsync_callback.predictor.malloc_thresholds import fault_saving_us, malloc_problem
 from qsync_callback.predictor.memory import MemoryCurve, TensorLife, lifetime_events, tensor_lifetimes
 from qsync_callback.predictor.op_precision import (
     apply_op_precision,
@@ -104,6 +105,8 @@ def check_plan(traces: Sequence[Trace], plan: Plan, source: str = "<plan>") -> N
             f"{source}: activation policies cannot be priced together with per-op-type precision, "
             "fusion decisions or compiled regions yet"
         )
+    if plan.malloc_thresholds and (problem := malloc_problem(traces)) is not None:
+        raise QSyncInputError(f"{source}: the plan's malloc_thresholds cannot be priced: {problem}")
     if plan.buckets or plan.communication:
         reason = can_price_fusion(traces)
         if reason is not None:
@@ -164,7 +167,7 @@ class Predictor:
             check_plan(self.traces, plan, plan_source)
         at = list(range(len(self._graphs)) if steps is None else steps)
         if not (plan.op_precision or plan.buckets or plan.communication or plan.fused_regions):
-            return self._price_recorded(plan.precision, _acting(plan.activation), at)
+            return self._with_malloc(plan, self._price_recorded(plan.precision, _acting(plan.activation), at))
         graphs = [self._graphs[i] for i in at]
         if plan.precision:
             graphs = [apply_precision(g, self.traces, plan.precision) for g in graphs]
@@ -193,7 +196,20 @@ class Predictor:
                 for trace, curve in zip(self.traces, self._curves, strict=True)
             ]
         runs = [(c.dur, frozenset()) for c in compiled]
-        return self._price(plan.precision, compiled, runs, corrections, curves=curves)
+        prediction = self._price(plan.precision, compiled, runs, corrections, curves=curves)
+        return self._with_malloc(plan, prediction)
+
+    def _with_malloc(self, plan: Plan, prediction: Prediction) -> Prediction:
+        """``prediction`` less the page faults ``plan``'s malloc thresholds save on every step
+        (`malloc_thresholds.fault_saving_us`)."""
+        if not plan.malloc_thresholds:
+            return prediction
+        saved_ms = fault_saving_us(self.traces, plan.malloc_thresholds) / 1e3
+        return replace(
+            prediction,
+            step_ms=prediction.step_ms - saved_ms,
+            replayed_step_ms=[ms - saved_ms for ms in prediction.replayed_step_ms],
+        )
 
     def estimate(
         self, precision: Mapping[str, str], activation: Mapping[str, str] | None = None

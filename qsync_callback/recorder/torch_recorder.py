@@ -69,6 +69,7 @@ import torch
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.lp.costs import device_name
 from qsync_callback.lp.modules import LPModule
+from qsync_callback.malloc_thresholds import malloc_facts
 from qsync_callback.model_layers import blocks_of, layer_table, layers_of
 from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.plan import fingerprint_key, module_layers
@@ -547,6 +548,8 @@ class TorchRecorder:
             del raw
         finally:
             gc.enable()
+        if self.device == "cpu":
+            self.trace.measured["malloc"] = malloc_facts()
         if self.probe_precisions:
             self.trace.precision_costs = probe_precision_costs(self.model, self.trace, self.probe_precisions)
         if self._activation_costs:

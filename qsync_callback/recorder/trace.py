@@ -495,6 +495,14 @@ _TRACE = Fields(
                 "step_peak_bytes": ListOf(AMOUNT),
                 "page_faults": ListOf(COUNT),
                 "page_size": COUNT,
+                "malloc": Fields(
+                    optional={
+                        "glibc": BOOLEAN,
+                        "reason": STRING,
+                        "fresh_page_us": AMOUNT,
+                        "fixed": MapOf(COUNT),
+                    }
+                ),
                 "recorder_overhead_s": NUMBER,
                 "profiler_share": Fields(
                     optional={

@@ -1,0 +1,86 @@
+"""Choose whether to fix glibc malloc's thresholds (`qsync_callback.malloc_thresholds`).
+
+One candidate, on top of the plan the other levers chose: the thresholds that cover every rank's
+recorded blocks (`predictor.malloc_thresholds.covering_thresholds`), priced by the predictor (the
+plan's step less the page faults they save). It is taken when it is predicted more than
+`NO_DECISION_GAIN` faster than the plan without it; otherwise nothing is fixed, and the table says
+why (the traces cannot price it, or the faults cost too little to tell).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qsync_callback.malloc_thresholds import MMAP_THRESHOLD, TRIM_THRESHOLD, recorded_thresholds
+from qsync_callback.plan import Plan
+from qsync_callback.planner.tf_plans import NO_DECISION_GAIN
+from qsync_callback.predictor.malloc_thresholds import covering_thresholds, faults_per_step, malloc_problem
+from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.units import format_bytes
+
+
+@dataclass
+class MallocChoice:
+    """The plan with fixed thresholds (None: none fixed), the plan it went on priced (``base``),
+    the candidate priced (None: it could not be), and what each rank recorded: the thresholds its
+    steps ran under, its faults a step and a fresh page's cost."""
+
+    plan: Plan | None
+    base: Prediction
+    prediction: Prediction | None = None
+    thresholds: dict[str, int] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None
+
+
+def choose_malloc_thresholds(predictor: Predictor, base: Plan) -> MallocChoice:
+    """Fixed thresholds on top of ``base``, if they are predicted to pay (module docstring)."""
+    traces = predictor.traces
+    base_prediction = predictor.predict(base)
+    problem = malloc_problem(traces)
+    if problem is not None:
+        return MallocChoice(None, base_prediction, problem=problem)
+    ranks = [
+        {
+            "in_force": recorded_thresholds(trace),
+            "faults_per_step": faults_per_step(trace),
+            "fresh_page_us": float(trace.measured["malloc"]["fresh_page_us"]),
+        }
+        for trace in traces
+    ]
+    thresholds = covering_thresholds(traces)
+    candidate = Plan.from_dict({**base.to_dict(), "malloc_thresholds": thresholds, "prediction": None})
+    prediction = predictor.predict(candidate)
+    chosen = prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
+    if chosen:
+        candidate.prediction = prediction.figures()
+    return MallocChoice(candidate if chosen else None, base_prediction, prediction, thresholds, ranks)
+
+
+def format_malloc_plan(choice: MallocChoice) -> str:
+    """The thresholds the steps ran under, the faults they took and what fixing them is priced at."""
+    lines = ["qsync allocator (glibc malloc's mmap and trim thresholds)"]
+    if choice.problem is not None or choice.prediction is None:
+        return "\n".join([*lines, f"  not priced: {choice.problem}"])
+    for rank, figures in enumerate(choice.ranks):
+        in_force, page_us = figures["in_force"], figures["fresh_page_us"]
+        faults = figures["faults_per_step"]
+        lines.append(
+            f"  rank {rank}: steps ran under mmap {format_bytes(in_force[MMAP_THRESHOLD])}, trim "
+            f"{format_bytes(in_force[TRIM_THRESHOLD])}; {faults:,.0f} page faults a step (mean) at "
+            f"{page_us:.2f} us each = {faults * page_us / 1e3:.2f} ms"
+        )
+    fixed = (
+        f"mmap {format_bytes(choice.thresholds[MMAP_THRESHOLD])}, "
+        f"trim {format_bytes(choice.thresholds[TRIM_THRESHOLD])}"
+    )
+    change = 100 * (choice.prediction.step_ms / choice.base.step_ms - 1)
+    lines.append(
+        f"  fixed at {fixed}: predicted {choice.prediction.step_ms:.2f} ms/step against "
+        f"{choice.base.step_ms:.2f} ({change:+.1f}%), peak unchanged; between steps the process keeps "
+        f"up to {format_bytes(choice.thresholds[TRIM_THRESHOLD])} of freed heap"
+    )
+    if choice.plan is None:
+        lines.append(f"  not predicted more than {100 * NO_DECISION_GAIN:g}% faster: nothing is fixed")
+    return "\n".join(lines)

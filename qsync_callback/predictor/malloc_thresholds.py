@@ -1,0 +1,70 @@
+"""What fixing glibc malloc's thresholds saves a step: its page faults, at a fresh page's cost.
+
+A step under glibc's moving thresholds faults in fresh pages where its heap was trimmed or its large
+blocks unmapped since the step before (`qsync_callback.malloc_thresholds`). Thresholds fixed above
+the largest block any rank's step asks for and above the most its step holds at once leave every
+freed block in the heap for the next step, which then takes no fault for them. The saving priced
+is, on each rank, its steps' minor page faults times a fresh page's cost timed on its machine
+(`measured["malloc"]["fresh_page_us"]`); a synchronous step saves what its ranks all save, the
+least of them. Thresholds that do not cover a rank's blocks are priced as saving nothing. Peak
+memory is priced unchanged: the blocks the step asks for are the same, only where they come from
+moves (between steps the process keeps up to the trim threshold of freed heap mapped).
+
+The faults a step are the mean over the steps timed around the recorded window
+(`measured["page_faults"]`), not their median: they come in bursts (0 one step, 8,000 the next, as
+the heap's top is trimmed or not), and what a step saves on average is their mean. How many a run
+takes depends on how far earlier frees moved glibc's thresholds, the recorder's own among them
+(the profiler's trace, parsed): two launches of one run can differ by thousands a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+from qsync_callback.malloc_thresholds import MMAP_THRESHOLD, TRIM_THRESHOLD, step_allocations
+from qsync_callback.plan import MALLOC_LIMIT
+from qsync_callback.recorder.trace import Trace
+
+
+def malloc_problem(traces: Sequence[Trace]) -> str | None:
+    """Why fixed thresholds cannot be priced on ``traces`` (None: they can)."""
+    for trace in traces:
+        malloc = trace.measured.get("malloc")
+        if trace.device != "cpu":
+            return f"rank {trace.rank} ran on {trace.device}, not on the CPU, where malloc serves the tensors"
+        if not malloc or "fresh_page_us" not in malloc:
+            return f"rank {trace.rank}'s trace does not say which malloc it ran with (record it again)"
+        if not malloc.get("glibc"):
+            return f"rank {trace.rank}: {malloc.get('reason', 'malloc is not glibc')}"
+        if not trace.measured.get("page_faults"):
+            return f"rank {trace.rank} counted no page faults on the steps timed around its window"
+        if not trace.memory_events:
+            return f"rank {trace.rank}'s trace has no memory events to size the thresholds on"
+    return None
+
+
+def covering_thresholds(traces: Sequence[Trace]) -> dict[str, int]:
+    """Thresholds that leave every rank's freed blocks in its heap: the mmap threshold above the
+    largest block a recorded step asked for (by two pages: glibc's header and alignment), the trim
+    threshold at least the most a step held at once, and at least twice the mmap threshold (glibc's
+    own ratio)."""
+    sizes = [step_allocations(trace.memory_events) for trace in traces]
+    page = max(int(trace.measured.get("page_size", 4096)) for trace in traces)
+    mmap_threshold = min(max(s["largest_bytes"] for s in sizes) + 2 * page, MALLOC_LIMIT - 1)
+    trim_threshold = min(max(2 * mmap_threshold, *(s["rise_bytes"] for s in sizes)), MALLOC_LIMIT - 1)
+    return {MMAP_THRESHOLD: mmap_threshold, TRIM_THRESHOLD: trim_threshold}
+
+
+def faults_per_step(trace: Trace) -> float:
+    """A rank's minor page faults a step: the mean over its steps timed around the window."""
+    return float(statistics.fmean(trace.measured["page_faults"]))
+
+
+def fault_saving_us(traces: Sequence[Trace], thresholds: Mapping[str, int]) -> float:
+    """The step time ``thresholds`` save (microseconds; see the module docstring); 0 where they do
+    not cover the recorded blocks (`covering_thresholds`)."""
+    covering = covering_thresholds(traces)
+    if any(thresholds.get(name, 0) < value for name, value in covering.items()):
+        return 0.0
+    return min(faults_per_step(t) * float(t.measured["malloc"]["fresh_page_us"]) for t in traces)
