@@ -11,7 +11,10 @@ For each model (the transformer-like ones by default):
    Beside the chosen plan (which may be none), a plan the planner did not choose is priced too:
    every copy of the repeated block compiled ("blocks"; where no block repeats alike, the largest
    block, which the warm-up compiled instead; not run where it is the chosen plan), so that the
-   predictor's error on a region plan is measured whatever the planner decides.
+   predictor's error on a region plan is measured whatever the planner decides. And the chosen
+   plan with glibc malloc's thresholds fixed on top ("allocator": the thresholds
+   `planner.malloc_thresholds` prices, run whether or not it would fix them; the table says which),
+   since the whole model compiled can owe its speed to the page faults it no longer takes.
 2. **timing**, in fresh processes, in turns, ``--repeats`` times each, with a fresh inductor cache
    each (a cold compile): eager; the chosen region plan and the blocks plan
    (`appliers/torch_regions.py`, applied before the fit); the whole model
@@ -20,14 +23,16 @@ For each model (the transformer-like ones by default):
    time beyond two median steps. Then the region plan once more on the cache of its last run: the
    next launch of a kept plan (inductor's FX graph cache).
 3. **in turns**, in ``--turn-repeats`` fresh processes (`plan_turns.py`, as the other plan
-   benchmarks measure their plans): the chosen plan, the blocks plan and the whole model compiled
+   benchmarks measure their plans): the chosen plan, the blocks plan, the allocator plan (undone to
+   the thresholds the recording's steps ran under, as the loop's undo does) and the whole model compiled
    (Lightning's ``from_compiled``, the anchor), each applied and undone in turns with eager at step
    boundaries, ``--turn-rounds`` rounds (a region, or the whole model, compiled in its first block,
    in a step not timed). A plan's measured change is the mean over the processes of
    its rounds' mean change, with its noise (`alternation.paired_change`'s 95% band, combined over
    the processes); its error in turns sets the predicted change (the plan's predicted step over
    eager's) against the measured one; the chosen plan against the whole model is the ratio of their
-   steps, each referred to eager's in the same rounds (`against_whole_model`). Separate processes
+   steps, each referred to eager's in the same rounds (`against_whole_model`), and so is the
+   allocator plan. Separate processes
    differ by more than many plans change; in turns the drift between processes and over minutes
    cancels, as in the loop's verify.
 4. **cost model**: the chosen regions and the best other candidates that were not compiled during
@@ -76,14 +81,17 @@ from plan_turns import (
 )
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
+from qsync_callback.malloc_thresholds import recorded_thresholds
 from qsync_callback.plan import Plan
 from qsync_callback.planner.compiled_regions import RegionSearch, choose_regions
+from qsync_callback.planner.malloc_thresholds import choose_malloc_thresholds
 from qsync_callback.predictor.compiled_regions import (
     forward_owners,
     price_region,
     region_candidates,
     region_signature,
 )
+from qsync_callback.predictor.malloc_thresholds import faults_per_step, malloc_problem
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
@@ -232,6 +240,9 @@ def bench_model(
     if blocks.fused_regions == plan.fused_regions:  # the chosen plan: not run twice
         blocks = Plan(fingerprint=traces[0].fingerprint)
     plans = {"regions": plan, "blocks": blocks}
+    malloc = choose_malloc_thresholds(predictor, plan) if malloc_problem(traces) is None else None
+    if malloc is not None:
+        plans["allocator"] = Plan.from_dict({**plan.to_dict(), "malloc_thresholds": malloc.thresholds})
     paths = {name: runs / f"{label}-{name}.json" for name in plans}
     for name, path in paths.items():
         path.write_text(json.dumps(plans[name].to_dict()))
@@ -239,6 +250,7 @@ def bench_model(
         "eager": choice.base.step_ms,
         "regions": choice.prediction.step_ms if choice.plan is not None else choice.base.step_ms,
         "blocks": predictor.predict(blocks).step_ms if blocks.fused_regions else None,
+        "allocator": malloc.prediction.step_ms if malloc is not None else None,
     }
     measured: dict[str, list[float]] = {c: [] for c in CONFIGS}
     # per run: its median page faults a step (None: a run of an --out from before they were counted)
@@ -262,7 +274,7 @@ def bench_model(
                 compile_s[config].append(compiled)
                 if config == "regions":
                     last_cache = cache
-    turned: dict[str, Path | str] = {name: paths[name] for name in plans if plans[name].fused_regions}
+    turned: dict[str, Path | str] = {name: paths[name] for name in plans if not plans[name].is_empty}
     turns: dict[str, Any] = {
         name: {"predicted_change_pct": 100 * (predicted[name] / predicted["eager"] - 1), "in_turns": []}
         for name in turned
@@ -272,7 +284,14 @@ def bench_model(
     for k in range(turn_repeats):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(caches / f"turns-{k}")
         measured_turns = measure_in_turns(
-            script, model, turned, runs / f"{label}-turns-r{k}", timeout, turn_rounds, procs
+            script,
+            model,
+            turned,
+            runs / f"{label}-turns-r{k}",
+            timeout,
+            turn_rounds,
+            procs,
+            [recorded_thresholds(trace) for trace in traces],
         )
         for name, change in measured_turns.items():
             turns[name]["in_turns"].append(change)
@@ -320,6 +339,12 @@ def bench_model(
         "procs": procs,
         "chosen": chosen,
         "blocks": [r[0] for r in blocks.fused_regions],
+        "allocator": {
+            "chosen": malloc is not None and malloc.plan is not None,
+            "thresholds": malloc.thresholds if malloc is not None else None,
+            "faults_per_step": [faults_per_step(t) for t in traces] if malloc is not None else None,
+            "fresh_page_us": [t.measured["malloc"]["fresh_page_us"] for t in traces] if malloc else None,
+        },
         "predicted_ms": predicted,
         "error_pct": errors,
         "predicted_compile_s": choice.compile_s,
@@ -407,10 +432,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     errors, within, anchors = [], 0, []
     for row in rows:
-        for name in ("regions", "blocks", WHOLE_MODEL):
+        for name in ("regions", "blocks", "allocator", WHOLE_MODEL):
             figures = row.get("turns", {}).get(name)
             if figures is None:
                 continue
+            label = allocator_label(row) if name == "allocator" else name
             cell, error = turns_cell(figures)
             measured = in_turns_change(figures)
             told = "n/a"
@@ -419,12 +445,13 @@ def table(rows: list[dict[str, Any]]) -> str:
                 told = "yes" if abs(figures["predicted_change_pct"] - measured[0]) <= measured[1] else "no"
                 within += told == "yes"
             turns.append(
-                f"| {_label(row)} | {name} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
+                f"| {_label(row)} | {label} | {len(figures['in_turns'])} x {row['turn_rounds']} | {cell} | "
                 f"{na(error, '+.1f')}% | {told} | {page_faults_cell(figures)} |"
             )
-        anchor = against_whole_model(row)
-        if anchor is not None:
-            anchors.append(f"- {_label(row)}: {anchor}")
+        for name in ("regions", "allocator"):
+            anchor = against_whole_model(row, name)
+            if anchor is not None:
+                anchors.append(f"- {_label(row)}: {anchor}")
     if errors:
         turns.append(
             f"\nMedian |error in turns| over the plans: {statistics.median(errors):.1f}%; predicted change "
@@ -435,20 +462,33 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([*lines, "", *notes, "", *turns])
 
 
-def against_whole_model(row: dict[str, Any]) -> str | None:
-    """The chosen plan's step against the whole model compiled, both measured in turns with eager in
-    the same rounds: the ratio of their steps, each referred to eager's (the chosen plan is eager
-    itself where it compiles nothing), with their noises combined; and their compile times from the
-    fresh runs where those ran. None where the turns did not time the whole model."""
+def allocator_label(row: dict[str, Any]) -> str:
+    """The allocator plan's name in the tables: what it fixes on top of the chosen regions, and
+    whether the planner would fix it."""
+    allocator = row.get("allocator") or {}
+    regions = ", ".join(row["chosen"][:2]) or "eager"
+    faults = ", ".join(f"{f:,.0f}" for f in allocator.get("faults_per_step") or [])
+    chosen = "chosen" if allocator.get("chosen") else "not chosen"
+    return f"{regions} + malloc thresholds fixed ({chosen}; recorded {faults} faults a step)"
+
+
+def against_whole_model(row: dict[str, Any], name: str = "regions") -> str | None:
+    """Plan ``name``'s step ("regions": the chosen plan; "allocator": it with malloc's thresholds
+    fixed) against the whole model compiled, both measured in turns with eager in the same rounds:
+    the ratio of their steps, each referred to eager's (the chosen plan is eager itself where it
+    compiles nothing), with their noises combined; and their compile times from the fresh runs where
+    those ran. None where the turns did not time both."""
     turns = row.get("turns", {})
     whole = in_turns_change(turns.get(WHOLE_MODEL, {}))
-    if whole is None:
+    if whole is None or (name == "allocator" and name not in turns):
         return None
-    chosen = in_turns_change(turns["regions"]) if "regions" in turns else (0.0, 0.0)
+    chosen = in_turns_change(turns[name]) if name in turns else (0.0, 0.0)
     if chosen is None:
         return None
     change = 100 * ((100 + chosen[0]) / (100 + whole[0]) - 1)
     what = ", ".join(row["chosen"][:4]) or "none (eager)"
+    if name == "allocator":
+        what = allocator_label(row)
     compiled = row["compile_s"]
     compile_text = (
         f"; compile {na(compiled['regions'] if row['chosen'] else 0.0, '.1f')} s against "

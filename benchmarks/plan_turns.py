@@ -14,6 +14,9 @@ itself outside them. Each plan's change against the recorded configuration is
 `alternation.paired_change` over its rounds (a block of the plan against the baseline block right
 before it): a drift of the machine's speed cancels in each pair, as in the loop's own turns.
 
+A plan that fixes glibc malloc's thresholds is undone to the thresholds the recorded steps ran
+under (``malloc_in_force``, each rank's, from the recording's traces), as the loop's undo does.
+
 A "plan" may also be `WHOLE_MODEL`: the LightningModule compiled whole, the way Lightning compiles
 a model given to ``fit`` compiled (`compile_whole_model`), so that a plan and the whole model compiled
 are each measured against the recorded configuration in the same rounds.
@@ -39,6 +42,7 @@ from pytorch_lightning.utilities.compile import from_compiled, to_uncompiled
 from runs import launch, stderr_tail
 
 from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PAGE_FAULTS, PLAN, SETTLE_STEPS, paired_change
+from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.appliers.torch_regions import RegionApplier
@@ -68,8 +72,15 @@ class PlansInTurns(pl.Callback):
     ``rounds`` rounds (see the module docstring); the run needs `steps` steps. `results` gives each
     plan's `paired_change`."""
 
-    def __init__(self, plans: Sequence[Plan | str], rounds: int, warmup_steps: int = WARMUP_STEPS):
+    def __init__(
+        self,
+        plans: Sequence[Plan | str],
+        rounds: int,
+        warmup_steps: int = WARMUP_STEPS,
+        malloc_in_force: Sequence[Mapping[str, int]] | None = None,
+    ):
         self.plans = list(plans)
+        self._malloc_in_force = malloc_in_force  # per rank: what a malloc plan's undo sets
         self._warmup = warmup_steps
         # per step after the warm-up: (round, plan index, configuration, timed); the block it is in
         self._schedule = [
@@ -108,6 +119,9 @@ class PlansInTurns(pl.Callback):
             "precision": precision_applier(pl_module),
             "activation": ActivationApplier(pl_module),
             "fused_regions": RegionApplier(pl_module),
+            "malloc_thresholds": MallocThresholdApplier(
+                lambda: self._malloc_in_force[trainer.global_rank] if self._malloc_in_force else None
+            ),
         }
         self._module = pl_module
 
@@ -161,7 +175,7 @@ def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | Non
     ranks' steps in step)."""
     listing = json.loads(plan_files.read_text())
     plans = [path if path == WHOLE_MODEL else Plan.load(path) for path in listing["plans"]]
-    turns = PlansInTurns(plans, listing["rounds"])
+    turns = PlansInTurns(plans, listing["rounds"], malloc_in_force=listing.get("malloc_in_force"))
     trainer, *_ = timed_fit(get_model(model), turns.steps, [turns], listing["procs"], batches=batches)
     if trainer.global_rank == 0:
         (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
@@ -175,14 +189,18 @@ def measure_in_turns(
     timeout: float,
     rounds: int = TURN_ROUNDS,
     procs: int = 1,
+    malloc_in_force: Sequence[Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
     """Run the plans in ``files`` (saved plans' paths or `WHOLE_MODEL`, by key) in turns for
-    ``rounds`` rounds in one fresh run of ``script``'s worker mode "turns" on ``procs`` processes;
-    each key's `paired_change`, or none where the run failed (said on stderr)."""
+    ``rounds`` rounds in one fresh run of ``script``'s worker mode "turns" on ``procs`` processes
+    (``malloc_in_force``: `PlansInTurns`'); each key's `paired_change`, or none where the run failed
+    (said on stderr)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     listing = run_dir.with_name(f"{run_dir.name}-plans.json")
     plans = [str(path) for path in files.values()]
-    listing.write_text(json.dumps({"plans": plans, "rounds": rounds, "procs": procs}))
+    listing.write_text(
+        json.dumps({"plans": plans, "rounds": rounds, "procs": procs, "malloc_in_force": malloc_in_force})
+    )
     args = ["--worker", model, "--worker-mode", "turns", "--worker-plan", str(listing)]
     rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)
     if rc != 0 or not (run_dir / TURNS_FILE).exists():

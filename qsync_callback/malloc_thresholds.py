@@ -22,8 +22,8 @@ process, for the recorder, the planner and the applier:
 - `recorded_thresholds`: `thresholds_in_force` for a recorded trace.
 
 glibc has no way back to its moving thresholds once ``mallopt`` set one: an undo sets the values
-the moving ones had reached (`thresholds_in_force`), under which a step takes the faults it took
-before.
+the moving ones had reached (`thresholds_in_force`) and hands back the free heap the fixed ones kept
+(`hand_back_free_heap`), under which a step takes the faults it took before.
 """
 
 from __future__ import annotations
@@ -82,6 +82,15 @@ def set_thresholds(settings: Mapping[str, int]) -> None:
             value = int(settings[name])
             if not 0 <= value < MALLOC_LIMIT or mallopt(parameter, value) != 1:
                 raise RuntimeError(f"glibc's mallopt refused {name} = {value}")
+
+
+def hand_back_free_heap() -> None:
+    """Give the free memory of every arena back to the system (``malloc_trim(0)``: the heap's free
+    top, and the free pages inside it): what the thresholds an undo sets would have handed back by
+    now. Without it the blocks a fixed threshold kept stay free in the heap, and the steps reuse them
+    with no fault whatever the thresholds say. Nothing where malloc is not glibc's."""
+    if glibc_malloc()[0] is not None:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def fresh_page_us(nbytes: int = FAULT_PROBE_BYTES, repeats: int = FAULT_PROBE_REPEATS) -> float:

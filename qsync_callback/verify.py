@@ -19,7 +19,9 @@ decision on less than that is no decision. The plan is:
   measured peak is below the baseline's smallest step's (less memory, not measurably slower: TF's
   allocator moves a step's peak with the order its threads run ops in, `benchmarks/README.md`'s TF
   memory table gives the spread, so a peak within the baseline's steps' range is no less memory),
-  else the recorded configuration (no change). The reason says so, with the figures.
+  else the recorded configuration (no change); a plan that fixes malloc's thresholds is never the
+  cheaper one (it keeps freed heap mapped between steps, which no measured peak counts). The reason
+  says so, with the figures.
 
 Rolling back means returning to the last kept configuration.
 """
@@ -101,8 +103,11 @@ def verify_plan(
     elif can_tell(change, noise):
         decision, reason = KEEP, f"{-change:.1f}% faster than {against} (noise +-{noise:.1f}%)"
     else:
-        decision = KEEP if below_every_step else ROLL_BACK
-        cheaper = "the plan, which uses less memory" if below_every_step else "the recorded configuration"
+        plan_cheaper = below_every_step and not plan.malloc_thresholds
+        decision = KEEP if plan_cheaper else ROLL_BACK
+        cheaper = "the plan, which uses less memory" if plan_cheaper else "the recorded configuration"
+        if plan.malloc_thresholds:
+            cheaper += " (the plan keeps freed heap mapped between steps)"
         reason = (
             f"could not tell: {change:+.1f}% against {against} is within the noise (+-{noise:.1f}%, "
             f"or the {100 * SLOWER_TOLERANCE:.0f}% allowed); keeping the cheaper configuration, {cheaper}"

@@ -42,6 +42,7 @@ def make_plan() -> Plan:
         fused_regions=[["fc1", "fc2"]],
         activation={"fc1": "recompute", "fc2": "offload", "head": "keep"},
         communication={"fusion_threshold_bytes": 1 << 20, "cycle_time_ms": 2.5},
+        malloc_thresholds={"mmap_threshold_bytes": 1 << 22, "trim_threshold_bytes": 1 << 24},
         prediction={"step_ms": 12.5, "peak_bytes": 1_000_000},
         constraints=Constraints.from_arguments(memory_budget="90%", precisions=("fp32", "bf16")).to_dict(),
     )
@@ -112,13 +113,14 @@ def test_to_dict_shape() -> None:
         "fused_regions": [["fc1", "fc2"]],
         "activation": {"fc1": "recompute", "fc2": "offload", "head": "keep"},
         "communication": {"fusion_threshold_bytes": 1 << 20, "cycle_time_ms": 2.5},
+        "malloc_thresholds": {"mmap_threshold_bytes": 1 << 22, "trim_threshold_bytes": 1 << 24},
         "prediction": {"step_ms": 12.5, "peak_bytes": 1_000_000},
         "constraints": {
             "memory_budget": None,
             "memory_budget_share": 0.9,
             "max_step_ms": None,
             "precisions": ["fp32", "bf16"],
-            "levers": ["precision", "activation", "regions", "buckets"],
+            "levers": ["precision", "activation", "regions", "buckets", "allocator"],
             "best_effort": False,
         },
     }

@@ -199,3 +199,14 @@ def test_the_chosen_plan_is_set_against_the_whole_model_measured_in_the_same_rou
     )
     assert compiled_regions.against_whole_model({**eager, "turns": {WHOLE_MODEL: timed(None, None)}}) is None
     assert compiled_regions.against_whole_model({**row, "turns": {"regions": timed(-20.0, 3.0)}}) is None
+    # the chosen plan with malloc's thresholds fixed: its own line, named with what the planner said
+    fixed = {
+        **eager,
+        "allocator": {"chosen": True, "faults_per_step": [5968.4, 4000.0]},
+        "turns": {WHOLE_MODEL: timed(-8.0, 4.0), "allocator": timed(-9.0, 3.0)},
+    }
+    assert compiled_regions.against_whole_model(fixed, "allocator") == (
+        "chosen eager + malloc thresholds fixed (chosen; recorded 5,968, 4,000 faults a step): -1.1% (+-5.0) "
+        "against the whole model compiled (-8.0% against eager)"
+    )
+    assert compiled_regions.against_whole_model(eager, "allocator") is None  # not in the turns

@@ -92,6 +92,17 @@ def test_no_decision_keeps_a_plan_that_uses_less_memory():
     assert result["reason"].endswith("keeping the cheaper configuration, the plan, which uses less memory")
 
 
+def test_no_decision_never_counts_fixed_malloc_thresholds_as_less_memory():
+    fixed = Plan(malloc_thresholds={"mmap_threshold_bytes": 2**22}, prediction=PLAN.prediction)
+    baseline = build_report([_run(_samples(10, 60), 1000)])
+    result = verify_plan(fixed, baseline, [_run(_samples(10.5, 60), 900)], loss_finite=True)
+    assert result["decision"] == ROLL_BACK
+    said = "keeping the cheaper configuration, the recorded configuration (the plan keeps freed heap mapped"
+    assert said in result["reason"]
+    faster = verify_plan(fixed, baseline, [_run(_samples(5, 10), 1000)], loss_finite=True)
+    assert faster["decision"] == KEEP  # faster beyond the noise: kept like any plan
+
+
 def test_no_decision_counts_less_memory_only_below_every_baseline_steps_peak():
     """TF's allocator moves a step's peak with the order its threads run ops in: a plan whose peak is
     below the baseline's largest step's but not below its smallest step's is not the cheaper one."""

@@ -44,7 +44,7 @@ class QSyncCallback(pl.Callback):
             on this device are left out for it).
         levers: what a plan may change: some of "precision", "activation" (per module: keep,
             recompute or offload its saved activations; chosen only to meet ``memory_budget``),
-            "regions", "buckets".
+            "regions", "buckets", "allocator" (glibc malloc's thresholds, on a CPU).
         verify_steps: steps recorded after applying a plan.
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns
             (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided

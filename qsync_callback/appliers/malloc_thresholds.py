@@ -3,7 +3,7 @@
 The thresholds are the process's: the applier needs no model, and the same one serves every
 framework whose tensors come from malloc. Its undo sets the thresholds the steps ran under before
 (``in_force``: from the run's recorded trace, else the environment's or glibc's starting values),
-since glibc has no way back to its moving ones.
+since glibc has no way back to its moving ones, and hands back the free heap the plan kept.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from qsync_callback.errors import QSyncInputError
 from qsync_callback.malloc_thresholds import (
     fixed_in_environment,
     glibc_malloc,
+    hand_back_free_heap,
     set_thresholds,
     thresholds_in_force,
 )
@@ -39,5 +40,11 @@ class MallocThresholdApplier:
             set_thresholds(plan.malloc_thresholds)
         except RuntimeError as error:
             set_thresholds(before)
-            raise QSyncInputError(f"malloc's thresholds were not fixed: {error}; nothing applied") from None
-        return lambda: set_thresholds(before)
+            said = f"malloc's thresholds were not fixed: {error}; nothing was applied"
+            raise QSyncInputError(said) from None
+
+        def undo() -> None:
+            set_thresholds(before)
+            hand_back_free_heap()
+
+        return undo

@@ -9,9 +9,10 @@ Horovod's settings); and on a torch run under DDP with the buckets lever allowed
 buckets (`ddp_buckets.py`), on top of the precision plan where there is one (activation policies
 and buckets are not priced together yet); and on a torch run recorded for them with the regions
 lever allowed, the modules to compile (`compiled_regions.py`), on top of both; and on a torch run on
-the CPU with the allocator lever allowed, glibc malloc's thresholds (`malloc_thresholds.py`), on top
-of all of them. A new plan kind adds
-its planner here, next to a predictor transform and an applier; never a branch in an integration.
+the CPU with the allocator lever allowed and no memory budget, glibc malloc's thresholds
+(`malloc_thresholds.py`: they trade resident memory for time), on top of all of them. A new plan
+kind adds its planner here, next to a predictor transform and an applier; never a branch in an
+integration.
 """
 
 from __future__ import annotations
@@ -76,9 +77,14 @@ def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Map
             "the trace has no layer statistics and per-layer precision probes to plan from; record it "
             "with QSyncCallback(mode='apply')"
         )
+    budget_note = (
+        " (the allocator lever is not pulled under a memory budget: it trades resident memory for time)"
+        if "allocator" in constraints.levers and constraints.budgeted
+        else ""
+    )
     raise QSyncInputError(
         f"nothing to plan: the levers allowed ({', '.join(constraints.levers)}) have no planner for "
-        "what these traces recorded"
+        f"what these traces recorded{budget_note}"
     )
 
 
@@ -115,9 +121,11 @@ def _plans_regions(traces: Sequence[Trace], constraints: Constraints) -> bool:
 
 
 def _plans_malloc(traces: Sequence[Trace], constraints: Constraints) -> bool:
-    """Whether malloc's thresholds are to be chosen: the lever allowed, on a torch run on the CPU."""
+    """Whether malloc's thresholds are to be chosen: the lever allowed, on a torch run on the CPU, with
+    no memory budget (fixed thresholds keep freed heap mapped: more resident memory for less time)."""
     return (
         "allocator" in constraints.levers
+        and not constraints.budgeted
         and bool(traces)
         and traces[0].framework == "torch"
         and traces[0].device == "cpu"

@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from qsync_callback.malloc_thresholds import MMAP_THRESHOLD, TRIM_THRESHOLD, recorded_thresholds
+from qsync_callback.malloc_thresholds import (
+    MMAP_THRESHOLD,
+    TRIM_THRESHOLD,
+    recorded_thresholds,
+    step_allocations,
+)
 from qsync_callback.plan import Plan
 from qsync_callback.planner.tf_plans import NO_DECISION_GAIN
 from qsync_callback.predictor.malloc_thresholds import covering_thresholds, faults_per_step, malloc_problem
@@ -30,6 +35,7 @@ class MallocChoice:
     base: Prediction
     prediction: Prediction | None = None
     thresholds: dict[str, int] = field(default_factory=dict)
+    largest_bytes: int = 0  # the largest block a recorded step asked for, on any rank
     ranks: list[dict[str, Any]] = field(default_factory=list)
     problem: str | None = None
 
@@ -55,7 +61,9 @@ def choose_malloc_thresholds(predictor: Predictor, base: Plan) -> MallocChoice:
     chosen = prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
     if chosen:
         candidate.prediction = prediction.figures()
-    return MallocChoice(candidate if chosen else None, base_prediction, prediction, thresholds, ranks)
+    largest = max(step_allocations(trace.memory_events)["largest_bytes"] for trace in traces)
+    plan = candidate if chosen else None
+    return MallocChoice(plan, base_prediction, prediction, thresholds, largest, ranks)
 
 
 def format_malloc_plan(choice: MallocChoice) -> str:
@@ -78,8 +86,9 @@ def format_malloc_plan(choice: MallocChoice) -> str:
     change = 100 * (choice.prediction.step_ms / choice.base.step_ms - 1)
     lines.append(
         f"  fixed at {fixed}: predicted {choice.prediction.step_ms:.2f} ms/step against "
-        f"{choice.base.step_ms:.2f} ({change:+.1f}%), peak unchanged; between steps the process keeps "
-        f"up to {format_bytes(choice.thresholds[TRIM_THRESHOLD])} of freed heap"
+        f"{choice.base.step_ms:.2f} ({change:+.1f}%); the tensors' peak unchanged, the process keeps up "
+        f"to {format_bytes(choice.thresholds[TRIM_THRESHOLD])} of freed heap mapped between steps, and a "
+        f"few blocks of up to {format_bytes(choice.largest_bytes)} more where aligned blocks leave gaps"
     )
     if choice.plan is None:
         lines.append(f"  not predicted more than {100 * NO_DECISION_GAIN:g}% faster: nothing is fixed")

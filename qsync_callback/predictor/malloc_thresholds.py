@@ -7,8 +7,11 @@ freed block in the heap for the next step, which then takes no fault for them. T
 is, on each rank, its steps' minor page faults times a fresh page's cost timed on its machine
 (`measured["malloc"]["fresh_page_us"]`); a synchronous step saves what its ranks all save, the
 least of them. Thresholds that do not cover a rank's blocks are priced as saving nothing. Peak
-memory is priced unchanged: the blocks the step asks for are the same, only where they come from
-moves (between steps the process keeps up to the trim threshold of freed heap mapped).
+memory is priced unchanged: the tensors the step asks for are the same, only where their blocks come
+from moves. The process's resident memory is not: between steps it keeps up to the trim threshold of
+freed heap mapped, and where a small block lands just after a freed aligned one (torch's blocks are
+aligned), the next block of that size does not fit in the gap and the heap grows by it; a 40 MiB
+block took 0 to 3 more before the freed ones ran together (`tests/test_malloc_thresholds.py`).
 
 The faults a step are the mean over the steps timed around the recorded window
 (`measured["page_faults"]`), not their median: they come in bursts (0 one step, 8,000 the next, as

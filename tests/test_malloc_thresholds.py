@@ -1,0 +1,331 @@
+"""The allocator lever: glibc malloc's thresholds, what the recorder keeps about them, how the
+predictor prices fixing them, when the planner does, and the applier in real processes (page faults
+are counted by the kernel: they do not depend on the machine's speed).
+
+Whatever fixes the thresholds runs in a process of its own (`malloc_run.py`, or `_in_subprocess`):
+a test process keeps no malloc setting another test would then run under."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from malloc_run import BLOCK_FLOATS, run
+
+from qsync_callback.cli import main
+from qsync_callback.errors import QSyncInputError
+from qsync_callback.malloc_thresholds import (
+    MMAP_THRESHOLD,
+    START_THRESHOLD,
+    TRIM_THRESHOLD,
+    fixed_in_environment,
+    glibc_malloc,
+    recorded_thresholds,
+    step_allocations,
+    thresholds_in_force,
+)
+from qsync_callback.plan import LEVERS, MALLOC_LIMIT, Constraints, Plan
+from qsync_callback.planner.choose import choose_plan
+from qsync_callback.planner.malloc_thresholds import choose_malloc_thresholds, format_malloc_plan
+from qsync_callback.planner.tf_plans import NO_DECISION_GAIN
+from qsync_callback.predictor.malloc_thresholds import (
+    covering_thresholds,
+    fault_saving_us,
+    faults_per_step,
+    malloc_problem,
+)
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import load_trace_dir
+
+BLOCK_BYTES = 4 * BLOCK_FLOATS
+PAGES = BLOCK_BYTES // 4096
+
+
+# --- glibc's rule, the environment, the recorded blocks --------------------------------------------
+
+
+def test_the_thresholds_in_force_follow_glibcs_moving_rule():
+    # nothing freed: glibc's start; a freed block raises the mmap threshold to its mapped size (a
+    # header, rounded up to pages) and the trim threshold to twice that, but only up to 32 MiB
+    assert thresholds_in_force([], {}) == {MMAP_THRESHOLD: START_THRESHOLD, TRIM_THRESHOLD: START_THRESHOLD}
+    moved = thresholds_in_force([100_000, 8_192_000, 5_000_000, 40 * 2**20], {})
+    assert moved == {MMAP_THRESHOLD: 8_196_096, TRIM_THRESHOLD: 16_392_192}
+    assert thresholds_in_force([32 * 2**20 - 8], {})[MMAP_THRESHOLD] == 32 * 2**20
+    assert thresholds_in_force([32 * 2**20], {})[MMAP_THRESHOLD] == START_THRESHOLD
+    # one fixed by the environment fixes both: the other stays at glibc's start
+    fixed = thresholds_in_force([8_192_000], {MMAP_THRESHOLD: 2**20})
+    assert fixed == {MMAP_THRESHOLD: 2**20, TRIM_THRESHOLD: START_THRESHOLD}
+
+
+def test_the_environment_fixes_thresholds_by_glibcs_variables_and_tunables_win():
+    assert fixed_in_environment({}) == {}
+    assert fixed_in_environment({"MALLOC_TRIM_THRESHOLD_": "4096", "MALLOC_MMAP_THRESHOLD_": "x"}) == {
+        TRIM_THRESHOLD: 4096
+    }
+    environ = {
+        "MALLOC_MMAP_THRESHOLD_": "1048576",
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=2097152",
+    }
+    assert fixed_in_environment(environ) == {MMAP_THRESHOLD: 2097152}
+
+
+def test_a_steps_blocks_are_read_from_the_memory_events():
+    events = [[0.0, 1, 1000, 0], [1.0, 2, 5000, 0], [2.0, 1, -1000, 0], [3.0, 3, 800, 0], [4.0, 2, -5000, 0]]
+    expected = {"largest_bytes": 5000, "largest_freed_bytes": 5000, "rise_bytes": 6000}
+    assert step_allocations(events) == expected
+    assert step_allocations(list(reversed(events))) == step_allocations(events)  # taken in time order
+
+
+# --- the plan --------------------------------------------------------------------------------------
+
+
+def test_a_plan_keeps_its_malloc_thresholds_through_json_and_refuses_bad_ones():
+    assert "allocator" in LEVERS
+    assert Constraints.from_arguments(levers=("allocator",)).levers == ("allocator",)
+    plan = Plan(malloc_thresholds={MMAP_THRESHOLD: 3 * 2**20, TRIM_THRESHOLD: 2**26})
+    assert not plan.is_empty
+    assert Plan.from_json(plan.to_json()) == plan
+    for bad, said in (
+        ({MMAP_THRESHOLD: -1}, "non-negative integer"),
+        ({MMAP_THRESHOLD: MALLOC_LIMIT}, f"below {MALLOC_LIMIT}"),
+        ({TRIM_THRESHOLD: 1.5}, "integer"),
+        ({"arena_max": 2}, "unknown malloc_thresholds setting"),
+    ):
+        with pytest.raises(QSyncInputError, match=said):
+            Plan.from_dict({**plan.to_dict(), "malloc_thresholds": bad})
+
+
+# --- the applier, in a process of its own ----------------------------------------------------------
+
+
+def _in_subprocess(code: str, environ: dict[str, str] | None = None) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(environ or {})},
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+APPLY_AND_UNDO = f"""
+    import json, torch
+    from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
+    from qsync_callback.page_faults import minor_page_faults
+    from qsync_callback.plan import Plan
+
+    def resident():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    def faults():  # a block asked for, filled and freed, as a step's scratch buffer is
+        start = minor_page_faults()
+        torch.zeros({BLOCK_FLOATS})
+        return minor_page_faults() - start
+
+    applier = MallocThresholdApplier(lambda: None)  # no recorded steps: undo to the environment's
+    before = [faults() for _ in range(3)]
+    undo = applier(Plan(malloc_thresholds={{"mmap_threshold_bytes": {BLOCK_BYTES + 8192},
+                                           "trim_threshold_bytes": {2 * BLOCK_BYTES}}}))
+    fixed = [faults() for _ in range(12)]
+    held = resident()
+    undo()
+    handed_back = held - resident()
+    after = [faults() for _ in range(3)]
+    print(json.dumps({{"before": before, "fixed": fixed, "after": after, "handed_back": handed_back}}))
+"""
+
+
+def test_fixed_thresholds_keep_a_freed_block_for_the_next_step_and_the_undo_gives_it_back():
+    counts = _in_subprocess(APPLY_AND_UNDO)
+    # glibc maps a 40 MiB block afresh every time (beyond its moving threshold's reach)
+    assert min(counts["before"]) > 0.9 * PAGES
+    # fixed: the first one grows the heap, and the next ones reuse it; where something small landed
+    # just after a freed block, an aligned block of its size (with its alignment's slack) does not fit
+    # in it, and the heap grows by a few blocks more before the freed ones run together (0 to 3 more
+    # in processes here): then no block faults again
+    assert counts["fixed"][0] > 0.9 * PAGES
+    assert sum(f > 0.9 * PAGES for f in counts["fixed"]) <= 6
+    assert max(counts["fixed"][6:]) < 0.01 * PAGES
+    # undone to glibc's start values (nothing recorded, nothing in the environment), the free heap
+    # the fixed thresholds kept handed back: the next block faults its pages in again. (Where the
+    # heap had grown by more blocks, those stay free in it, pages handed back, and serve the blocks
+    # after that with no fault: glibc takes a free block that fits before it maps one.)
+    assert counts["handed_back"] > 0.9 * BLOCK_BYTES
+    assert counts["after"][0] > 0.9 * PAGES
+
+
+FORWARDING_MALLOC = """
+#include <stddef.h>
+void *__libc_malloc(size_t); void __libc_free(void *); void *__libc_calloc(size_t, size_t);
+void *__libc_realloc(void *, size_t); void *__libc_memalign(size_t, size_t);
+void *malloc(size_t n) { return __libc_malloc(n); }
+void free(void *p) { __libc_free(p); }
+void *calloc(size_t k, size_t n) { return __libc_calloc(k, n); }
+void *realloc(void *p, size_t n) { return __libc_realloc(p, n); }
+void *memalign(size_t a, size_t n) { return __libc_memalign(a, n); }
+void *aligned_alloc(size_t a, size_t n) { return __libc_memalign(a, n); }
+int posix_memalign(void **out, size_t a, size_t n) {
+    void *p = __libc_memalign(a, n);
+    if (!p) return 12;
+    *out = p;
+    return 0;
+}
+"""
+
+
+def test_under_a_preloaded_malloc_nothing_is_priced_or_applied(tmp_path):
+    # a malloc of its own preloaded, as tcmalloc or jemalloc would be (this one hands every call on
+    # to glibc's, so that the process runs as usual): mallopt would not reach it
+    source, shared = tmp_path / "forwarding_malloc.c", tmp_path / "libforwarding_malloc.so"
+    source.write_text(FORWARDING_MALLOC)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shared), str(source)], check=True)
+    code = """
+        import json
+        from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
+        from qsync_callback.errors import QSyncInputError
+        from qsync_callback.malloc_thresholds import malloc_facts
+        from qsync_callback.plan import Plan
+        facts = malloc_facts()
+        try:
+            MallocThresholdApplier(lambda: None)(Plan(malloc_thresholds={"mmap_threshold_bytes": 1}))
+            refused = None
+        except QSyncInputError as error:
+            refused = str(error)
+        print(json.dumps({"facts": facts, "refused": refused}))
+    """
+    said = _in_subprocess(code, {"LD_PRELOAD": str(shared)})
+    assert said["facts"]["glibc"] is False and "preloaded" in said["facts"]["reason"]
+    assert "malloc is not glibc's" in said["refused"] and "nothing was applied" in said["refused"]
+    assert glibc_malloc()[0] is not None  # this process's is glibc's
+
+
+# --- a real run: recorded, priced, applied, verified -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("malloc1")
+    done = run(out, 1, 110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout + done.stderr, json.loads((out / "rank0.json").read_text())
+
+
+def test_the_callback_fixes_the_thresholds_of_a_faulting_run_and_verify_measures_the_faults_gone(one_process):
+    out, log, rank = one_process
+    assert "qsync allocator" in log
+    plan = rank["plan"]
+    assert plan is not None and plan["malloc_thresholds"][MMAP_THRESHOLD] > BLOCK_BYTES
+    verification = json.loads((out / "verification.json").read_text())
+    assert verification["decision"] == "keep", verification["reason"]
+    turns = verification["alternation"]["page_faults_per_step"]
+    assert turns["baseline"] > 0.9 * PAGES  # the undo returned the run to its faults
+    assert turns["plan"] < 0.05 * PAGES
+    assert max(rank["faults"][-10:]) < 0.05 * PAGES  # kept: the steps after the turns take none
+    assert all(map(lambda loss: loss == loss, rank["losses"]))
+
+
+def test_the_recorded_trace_prices_the_faults_at_a_fresh_pages_cost(one_process):
+    out, _, _ = one_process
+    traces = load_trace_dir(out / "trace")
+    trace = traces[0]
+    malloc = trace.measured["malloc"]
+    assert malloc["glibc"] is True and 0.05 < malloc["fresh_page_us"] < 50
+    assert step_allocations(trace.memory_events)["largest_bytes"] == BLOCK_BYTES
+    assert recorded_thresholds(trace)[MMAP_THRESHOLD] < BLOCK_BYTES  # the block never moved them
+    covering = covering_thresholds(traces)
+    assert covering[MMAP_THRESHOLD] > BLOCK_BYTES and covering[TRIM_THRESHOLD] >= 2 * covering[MMAP_THRESHOLD]
+    saving = fault_saving_us(traces, covering)
+    assert saving == pytest.approx(faults_per_step(trace) * malloc["fresh_page_us"])
+    assert faults_per_step(trace) > 0.5 * PAGES
+    short = {MMAP_THRESHOLD: BLOCK_BYTES - 4096, TRIM_THRESHOLD: covering[TRIM_THRESHOLD]}
+    assert fault_saving_us(traces, short) == 0.0  # the block would still be mapped afresh
+    predictor = Predictor(traces)
+    recorded = predictor.predict(Plan())
+    fixed = predictor.predict(Plan(malloc_thresholds=covering))
+    assert fixed.step_ms == pytest.approx(recorded.step_ms - saving / 1e3)
+    assert fixed.peak_bytes == recorded.peak_bytes
+
+
+def test_traces_that_cannot_price_the_thresholds_say_why_and_a_plan_on_them_is_refused(one_process):
+    out, _, _ = one_process
+    traces = load_trace_dir(out / "trace")
+    assert malloc_problem(traces) is None
+    cases = [
+        (lambda t: setattr(t, "device", "cuda:0"), "not on the CPU"),
+        (lambda t: t.measured["malloc"].update(glibc=False, reason="jemalloc here"), "jemalloc here"),
+        (lambda t: t.measured.pop("malloc"), "record it again"),
+        (lambda t: t.measured.update(page_faults=[]), "no page faults"),
+    ]
+    allocator = Constraints.from_arguments(levers=("allocator",))
+    for change, said in cases:
+        broken = copy.deepcopy(traces)
+        change(broken[0])
+        assert said in malloc_problem(broken)
+        with pytest.raises(QSyncInputError, match="malloc_thresholds cannot be priced"):
+            Predictor(broken).predict(Plan(malloc_thresholds=covering_thresholds(traces)))
+        if broken[0].device == "cpu":  # the table says why nothing is fixed
+            choice = choose_plan(broken, allocator, {})
+            assert choice.plan.malloc_thresholds == {} and said in choice.table
+        else:  # no planner for the lever on a GPU run
+            with pytest.raises(QSyncInputError, match="nothing to plan"):
+                choose_plan(broken, allocator, {})
+
+
+def test_under_a_memory_budget_the_thresholds_are_not_fixed(one_process):
+    out, _, _ = one_process
+    traces = load_trace_dir(out / "trace")
+    budgeted = Constraints.from_arguments(memory_budget="1GB", levers=("allocator",))
+    with pytest.raises(QSyncInputError, match="not pulled under a memory budget"):
+        choose_plan(traces, budgeted, {})
+    unbudgeted = choose_plan(traces, Constraints.from_arguments(levers=("allocator",)), {})
+    assert unbudgeted.plan.malloc_thresholds  # the same traces, no budget
+
+
+@settings(max_examples=25, deadline=None)
+@given(share=st.floats(min_value=0.0, max_value=0.06))
+def test_the_thresholds_are_fixed_only_when_they_save_more_than_the_no_decision_gain(one_process, share):
+    assume(abs(share - NO_DECISION_GAIN) > 1e-6)
+    out, _, _ = one_process
+    traces = load_trace_dir(out / "trace")
+    predictor = Predictor(traces)
+    recorded_ms = predictor.predict(Plan()).step_ms
+    page_us = traces[0].measured["malloc"]["fresh_page_us"]
+    faults = share * recorded_ms * 1e3 / page_us  # faults that cost ``share`` of the step
+    traces[0].measured["page_faults"] = [faults] * 4
+    choice = choose_malloc_thresholds(Predictor(traces), Plan())
+    assert choice.prediction is not None
+    assert choice.prediction.step_ms == pytest.approx(recorded_ms * (1 - share))
+    assert (choice.plan is not None) == (share > NO_DECISION_GAIN)
+    if choice.plan is not None:
+        assert choice.plan.prediction == choice.prediction.figures()
+    assert "predicted" in format_malloc_plan(choice)
+
+
+def test_under_ddp_every_rank_fixes_the_thresholds_at_one_step(tmp_path):
+    done = run(tmp_path, 2, 110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert ranks[0]["plan"] is not None and ranks[0]["plan"] == ranks[1]["plan"]
+    for rank in ranks:
+        assert max(rank["faults"][-10:]) < 0.05 * PAGES
+    verification = json.loads((tmp_path / "verification.json").read_text())
+    assert verification["decision"] == "keep", verification["reason"]
+    assert len(load_trace_dir(tmp_path / "trace")) == 2
+
+
+def test_the_command_line_plans_the_thresholds_from_the_saved_traces(one_process, tmp_path, capsys):
+    out, _, rank = one_process
+    path = tmp_path / "plan.json"
+    assert main(["plan", str(out / "trace"), "--levers", "allocator", "--out", str(path)]) == 0
+    assert "qsync allocator" in capsys.readouterr().out
+    planned = Plan.load(path)
+    assert planned.malloc_thresholds == rank["plan"]["malloc_thresholds"]
+    assert planned.constraints["levers"] == ["allocator"]
