@@ -18,12 +18,18 @@ process, for the recorder, the planner and the applier:
 - `fresh_page_us`: a fresh page's cost on this machine, timed;
 - `thresholds_in_force`: the thresholds a step ran under, from its allocations and frees (glibc
   gives no way to read them) or from the environment that fixed them;
-- `step_allocations`: the largest block a recorded step asked for and the most it held.
-- `recorded_thresholds`: `thresholds_in_force` for a recorded trace.
+- `step_allocations`: the largest block a recorded step asked for and the most it held;
+- `recorded_thresholds`: `thresholds_in_force` for a recorded trace;
+- `malloc_facts`: what the recorder keeps in a trace (``measured["malloc"]``);
+- `set_thresholds` and `hand_back_free_heap`: what the applier and its undo do.
 
 glibc has no way back to its moving thresholds once ``mallopt`` set one: an undo sets the values
 the moving ones had reached (`thresholds_in_force`) and hands back the free heap the fixed ones kept
-(`hand_back_free_heap`), under which a step takes the faults it took before.
+(`hand_back_free_heap`), so that the next step faults its pages in again. It is the closest glibc
+allows, not the same: a block by which the heap grew while the thresholds were fixed stays free in
+it (its pages handed back), and glibc serves a block that fits from there before it maps one; the
+run after an undo can take fewer faults than it did before the plan (the verify's turns say how
+many each configuration took).
 """
 
 from __future__ import annotations

@@ -290,7 +290,8 @@ def format_summary(report: dict[str, Any], top: int = 10) -> str:
         lines.append(
             f"  note: {faults:.0f} page faults per step ({fresh} of fresh pages): the memory allocator hands "
             "memory back to the system between steps, which slows steps and makes their time vary on "
-            "virtual machines; an allocator that keeps it (LD_PRELOAD=libtcmalloc_minimal.so.4) avoids that"
+            'virtual machines; the allocator lever (mode="apply") fixes glibc malloc\'s thresholds so '
+            "that it keeps it (or preload an allocator that keeps it, LD_PRELOAD=libtcmalloc_minimal.so.4)"
         )
     return "\n".join(lines)
 

@@ -15,7 +15,6 @@ import textwrap
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from malloc_run import BLOCK_FLOATS, run
 
 from qsync_callback.cli import main
 from qsync_callback.errors import QSyncInputError
@@ -41,6 +40,9 @@ from qsync_callback.predictor.malloc_thresholds import (
 )
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
+
+from malloc_run import BLOCK_FLOATS, run
+from tracebuilder import op, trace
 
 BLOCK_BYTES = 4 * BLOCK_FLOATS
 PAGES = BLOCK_BYTES // 4096
@@ -79,6 +81,70 @@ def test_a_steps_blocks_are_read_from_the_memory_events():
     expected = {"largest_bytes": 5000, "largest_freed_bytes": 5000, "rise_bytes": 6000}
     assert step_allocations(events) == expected
     assert step_allocations(list(reversed(events))) == step_allocations(events)  # taken in time order
+
+
+# --- pricing on hand-written traces (two ranks) ----------------------------------------------------
+
+
+def _rank(rank: int, faults: list[int], page_us: float, events: list[list[float]]):
+    malloc = {"glibc": True, "fresh_page_us": page_us, "fixed": {}}
+    measured = {"page_faults": faults, "page_size": 4096, "malloc": malloc, "step_ms": [10.0] * len(faults)}
+    ops = [op(0, "aten::mm", "forward", "main", 0.0, 9000.0)]
+    return trace(ops, step_end=10_000.0, rank=rank, world_size=2, measured=measured, memory_events=events)
+
+
+def _two_ranks():
+    # rank 0: blocks of 3 MiB and 1 MiB, both freed (4 MiB held at once); rank 1: one of 5 MiB
+    events0 = [[0.0, 1, 3 * 2**20, 0], [1.0, 2, 2**20, 0], [2.0, 1, -(3 * 2**20), 0], [3.0, 2, -(2**20), 0]]
+    events1 = [[0.0, 1, 5 * 2**20, 0], [1.0, 1, -(5 * 2**20), 0]]
+    return [_rank(0, [1000, 3000, 2000], 2.0, events0), _rank(1, [500, 700], 1.5, events1)]
+
+
+def test_the_thresholds_cover_every_ranks_largest_block_and_what_a_step_holds():
+    traces = _two_ranks()
+    covering = covering_thresholds(traces)
+    # two pages above rank 1's 5 MiB block; twice that for the trim threshold, above 4 MiB held
+    assert covering == {MMAP_THRESHOLD: 5 * 2**20 + 8192, TRIM_THRESHOLD: 2 * (5 * 2**20 + 8192)}
+    # a step that holds more than twice its largest block: the trim threshold is what it holds
+    many = [[float(i), i, 2**20, 0] for i in range(12)]
+    assert covering_thresholds([_rank(0, [1], 1.0, many)])[TRIM_THRESHOLD] == 12 * 2**20
+    # never beyond what mallopt takes
+    huge = [[0.0, 1, 2**31, 0]]
+    assert covering_thresholds([_rank(0, [1], 1.0, huge)]) == {
+        MMAP_THRESHOLD: MALLOC_LIMIT - 1,
+        TRIM_THRESHOLD: MALLOC_LIMIT - 1,
+    }
+
+
+def test_the_saving_is_the_least_over_ranks_of_their_mean_faults_at_their_pages_cost():
+    traces = _two_ranks()
+    assert [faults_per_step(t) for t in traces] == [2000.0, 600.0]  # means, not medians
+    covering = covering_thresholds(traces)
+    # rank 0 saves 2000 x 2.0 = 4000 us, rank 1 600 x 1.5 = 900 us: the step, 900 us
+    assert fault_saving_us(traces, covering) == pytest.approx(900.0)
+    # thresholds short of either one cover nothing: no saving
+    for name in covering:
+        assert fault_saving_us(traces, {**covering, name: covering[name] - 1}) == 0.0
+    above = {name: value + 1 for name, value in covering.items()}
+    assert fault_saving_us(traces, above) == pytest.approx(900.0)
+    predictor = Predictor(traces)
+    recorded = predictor.predict(Plan())
+    fixed = predictor.predict(Plan(malloc_thresholds=covering))
+    assert fixed.step_ms == pytest.approx(recorded.step_ms - 0.9)
+    assert fixed.replayed_step_ms == pytest.approx([ms - 0.9 for ms in recorded.replayed_step_ms])
+    assert fixed.per_rank_peak_bytes == recorded.per_rank_peak_bytes
+
+
+def test_the_planners_table_names_each_ranks_faults_and_the_thresholds():
+    traces = _two_ranks()
+    choice = choose_malloc_thresholds(Predictor(traces), Plan())
+    assert choice.largest_bytes == 5 * 2**20
+    assert [r["in_force"][MMAP_THRESHOLD] for r in choice.ranks] == [3 * 2**20 + 4096, 5 * 2**20 + 4096]
+    table = format_malloc_plan(choice)
+    assert "rank 0: steps ran under mmap 3.0 MiB, trim 6.0 MiB; 2,000 page faults a step (mean)" in table
+    assert "at 2.00 us each = 4.00 ms" in table
+    assert "rank 1:" in table and "= 0.90 ms" in table
+    assert "fixed at mmap 5.0 MiB, trim 10.0 MiB" in table
 
 
 # --- the plan --------------------------------------------------------------------------------------
@@ -254,29 +320,31 @@ def test_the_recorded_trace_prices_the_faults_at_a_fresh_pages_cost(one_process)
     assert fixed.peak_bytes == recorded.peak_bytes
 
 
-def test_traces_that_cannot_price_the_thresholds_say_why_and_a_plan_on_them_is_refused(one_process):
-    out, _, _ = one_process
-    traces = load_trace_dir(out / "trace")
+def test_traces_that_cannot_price_the_thresholds_say_why_and_a_plan_on_them_is_refused():
+    traces = _two_ranks()
     assert malloc_problem(traces) is None
     cases = [
         (lambda t: setattr(t, "device", "cuda:0"), "not on the CPU"),
         (lambda t: t.measured["malloc"].update(glibc=False, reason="jemalloc here"), "jemalloc here"),
         (lambda t: t.measured.pop("malloc"), "record it again"),
         (lambda t: t.measured.update(page_faults=[]), "no page faults"),
+        (lambda t: setattr(t, "memory_events", []), "no memory events"),
     ]
     allocator = Constraints.from_arguments(levers=("allocator",))
     for change, said in cases:
         broken = copy.deepcopy(traces)
-        change(broken[0])
-        assert said in malloc_problem(broken)
+        change(broken[1])
+        problem = malloc_problem(broken)
+        assert problem.startswith("rank 1") and said in problem
         with pytest.raises(QSyncInputError, match="malloc_thresholds cannot be priced"):
             Predictor(broken).predict(Plan(malloc_thresholds=covering_thresholds(traces)))
-        if broken[0].device == "cpu":  # the table says why nothing is fixed
-            choice = choose_plan(broken, allocator, {})
-            assert choice.plan.malloc_thresholds == {} and said in choice.table
-        else:  # no planner for the lever on a GPU run
-            with pytest.raises(QSyncInputError, match="nothing to plan"):
-                choose_plan(broken, allocator, {})
+        choice = choose_plan(broken, allocator, {})  # the table says why nothing is fixed
+        assert choice.plan.malloc_thresholds == {} and f"not priced: {problem}" in choice.table
+    gpu = copy.deepcopy(traces)
+    for rank in gpu:
+        rank.device = "cuda:0"
+    with pytest.raises(QSyncInputError, match="nothing to plan"):  # no planner for the lever on a GPU run
+        choose_plan(gpu, allocator, {})
 
 
 def test_under_a_memory_budget_the_thresholds_are_not_fixed(one_process):
@@ -289,24 +357,23 @@ def test_under_a_memory_budget_the_thresholds_are_not_fixed(one_process):
     assert unbudgeted.plan.malloc_thresholds  # the same traces, no budget
 
 
-@settings(max_examples=25, deadline=None)
-@given(share=st.floats(min_value=0.0, max_value=0.06))
-def test_the_thresholds_are_fixed_only_when_they_save_more_than_the_no_decision_gain(one_process, share):
+@settings(max_examples=40, deadline=None)
+@given(share=st.floats(min_value=0.0, max_value=0.06), other=st.floats(min_value=1.0, max_value=3.0))
+def test_the_thresholds_are_fixed_only_when_they_save_more_than_the_no_decision_gain(share, other):
     assume(abs(share - NO_DECISION_GAIN) > 1e-6)
-    out, _, _ = one_process
-    traces = load_trace_dir(out / "trace")
-    predictor = Predictor(traces)
-    recorded_ms = predictor.predict(Plan()).step_ms
-    page_us = traces[0].measured["malloc"]["fresh_page_us"]
-    faults = share * recorded_ms * 1e3 / page_us  # faults that cost ``share`` of the step
-    traces[0].measured["page_faults"] = [faults] * 4
+    traces = _two_ranks()
+    recorded_ms = Predictor(traces).predict(Plan()).step_ms
+    for rank, more in zip(traces, (1.0, other), strict=True):  # the least saving is rank 0's
+        page_us = rank.measured["malloc"]["fresh_page_us"]
+        rank.measured["page_faults"] = [more * share * recorded_ms * 1e3 / page_us] * 3
     choice = choose_malloc_thresholds(Predictor(traces), Plan())
-    assert choice.prediction is not None
     assert choice.prediction.step_ms == pytest.approx(recorded_ms * (1 - share))
     assert (choice.plan is not None) == (share > NO_DECISION_GAIN)
     if choice.plan is not None:
         assert choice.plan.prediction == choice.prediction.figures()
-    assert "predicted" in format_malloc_plan(choice)
+        assert choice.plan.malloc_thresholds == covering_thresholds(traces)
+    else:
+        assert "nothing is fixed" in format_malloc_plan(choice)
 
 
 def test_under_ddp_every_rank_fixes_the_thresholds_at_one_step(tmp_path):
