@@ -63,7 +63,9 @@ def main() -> None:
     parser.add_argument("--max-step-time", type=float, default=None, help="mode apply: seconds per step")
     parser.add_argument("--precisions", default="fp32,bf16,fp16,int8", help="mode apply: allowed precisions")
     parser.add_argument(
-        "--levers", default="precision,activation,regions,buckets", help="mode apply: what a plan may change"
+        "--levers",
+        default="precision,activation,regions,buckets,allocator",
+        help="mode apply: what a plan may change",
     )
     parser.add_argument("--accumulate-grad-batches", type=int, default=1, help="micro-batches per step")
     parser.add_argument(
