@@ -40,6 +40,7 @@ from qsync_callback.predictor.malloc_thresholds import (
 )
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import NOISY_PAGE_FAULTS
 
 from malloc_run import BLOCK_FLOATS, run
 from tracebuilder import op, trace
@@ -182,7 +183,7 @@ def _in_subprocess(code: str, environ: dict[str, str] | None = None) -> dict:
 
 
 APPLY_AND_UNDO = f"""
-    import json, torch
+    import ctypes, json
     from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
     from qsync_callback.page_faults import minor_page_faults
     from qsync_callback.plan import Plan
@@ -191,16 +192,22 @@ APPLY_AND_UNDO = f"""
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * 4096
 
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+
     def faults():  # a block asked for, filled and freed, as a step's scratch buffer is
         start = minor_page_faults()
-        torch.zeros({BLOCK_FLOATS})
+        block = libc.malloc({BLOCK_BYTES})
+        ctypes.memset(block, 1, {BLOCK_BYTES})
+        libc.free(block)
         return minor_page_faults() - start
 
     applier = MallocThresholdApplier(lambda: None)  # no recorded steps: undo to the environment's
     before = [faults() for _ in range(3)]
     undo = applier(Plan(malloc_thresholds={{"mmap_threshold_bytes": {BLOCK_BYTES + 8192},
                                            "trim_threshold_bytes": {2 * BLOCK_BYTES}}}))
-    fixed = [faults() for _ in range(12)]
+    fixed = [faults() for _ in range(4)]
     held = resident()
     undo()
     handed_back = held - resident()
@@ -213,19 +220,15 @@ def test_fixed_thresholds_keep_a_freed_block_for_the_next_step_and_the_undo_give
     counts = _in_subprocess(APPLY_AND_UNDO)
     # glibc maps a 40 MiB block afresh every time (beyond its moving threshold's reach)
     assert min(counts["before"]) > 0.9 * PAGES
-    # fixed: the first one grows the heap, and the next ones reuse it; where something small landed
-    # just after a freed block, an aligned block of its size (with its alignment's slack) does not fit
-    # in it, and the heap grows by a few blocks more before the freed ones run together (0 to 3 more
-    # in processes here): then no block faults again
+    # fixed: the first one grows the heap, and the next ones reuse it (malloc's own blocks, not
+    # torch's: an aligned block of torch's can find a small block just after its freed self and
+    # grow the heap by a few more first, `predictor/malloc_thresholds.py`)
     assert counts["fixed"][0] > 0.9 * PAGES
-    assert sum(f > 0.9 * PAGES for f in counts["fixed"]) <= 6
-    assert max(counts["fixed"][6:]) < 0.01 * PAGES
+    assert max(counts["fixed"][1:]) < 0.01 * PAGES
     # undone to glibc's start values (nothing recorded, nothing in the environment), the free heap
-    # the fixed thresholds kept handed back: the next block faults its pages in again. (Where the
-    # heap had grown by more blocks, those stay free in it, pages handed back, and serve the blocks
-    # after that with no fault: glibc takes a free block that fits before it maps one.)
+    # the fixed thresholds kept handed back: every block is mapped afresh again
     assert counts["handed_back"] > 0.9 * BLOCK_BYTES
-    assert counts["after"][0] > 0.9 * PAGES
+    assert min(counts["after"]) > 0.9 * PAGES
 
 
 FORWARDING_MALLOC = """
@@ -368,12 +371,27 @@ def test_the_thresholds_are_fixed_only_when_they_save_more_than_the_no_decision_
         rank.measured["page_faults"] = [more * share * recorded_ms * 1e3 / page_us] * 3
     choice = choose_malloc_thresholds(Predictor(traces), Plan())
     assert choice.prediction.step_ms == pytest.approx(recorded_ms * (1 - share))
-    assert (choice.plan is not None) == (share > NO_DECISION_GAIN)
+    faulting = all(faults_per_step(rank) >= NOISY_PAGE_FAULTS for rank in traces)
+    assert (choice.plan is not None) == (share > NO_DECISION_GAIN or faulting)
     if choice.plan is not None:
         assert choice.plan.prediction == choice.prediction.figures()
         assert choice.plan.malloc_thresholds == covering_thresholds(traces)
     else:
         assert "nothing is fixed" in format_malloc_plan(choice)
+
+
+def test_many_faults_are_tried_for_the_turns_to_decide_whatever_their_predicted_cost():
+    # 300 and 400 faults a step at 0.01 us each: 3 us of a 9 ms step, but their number moves with
+    # glibc's history, so the turns measure them
+    traces = _two_ranks()
+    for rank, faults in zip(traces, (300, 400), strict=True):
+        rank.measured["page_faults"] = [faults] * 3
+        rank.measured["malloc"]["fresh_page_us"] = 0.01
+    choice = choose_malloc_thresholds(Predictor(traces), Plan())
+    assert choice.plan is not None and "tried though not predicted 2% faster" in format_malloc_plan(choice)
+    traces[1].measured["page_faults"] = [NOISY_PAGE_FAULTS - 1] * 3  # one rank under: not tried
+    choice = choose_malloc_thresholds(Predictor(traces), Plan())
+    assert choice.plan is None and "nothing is fixed" in format_malloc_plan(choice)
 
 
 def test_under_ddp_every_rank_fixes_the_thresholds_at_one_step(tmp_path):

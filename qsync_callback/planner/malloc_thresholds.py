@@ -3,8 +3,12 @@
 One candidate, on top of the plan the other levers chose: the thresholds that cover every rank's
 recorded blocks (`predictor.malloc_thresholds.covering_thresholds`), priced by the predictor (the
 plan's step less the page faults they save). It is taken when it is predicted more than
-`NO_DECISION_GAIN` faster than the plan without it; otherwise nothing is fixed, and the table says
-why (the traces cannot price it, or the faults cost too little to tell).
+`NO_DECISION_GAIN` faster than the plan without it, or when every rank took at least
+`report.NOISY_PAGE_FAULTS` faults a step: how many a run takes depends on what moved glibc's
+thresholds before, the recorder's own work among it, and the recorded steps can take a sixth of
+what the same run's steps take in the verify's turns (`benchmarks/README.md`), so there the turns
+decide, as for every plan (verify keeps it only if it measures faster beyond the noise). Otherwise
+nothing is fixed, and the table says why (the traces cannot price it, or the faults are too few).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from qsync_callback.plan import Plan
 from qsync_callback.planner.tf_plans import NO_DECISION_GAIN
 from qsync_callback.predictor.malloc_thresholds import covering_thresholds, faults_per_step, malloc_problem
 from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.report import NOISY_PAGE_FAULTS
 from qsync_callback.units import format_bytes
 
 
@@ -58,7 +63,8 @@ def choose_malloc_thresholds(predictor: Predictor, base: Plan) -> MallocChoice:
     thresholds = covering_thresholds(traces)
     candidate = Plan.from_dict({**base.to_dict(), "malloc_thresholds": thresholds, "prediction": None})
     prediction = predictor.predict(candidate)
-    chosen = prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
+    faulting = all(rank["faults_per_step"] >= NOISY_PAGE_FAULTS for rank in ranks)
+    chosen = faulting or prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
     if chosen:
         candidate.prediction = prediction.figures()
     largest = max(step_allocations(trace.memory_events)["largest_bytes"] for trace in traces)
@@ -91,5 +97,14 @@ def format_malloc_plan(choice: MallocChoice) -> str:
         f"few blocks of up to {format_bytes(choice.largest_bytes)} more where aligned blocks leave gaps"
     )
     if choice.plan is None:
-        lines.append(f"  not predicted more than {100 * NO_DECISION_GAIN:g}% faster: nothing is fixed")
+        lines.append(
+            f"  not predicted more than {100 * NO_DECISION_GAIN:g}% faster, and under {NOISY_PAGE_FAULTS} "
+            "page faults a step on some rank: nothing is fixed"
+        )
+    elif choice.prediction.step_ms >= (1 - NO_DECISION_GAIN) * choice.base.step_ms:
+        lines.append(
+            f"  tried though not predicted {100 * NO_DECISION_GAIN:g}% faster: every rank took "
+            f"{NOISY_PAGE_FAULTS} or more page faults a step, whose number moves with glibc's history; "
+            "the turns decide"
+        )
     return "\n".join(lines)

@@ -10,8 +10,9 @@ least of them. Thresholds that do not cover a rank's blocks are priced as saving
 memory is priced unchanged: the tensors the step asks for are the same, only where their blocks come
 from moves. The process's resident memory is not: between steps it keeps up to the trim threshold of
 freed heap mapped, and where a small block lands just after a freed aligned one (torch's blocks are
-aligned), the next block of that size does not fit in the gap and the heap grows by it; a 40 MiB
-block took 0 to 3 more before the freed ones ran together (`tests/test_malloc_thresholds.py`).
+aligned), the next block of that size does not fit in the gap and the heap grows by it; a torch
+tensor of 40 MiB asked for and freed in a loop grew the heap by 0 to 6 more before the freed blocks
+ran together, in processes here.
 
 The faults a step are the mean over the steps timed around the recorded window
 (`measured["page_faults"]`), not their median: they come in bursts (0 one step, 8,000 the next, as
