@@ -44,7 +44,7 @@ test: $(STAMP)
 BENCHMARKS := models indicator_check callback_overhead planning_time training_quality \
 	prediction_accuracy precision_plans decision_repeatability horovod_tf_accuracy horovod_timeline_cost \
 	horovod_tf_plans memory_plans activation_costs ddp_buckets compiled_regions symbolic_estimate \
-	op_cost_model tf_memory turns_decisions
+	op_cost_model tf_memory turns_decisions malloc_thresholds
 BENCH_OUT := benchmarks/results
 BENCH_QUICK_OUT := $(BENCH_OUT)/quick
 

@@ -18,7 +18,9 @@ on traces with Horovod's timeline records or DDP's buckets; on others it is refu
 is missing. On such Horovod traces every plan but the recorded configuration is priced through the
 model of Horovod's loop, at the recorded settings where the plan sets none, so that a plan with
 gradient groups and one without differ by the groups alone; the loop is priced at each phase of its
-first cycle (`tensor_fusion.CYCLE_PHASES`) and a step is their mean.
+first cycle (`tensor_fusion.CYCLE_PHASES`) and a step is their mean. glibc malloc's thresholds
+fixed (`malloc_thresholds.py`, time only, on CPU torch traces that say which malloc ran) take the
+page faults they save off every step, on top of whatever else the plan decides.
 """
 
 from __future__ import annotations
