@@ -37,7 +37,7 @@ def malloc_problem(traces: Sequence[Trace]) -> str | None:
         malloc = trace.measured.get("malloc")
         if trace.device != "cpu":
             return f"rank {trace.rank} ran on {trace.device}, not on the CPU, where malloc serves the tensors"
-        if not malloc or "fresh_page_us" not in malloc:
+        if not malloc or "fresh_page_us" not in malloc or "page_size" not in trace.measured:
             return f"rank {trace.rank}'s trace does not say which malloc it ran with (record it again)"
         if not malloc.get("glibc"):
             return f"rank {trace.rank}: {malloc.get('reason', 'malloc is not glibc')}"
@@ -54,7 +54,7 @@ def covering_thresholds(traces: Sequence[Trace]) -> dict[str, int]:
     threshold at least the most a step held at once, and at least twice the mmap threshold (glibc's
     own ratio)."""
     sizes = [step_allocations(trace.memory_events) for trace in traces]
-    page = max(int(trace.measured.get("page_size", 4096)) for trace in traces)
+    page = max(int(trace.measured["page_size"]) for trace in traces)
     mmap_threshold = min(max(s["largest_bytes"] for s in sizes) + 2 * page, MALLOC_LIMIT - 1)
     trim_threshold = min(max(2 * mmap_threshold, *(s["rise_bytes"] for s in sizes)), MALLOC_LIMIT - 1)
     return {MMAP_THRESHOLD: mmap_threshold, TRIM_THRESHOLD: trim_threshold}
