@@ -7,7 +7,7 @@ the next step touches fresh, zeroed pages, one minor page fault each (`page_faul
 both thresholds move: they start at 128 KiB, and each freed mapped block of up to 32 MiB raises the
 mmap threshold to its size and the trim threshold to twice that. A step whose largest blocks are
 freed and asked for again keeps trimming and re-growing its heap: thousands of faults a step at
-1-3 us each on a CPU, which no op's own time explains.
+a few microseconds each on a CPU, which no op's own time explains.
 
 Fixing both thresholds above what a step asks for (``mallopt``) stops it: the freed blocks stay in
 the heap and the next step reuses them. This module holds what that lever needs about this
