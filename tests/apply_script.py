@@ -10,7 +10,6 @@ a policy wraps, the modules compiled in place as regions, whether every loss was
 many steps it ran. The tests start it with `run_two_ranks`."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from program_run import run_program  # noqa: E402
 from test_activation_lightning import ResidualMLP, _callback, residual_loader  # noqa: E402
 from test_precision_apply import GeluNet, _apply_callback, _loader, _lp_precisions  # noqa: E402
 from test_regions_lightning import ChainBlock, Net, StopAt, net_loader, regions_callback  # noqa: E402
@@ -30,21 +30,7 @@ def run_two_ranks(
 ) -> subprocess.CompletedProcess:
     """This program, run in ``out`` (its output directory too) with the plan cache ``cache``;
     ``kind`` ("activation", "regions", or "" for a precision plan) picks the model and callback."""
-    return subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            str(out),
-            str(cache or ""),
-            str(steps),
-            kind,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=out,
-    )
+    return run_program(__file__, [str(out), str(cache or ""), str(steps), kind], out)
 
 
 def main() -> None:

@@ -10,13 +10,13 @@ Each rank writes ``rank<k>.json`` with DDP's bucket sizes after the last step (i
 the modules that ran compiled then, and the losses. The tests start it with `run_two_ranks`."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from program_run import run_program
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
@@ -84,14 +84,7 @@ def run_two_ranks(
     """This program, run in ``out`` (its output directory too)."""
     hook = "" if user_hook_on is None else str(user_hook_on)
     arguments = [str(out), mode, str(steps), str(plan or ""), hook, ",".join(levers)]
-    return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *arguments],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=out,
-    )
+    return run_program(__file__, arguments, out)
 
 
 def main() -> None:

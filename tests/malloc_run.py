@@ -9,13 +9,13 @@ Each rank writes ``rank<k>.json`` with the minor page faults of every step (`Ste
 plan the callback kept, and the losses. The tests start it with `run`."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from program_run import run_program
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -58,14 +58,7 @@ class StepFaults(pl.Callback):
 
 def run(out: Path, procs: int, steps: int) -> subprocess.CompletedProcess:
     """This program, run in ``out`` (its output directory too)."""
-    return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out), str(procs), str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=out,
-    )
+    return run_program(__file__, [str(out), str(procs), str(steps)], out)
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ from qsync_callback.predictor.malloc_thresholds import (
     fault_saving_us,
     faults_per_step,
     malloc_problem,
+    waited_fault_us,
+    waited_faults,
 )
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
@@ -98,7 +100,7 @@ def _two_ranks():
     # rank 0: blocks of 3 MiB and 1 MiB, both freed (4 MiB held at once); rank 1: one of 5 MiB
     events0 = [[0.0, 1, 3 * 2**20, 0], [1.0, 2, 2**20, 0], [2.0, 1, -(3 * 2**20), 0], [3.0, 2, -(2**20), 0]]
     events1 = [[0.0, 1, 5 * 2**20, 0], [1.0, 1, -(5 * 2**20), 0]]
-    return [_rank(0, [1000, 3000, 2000], 2.0, events0), _rank(1, [500, 700], 1.5, events1)]
+    return [_rank(0, [1000, 3000, 2000], 2.0, events0), _rank(1, [500, 700, 4000], 1.5, events1)]
 
 
 def test_the_thresholds_cover_every_ranks_largest_block_and_what_a_step_holds():
@@ -117,23 +119,30 @@ def test_the_thresholds_cover_every_ranks_largest_block_and_what_a_step_holds():
     }
 
 
-def test_the_saving_is_the_least_over_ranks_of_their_mean_faults_at_their_pages_cost():
+def test_a_step_saves_the_faults_it_waited_on_the_most_any_rank_took_in_it_at_its_pages_cost():
     traces = _two_ranks()
-    assert [faults_per_step(t) for t in traces] == [2000.0, 600.0]  # means, not medians
+    assert [faults_per_step(t) for t in traces] == pytest.approx([2000.0, 5200 / 3])  # means, not medians
     covering = covering_thresholds(traces)
-    # rank 0 saves 2000 x 2.0 = 4000 us, rank 1 600 x 1.5 = 900 us: the step, 900 us
-    assert fault_saving_us(traces, covering) == pytest.approx(900.0)
+    # step by step, rank 0's faults cost 2000, 6000, 4000 us and rank 1's 750, 1050, 6000: the step
+    # waits on 2000, 6000, 6000 (rank 1's burst in the third), 4666.7 us on average
+    assert waited_faults(traces) == pytest.approx((1000 + 3000 + 4000) / 3)
+    assert waited_fault_us(traces) == pytest.approx(14000 / 3)
+    assert fault_saving_us(traces, covering) == pytest.approx(14000 / 3)
+    traces[1].measured["page_faults"] = [500, 700]  # only the steps both ranks timed: the first two
+    assert fault_saving_us(traces, covering) == pytest.approx(4000.0)
+    assert waited_faults(traces) == pytest.approx(2000.0)
+    assert waited_faults(traces[:1]) == faults_per_step(traces[0])  # one rank: its mean
     # thresholds short of either one cover nothing: no saving
     for name in covering:
         assert fault_saving_us(traces, {**covering, name: covering[name] - 1}) == 0.0
         assert fault_saving_us(traces, {name: covering[name]}) == 0.0  # the other one left as it was
     above = {name: value + 1 for name, value in covering.items()}
-    assert fault_saving_us(traces, above) == pytest.approx(900.0)
+    assert fault_saving_us(traces, above) == pytest.approx(4000.0)
     predictor = Predictor(traces)
     recorded = predictor.predict(Plan())
     fixed = predictor.predict(Plan(malloc_thresholds=covering))
-    assert fixed.step_ms == pytest.approx(recorded.step_ms - 0.9)
-    assert fixed.replayed_step_ms == pytest.approx([ms - 0.9 for ms in recorded.replayed_step_ms])
+    assert fixed.step_ms == pytest.approx(recorded.step_ms - 4.0)
+    assert fixed.replayed_step_ms == pytest.approx([ms - 4.0 for ms in recorded.replayed_step_ms])
     assert fixed.per_rank_peak_bytes == recorded.per_rank_peak_bytes
 
 
@@ -146,7 +155,9 @@ def test_the_planners_table_names_each_ranks_faults_and_the_thresholds():
     assert table.startswith("qsync allocator (glibc malloc's mmap and trim thresholds)\n")
     assert "rank 0: steps ran under mmap 3.0 MiB, trim 6.0 MiB; 2,000 page faults a step (mean)" in table
     assert "at 2.00 us each = 4.00 ms" in table
-    assert "rank 1:" in table and "= 0.90 ms" in table
+    assert "rank 1:" in table and "1,733 page faults a step (mean) at 1.50 us each = 2.60 ms" in table
+    waited = "  a step waits on the most any rank took in it: 2,667 page faults a step (mean) = 4.67 ms\n"
+    assert waited in table
     recorded_ms, fixed_ms = choice.base.step_ms, choice.prediction.step_ms
     assert (
         f"fixed at mmap 5.0 MiB, trim 10.0 MiB: predicted {fixed_ms:.2f} ms/step against {recorded_ms:.2f} "
@@ -297,14 +308,21 @@ def one_process(tmp_path_factory):
 def test_the_callback_fixes_the_thresholds_of_a_faulting_run_and_verify_measures_the_faults_gone(one_process):
     out, log, rank = one_process
     assert "qsync allocator" in log
-    plan = rank["plan"]
-    assert plan is not None and plan["malloc_thresholds"][MMAP_THRESHOLD] > BLOCK_BYTES
     verification = json.loads((out / "verification.json").read_text())
-    assert verification["decision"] == "keep", verification["reason"]
+    assert verification["plan"]["malloc_thresholds"][MMAP_THRESHOLD] > BLOCK_BYTES
     turns = verification["alternation"]["page_faults_per_step"]
-    assert turns["baseline"] > 0.9 * PAGES  # the undo returned the run to its faults
     assert turns["plan"] < 0.05 * PAGES
-    assert max(rank["faults"][-10:]) < 0.05 * PAGES  # kept: the steps after the turns take none
+    if turns["baseline"] > 0.9 * PAGES:  # the undo returned the run to its faults: the plan pays
+        assert verification["decision"] == "keep", verification["reason"]
+        assert rank["plan"] == verification["plan"]
+        assert max(rank["faults"][-10:]) < 0.05 * PAGES  # kept: the steps after the turns take none
+    else:
+        # a block the plan kept free in the heap below a live one (the heap is trimmed only at its
+        # top) serves the baseline's later steps as well: no gain left to measure (a third of the
+        # runs here); the plan is not kept
+        assert turns["baseline"] < 0.05 * PAGES
+        assert verification["decision"] == "roll back", verification["reason"]
+        assert rank["plan"] is None
     assert all(map(lambda loss: loss == loss, rank["losses"]))
 
 
@@ -370,17 +388,17 @@ def test_under_a_memory_budget_the_thresholds_are_not_fixed(one_process):
 
 
 @settings(max_examples=40, deadline=None)
-@given(share=st.floats(min_value=0.0, max_value=0.06), other=st.floats(min_value=1.0, max_value=3.0))
+@given(share=st.floats(min_value=0.0, max_value=0.06), other=st.floats(min_value=0.0, max_value=1.0))
 def test_the_thresholds_are_fixed_only_when_they_save_more_than_the_no_decision_gain(share, other):
     assume(abs(share - NO_DECISION_GAIN) > 1e-6)
     traces = _two_ranks()
     recorded_ms = Predictor(traces).predict(Plan()).step_ms
-    for rank, more in zip(traces, (1.0, other), strict=True):  # the least saving is rank 0's
+    for rank, more in zip(traces, (1.0, other), strict=True):  # the most costly faults are rank 0's
         page_us = rank.measured["malloc"]["fresh_page_us"]
         rank.measured["page_faults"] = [more * share * recorded_ms * 1e3 / page_us] * 3
     choice = choose_malloc_thresholds(Predictor(traces), Plan())
     assert choice.prediction.step_ms == pytest.approx(recorded_ms * (1 - share))
-    faulting = all(faults_per_step(rank) >= NOISY_PAGE_FAULTS for rank in traces)
+    faulting = max(faults_per_step(rank) for rank in traces) >= NOISY_PAGE_FAULTS  # steady: the most
     assert (choice.plan is not None) == (share > NO_DECISION_GAIN or faulting)
     if choice.plan is not None:
         assert choice.plan.prediction == choice.prediction.figures()
@@ -400,9 +418,12 @@ def test_many_faults_are_tried_for_the_turns_to_decide_whatever_their_predicted_
     said = format_malloc_plan(choice)
     assert choice.plan is not None and "tried though not predicted 2% faster" in said
     assert said.endswith("whose number moves with glibc's history; the turns decide")
-    traces[1].measured["page_faults"] = [NOISY_PAGE_FAULTS] * 3  # at the bar: tried
+    assert "a step waits on the most any rank took in it: 400 page faults a step (mean) = 0.00 ms" in said
+    # bursts on different ranks at different steps: the step waits on each, 256 on average
+    traces[0].measured["page_faults"] = [0, 0, 3 * NOISY_PAGE_FAULTS - 100]
+    traces[1].measured["page_faults"] = [100, 0, 0]
     assert choose_malloc_thresholds(Predictor(traces), Plan()).plan is not None
-    traces[1].measured["page_faults"] = [NOISY_PAGE_FAULTS - 1] * 3  # one rank under: not tried
+    traces[1].measured["page_faults"] = [99, 0, 0]  # one fault fewer: under the bar, not tried
     choice = choose_malloc_thresholds(Predictor(traces), Plan())
     said = format_malloc_plan(choice)
     assert choice.plan is None and "not predicted more than 2% faster, and under 256 page faults" in said
@@ -414,20 +435,21 @@ def test_under_ddp_every_rank_fixes_the_thresholds_at_one_step(tmp_path):
     verification = json.loads((tmp_path / "verification.json").read_text())
     assert verification["plan"]["malloc_thresholds"][MMAP_THRESHOLD] > BLOCK_BYTES
     # both ranks switched at the same steps: in the plan's blocks of the turns the faults are gone
-    # (whether it is kept rests on the turns' timing on two loaded cores: the one-process test and
-    # the benchmarks judge that)
+    # (whether it is kept rests on the turns' timing on two loaded cores, and on whether the undo
+    # left a block free below a live one: the one-process test and the benchmarks judge that)
     turns = verification["alternation"]["page_faults_per_step"]
-    assert turns["baseline"] > 0.9 * PAGES and turns["plan"] < 0.05 * PAGES
+    assert turns["plan"] < 0.05 * PAGES
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     assert ranks[0]["plan"] == ranks[1]["plan"]  # kept or rolled back, alike on both
     assert len(load_trace_dir(tmp_path / "trace")) == 2
 
 
 def test_the_command_line_plans_the_thresholds_from_the_saved_traces(one_process, tmp_path, capsys):
-    out, _, rank = one_process
+    out, _, _ = one_process
     path = tmp_path / "plan.json"
     assert main(["plan", str(out / "trace"), "--levers", "allocator", "--out", str(path)]) == 0
     assert "qsync allocator" in capsys.readouterr().out
     planned = Plan.load(path)
-    assert planned.malloc_thresholds == rank["plan"]["malloc_thresholds"]
+    verified = json.loads((out / "verification.json").read_text())["plan"]  # the live run's plan
+    assert planned.malloc_thresholds == verified["malloc_thresholds"]
     assert planned.constraints["levers"] == ["allocator"]

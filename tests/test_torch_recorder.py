@@ -221,8 +221,15 @@ def test_overhead_per_event_divides_each_loop_among_its_events():
         "memory": {"op": 5 * iterations, "memory": 6 * iterations},
         "range": {"range": iterations},
     }
-    costs = overhead.overhead_per_event(extra, counts)
+    costs = overhead.overhead_per_event([extra], counts)
     assert costs == {"op": pytest.approx(0.4), "memory": pytest.approx(0.1), "range": pytest.approx(2.0)}
+    # two rounds: the events of both counted, each loop's lower extra taken (the op loop ran slow in
+    # the first, the others in the second)
+    slow = {"op": 9e-6, "memory": extra["memory"], "range": extra["range"]}
+    later = {"op": extra["op"], "memory": 7e-6, "range": 5e-6}
+    both = {loop: {kind: 2 * n for kind, n in kinds.items()} for loop, kinds in counts.items()}
+    assert overhead.overhead_per_event([slow, later], both) == costs
+    assert overhead.overhead_per_event([], {}) == {"op": 0.0, "memory": 0.0, "range": 0.0}
 
 
 def test_profiler_is_stopped_when_the_run_fails_inside_the_window(tmp_path):

@@ -4,6 +4,9 @@ The thresholds are the process's: the applier needs no model, and the same one s
 framework whose tensors come from malloc. Its undo sets the thresholds the steps ran under before
 (``in_force``: from the run's recorded trace, else the environment's or glibc's starting values),
 since glibc has no way back to its moving ones, and hands back the free heap the plan kept.
+What it cannot hand back is a block the plan kept free below a live one (the heap shrinks only
+from its top): the next request of that size is served there, mapped already, so the run after an
+undo can take fewer faults than before the plan; the verify's turns measure it as it is.
 """
 
 from __future__ import annotations

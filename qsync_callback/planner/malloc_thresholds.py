@@ -3,8 +3,9 @@
 One candidate, on top of the plan the other levers chose: the thresholds that cover every rank's
 recorded blocks (`predictor.malloc_thresholds.covering_thresholds`), priced by the predictor (the
 plan's step less the page faults they save). It is taken when it is predicted more than
-`NO_DECISION_GAIN` faster than the plan without it, or when every rank took at least
-`report.NOISY_PAGE_FAULTS` faults a step: how many a run takes depends on what moved glibc's
+`NO_DECISION_GAIN` faster than the plan without it, or when a step waited on at least
+`report.NOISY_PAGE_FAULTS` faults (in each step the most any rank took, their mean over the steps:
+`predictor.malloc_thresholds.waited_faults`): how many a run takes depends on what moved glibc's
 thresholds before, the recorder's own work among it, and the recorded steps can take a sixth of
 what the same run's steps take in the verify's turns (`benchmarks/README.md`), so there the turns
 decide, as for every plan (verify keeps it only if it measures faster beyond the noise). Otherwise
@@ -24,7 +25,13 @@ from qsync_callback.malloc_thresholds import (
 )
 from qsync_callback.plan import Plan
 from qsync_callback.planner.tf_plans import NO_DECISION_GAIN
-from qsync_callback.predictor.malloc_thresholds import covering_thresholds, faults_per_step, malloc_problem
+from qsync_callback.predictor.malloc_thresholds import (
+    covering_thresholds,
+    faults_per_step,
+    malloc_problem,
+    waited_fault_us,
+    waited_faults,
+)
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.report import NOISY_PAGE_FAULTS
 from qsync_callback.units import format_bytes
@@ -34,7 +41,8 @@ from qsync_callback.units import format_bytes
 class MallocChoice:
     """The plan with fixed thresholds (None: none fixed), the plan it went on priced (``base``),
     the candidate priced (None: it could not be), and what each rank recorded: the thresholds its
-    steps ran under, its faults a step and a fresh page's cost."""
+    steps ran under, its faults a step and a fresh page's cost; and the faults a step waited on
+    (the most any rank took in it, and what they cost: `waited_faults`, `waited_fault_us`)."""
 
     plan: Plan | None
     base: Prediction
@@ -42,6 +50,8 @@ class MallocChoice:
     thresholds: dict[str, int] = field(default_factory=dict)
     largest_bytes: int = 0  # the largest block a recorded step asked for, on any rank
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    waited_faults: float = 0.0
+    waited_us: float = 0.0
     problem: str | None = None
 
 
@@ -63,13 +73,17 @@ def choose_malloc_thresholds(predictor: Predictor, base: Plan) -> MallocChoice:
     thresholds = covering_thresholds(traces)
     candidate = Plan.from_dict({**base.to_dict(), "malloc_thresholds": thresholds, "prediction": None})
     prediction = predictor.predict(candidate)
-    faulting = all(rank["faults_per_step"] >= NOISY_PAGE_FAULTS for rank in ranks)
-    chosen = faulting or prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
+    waited = waited_faults(traces)
+    chosen = (
+        waited >= NOISY_PAGE_FAULTS or prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
+    )
     if chosen:
         candidate.prediction = prediction.figures()
     largest = max(step_allocations(trace.memory_events)["largest_bytes"] for trace in traces)
     plan = candidate if chosen else None
-    return MallocChoice(plan, base_prediction, prediction, thresholds, largest, ranks)
+    return MallocChoice(
+        plan, base_prediction, prediction, thresholds, largest, ranks, waited, waited_fault_us(traces)
+    )
 
 
 def format_malloc_plan(choice: MallocChoice) -> str:
@@ -85,6 +99,11 @@ def format_malloc_plan(choice: MallocChoice) -> str:
             f"{format_bytes(in_force[TRIM_THRESHOLD])}; {faults:,.0f} page faults a step (mean) at "
             f"{page_us:.2f} us each = {faults * page_us / 1e3:.2f} ms"
         )
+    if len(choice.ranks) > 1:
+        lines.append(
+            f"  a step waits on the most any rank took in it: {choice.waited_faults:,.0f} page faults a "
+            f"step (mean) = {choice.waited_us / 1e3:.2f} ms"
+        )
     fixed = (
         f"mmap {format_bytes(choice.thresholds[MMAP_THRESHOLD])}, "
         f"trim {format_bytes(choice.thresholds[TRIM_THRESHOLD])}"
@@ -99,12 +118,12 @@ def format_malloc_plan(choice: MallocChoice) -> str:
     if choice.plan is None:
         lines.append(
             f"  not predicted more than {100 * NO_DECISION_GAIN:g}% faster, and under {NOISY_PAGE_FAULTS} "
-            "page faults a step on some rank: nothing is fixed"
+            "page faults a step: nothing is fixed"
         )
     elif choice.prediction.step_ms >= (1 - NO_DECISION_GAIN) * choice.base.step_ms:
         lines.append(
-            f"  tried though not predicted {100 * NO_DECISION_GAIN:g}% faster: every rank took "
-            f"{NOISY_PAGE_FAULTS} or more page faults a step, whose number moves with glibc's history; "
+            f"  tried though not predicted {100 * NO_DECISION_GAIN:g}% faster: a step waited on "
+            f"{NOISY_PAGE_FAULTS} or more page faults, whose number moves with glibc's history; "
             "the turns decide"
         )
     return "\n".join(lines)

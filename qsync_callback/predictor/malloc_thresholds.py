@@ -5,17 +5,20 @@ blocks unmapped since the step before (`qsync_callback.malloc_thresholds`). Thre
 the largest block any rank's step asks for and above the most its step holds at once leave every
 freed block in the heap for the next step, which then takes no fault for them. The saving priced
 is, on each rank, its steps' minor page faults times a fresh page's cost timed on its machine
-(`measured["malloc"]["fresh_page_us"]`); a synchronous step saves what its ranks all save, the
-least of them. Thresholds that do not cover a rank's blocks are priced as saving nothing. Peak
-memory is priced unchanged: the tensors the step asks for are the same, only where their blocks come
-from moves. The process's resident memory is not: between steps it keeps up to the trim threshold of
-freed heap mapped, and where a small block lands just after a freed aligned one (torch's blocks are
+(`measured["malloc"]["fresh_page_us"]`). A synchronous step waits for its slowest rank, so a step
+is priced at the most any rank's faults cost in it, and the saving is the mean of that over the
+steps every rank timed (`waited_fault_us`): ranks fault in bursts, thousands in one step and
+none in the next, at different steps on different ranks, and each burst holds up the whole step.
+Thresholds that do not cover a rank's blocks are priced as saving nothing. Peak memory is priced
+unchanged: the tensors the step asks for are the same, only where their blocks come from moves.
+The process's resident memory is not: between steps it keeps up to the trim threshold of freed heap
+mapped, and where a small block lands just after a freed aligned one (torch's blocks are
 aligned), the next block of that size does not fit in the gap and the heap grows by it; a torch
 tensor of 40 MiB asked for and freed in a loop grew the heap by 0 to 6 more before the freed blocks
 ran together, in processes here.
 
-The faults a step are the mean over the steps timed around the recorded window
-(`measured["page_faults"]`), not their median: they come in bursts (0 one step, 8,000 the next, as
+The faults a step are a mean over the steps timed around the recorded window
+(`measured["page_faults"]`), not a median: they come in bursts (0 one step, 8,000 the next, as
 the heap's top is trimmed or not), and what a step saves on average is their mean. How many a run
 takes depends on how far earlier frees moved glibc's thresholds, the recorder's own among them
 (the profiler's trace, parsed): two launches of one run can differ by thousands a step.
@@ -65,10 +68,27 @@ def faults_per_step(trace: Trace) -> float:
     return float(statistics.fmean(trace.measured["page_faults"]))
 
 
+def waited_faults(traces: Sequence[Trace]) -> float:
+    """The page faults a synchronous step waits on: in each step every rank timed, the most any
+    rank took; their mean over those steps (one rank: its `faults_per_step`)."""
+    steps = zip(*(trace.measured["page_faults"] for trace in traces), strict=False)
+    return float(statistics.fmean(max(faults) for faults in steps))
+
+
+def waited_fault_us(traces: Sequence[Trace]) -> float:
+    """What a synchronous step waits on its page faults (microseconds): in each step every rank
+    timed, the most any rank's faults cost at its fresh page's cost; their mean over those steps."""
+    costs = []
+    for trace in traces:
+        page_us = float(trace.measured["malloc"]["fresh_page_us"])
+        costs.append([faults * page_us for faults in trace.measured["page_faults"]])
+    return float(statistics.fmean(max(step) for step in zip(*costs, strict=False)))
+
+
 def fault_saving_us(traces: Sequence[Trace], thresholds: Mapping[str, int]) -> float:
     """The step time ``thresholds`` save (microseconds; see the module docstring); 0 where they do
     not cover the recorded blocks (`covering_thresholds`)."""
     covering = covering_thresholds(traces)
     if any(thresholds.get(name, 0) < value for name, value in covering.items()):
         return 0.0
-    return min(faults_per_step(t) * float(t.measured["malloc"]["fresh_page_us"]) for t in traces)
+    return waited_fault_us(traces)

@@ -1,10 +1,13 @@
 """Calibrate what recording adds to a step, per recorded event, on this machine.
 
-Measured, not assumed: three tight loops run inside the recording's first profiler session
-(shapes and memory on, as the recording is), each repeat timed twice back to back: recorded, and
-unrecorded (the profiler's record functions switched off for the thread, the layer hooks removed),
-so that the machine's drift cancels in each pair; a loop's extra time is the median over its
-repeats of the pair's difference, so that one slow moment moves nothing:
+Measured, not assumed: three tight loops run inside the recording's first profiler session and
+again in its last (shapes and memory on, as the recording is), each repeat timed twice back to
+back: recorded, and unrecorded (the profiler's record functions switched off for the thread, the
+layer hooks removed), so that the machine's drift cancels in each pair; a loop's extra time in a
+round is the median over its repeats of the pair's difference, so that one slow moment moves
+nothing, and its extra time is the lower of the two rounds', so that a slow stretch as long as a
+whole round (the profiler's first buffers taking fresh pages, another process on a core) does not
+either (`overhead_per_event`):
 
 - ``op``: an in-place add of one small tensor to another (one op event, no allocation);
 - ``memory``: the same add out of place (one op event, and an allocation and a free);
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -131,16 +134,18 @@ def calibration_extra_times() -> dict[str, float]:
 
 
 def overhead_per_event(
-    extra: Mapping[str, float], event_counts: Mapping[str, Mapping[str, int]]
+    rounds: Sequence[Mapping[str, float]], event_counts: Mapping[str, Mapping[str, int]]
 ) -> dict[str, float]:
     """Microseconds recording adds per recorded op, memory event and layer range
     (`event_costs.event_costs`).
 
-    ``extra``: seconds per iteration the profiler added to each loop (`calibration_extra_times`);
-    ``event_counts``: the events of each kind recorded in each loop's ranges, over all its repeats
+    ``rounds``: each round's seconds per iteration the profiler added to each loop
+    (`calibration_extra_times`), of which each loop's lowest counts; ``event_counts``: the events of
+    each kind recorded in each loop's ranges, over all its repeats of every round
     (`kineto.calibration_event_counts`)."""
+    extra = {loop: min(r[loop] for r in rounds) for loop in rounds[0]} if rounds else {}
+    iterations = _LOOPS * _REPEATS * len(rounds)
     per_iteration = {
-        loop: {kind: n / (_LOOPS * _REPEATS) for kind, n in event_counts.get(loop, {}).items()}
-        for loop in extra
+        loop: {kind: n / iterations for kind, n in event_counts.get(loop, {}).items()} for loop in extra
     }
     return event_costs(EVENT_KINDS, {loop: seconds * 1e6 for loop, seconds in extra.items()}, per_iteration)

@@ -30,8 +30,8 @@ the steps left (`region_probes.py`); all go into the trace.
 Before the window opens the recorder counts the bytes resident in parameters, buffers, gradients,
 optimizer state, DDP's buckets and any other live tensor on the device (`resident_bytes`); the
 first session opens with a ``qsync::clock_sync`` mark and the overhead calibration loops
-(`overhead.py`), whose events the merged trace counts when the window closes (for the costs per
-event).
+(`overhead.py`), and the last recorded step's session with a second round of them, whose events the
+merged trace counts when the window closes (for the costs per event).
 
 With several ranks the caller synchronizes them (the recorder makes no collective call of its
 own while a rank may have failed, so a failure on one rank can never leave another waiting in one;
@@ -320,7 +320,7 @@ class TorchRecorder:
         self._cuda_peaks: dict[int, int] = {}
         self._saved: SavedActivations | None = None
         self._saved_bytes: dict[str, int] = {}
-        self._calibration_extra: dict[str, float] = {}
+        self._calibration_rounds: list[dict[str, float]] = []
         self._overhead: dict[str, float] = {}
 
     @property
@@ -409,6 +409,8 @@ class TorchRecorder:
             gc.collect(1)
             if not self.recording:
                 self._start_session()
+                if step == self.profiled_steps[-1]:
+                    self._calibrate()
             self._stop_saved_activations()
             self._start_step_memory(step)
             self._step_range = torch.ops.profiler._record_function_enter_new(f"{STEP_PREFIX}{step}", None)
@@ -475,12 +477,17 @@ class TorchRecorder:
         self._start_session()
         with torch.profiler.record_function(CLOCK_SYNC):
             pass
-        with torch.profiler.record_function(CALIBRATION_RANGE):
-            self._calibration_extra = calibration_extra_times()
+        self._calibrate()
         self._saved = SavedActivations(self._ranges, self.model.parameters())
         self._saved.start()
         if self._activation_costs:
             self._calls = CallProbe(self.model).__enter__()
+
+    def _calibrate(self) -> None:
+        """One round of the overhead calibration loops, outside any step (`overhead.py`): in the first
+        session and in the last."""
+        with torch.profiler.record_function(CALIBRATION_RANGE):
+            self._calibration_rounds.append(calibration_extra_times())
 
     def _start_session(self) -> None:
         self._profiler = torch.profiler.profile(**profiler_kwargs(self.device))
@@ -541,7 +548,7 @@ class TorchRecorder:
             raw = _merge_parts(self._parts, self._raw_path())
             self._parts.clear()
             counts = calibration_event_counts(raw)
-            self._overhead = overhead_per_event(self._calibration_extra, counts)
+            self._overhead = overhead_per_event(self._calibration_rounds, counts)
             self.trace = self._convert(raw)
             if self.rank == 0:
                 self._add_op_samples(raw)
