@@ -89,11 +89,13 @@ def test_a_steps_blocks_are_read_from_the_memory_events():
 # --- pricing on hand-written traces (two ranks) ----------------------------------------------------
 
 
-def _rank(rank: int, faults: list[int], page_us: float, events: list[list[float]]):
+def _rank(rank: int, faults: list[int], page_us: float, events: list[list[float]], world_size: int = 2):
     malloc = {"glibc": True, "fresh_page_us": page_us, "fixed": {}}
     measured = {"page_faults": faults, "page_size": 4096, "malloc": malloc, "step_ms": [10.0] * len(faults)}
     ops = [op(0, "aten::mm", "forward", "main", 0.0, 9000.0)]
-    return trace(ops, step_end=10_000.0, rank=rank, world_size=2, measured=measured, memory_events=events)
+    return trace(
+        ops, step_end=10_000.0, rank=rank, world_size=world_size, measured=measured, memory_events=events
+    )
 
 
 def _two_ranks():
@@ -158,6 +160,9 @@ def test_the_planners_table_names_each_ranks_faults_and_the_thresholds():
     assert "rank 1:" in table and "1,733 page faults a step (mean) at 1.50 us each = 2.60 ms" in table
     waited = "  a step waits on the most any rank took in it: 2,667 page faults a step (mean) = 4.67 ms\n"
     assert waited in table
+    alone = _rank(0, [1000, 3000, 2000], 2.0, [[0.0, 1, 2**20, 0], [1.0, 1, -(2**20), 0]], world_size=1)
+    said = format_malloc_plan(choose_malloc_thresholds(Predictor([alone]), Plan()))
+    assert "rank 0:" in said and "a step waits" not in said  # one rank: its own line says it all
     recorded_ms, fixed_ms = choice.base.step_ms, choice.prediction.step_ms
     assert (
         f"fixed at mmap 5.0 MiB, trim 10.0 MiB: predicted {fixed_ms:.2f} ms/step against {recorded_ms:.2f} "
@@ -369,7 +374,9 @@ def test_traces_that_cannot_price_the_thresholds_say_why_and_a_plan_on_them_is_r
         with pytest.raises(QSyncInputError, match="malloc_thresholds cannot be priced"):
             Predictor(broken).predict(Plan(malloc_thresholds=covering_thresholds(traces)))
         choice = choose_plan(broken, allocator, {})  # the table says why nothing is fixed
-        assert choice.plan.malloc_thresholds == {} and f"not priced: {problem}" in choice.table
+        assert choice.plan.malloc_thresholds == {}
+        heading = "qsync allocator (glibc malloc's mmap and trim thresholds)"
+        assert f"{heading}\n  not priced: {problem}" in choice.table
     gpu = copy.deepcopy(traces)
     for rank in gpu:
         rank.device = "cuda:0"
@@ -403,6 +410,8 @@ def test_the_thresholds_are_fixed_only_when_they_save_more_than_the_no_decision_
     if choice.plan is not None:
         assert choice.plan.prediction == choice.prediction.figures()
         assert choice.plan.malloc_thresholds == covering_thresholds(traces)
+        said = format_malloc_plan(choice)
+        assert ("tried though not predicted" in said) == (share <= NO_DECISION_GAIN)
     else:
         assert "nothing is fixed" in format_malloc_plan(choice)
 
