@@ -74,9 +74,7 @@ def choose_malloc_thresholds(predictor: Predictor, base: Plan) -> MallocChoice:
     candidate = Plan.from_dict({**base.to_dict(), "malloc_thresholds": thresholds, "prediction": None})
     prediction = predictor.predict(candidate)
     waited = waited_faults(traces)
-    chosen = (
-        waited >= NOISY_PAGE_FAULTS or prediction.step_ms < (1 - NO_DECISION_GAIN) * base_prediction.step_ms
-    )
+    chosen = waited >= NOISY_PAGE_FAULTS or _predicted_to_pay(prediction, base_prediction)
     if chosen:
         candidate.prediction = prediction.figures()
     largest = max(step_allocations(trace.memory_events)["largest_bytes"] for trace in traces)
@@ -84,6 +82,11 @@ def choose_malloc_thresholds(predictor: Predictor, base: Plan) -> MallocChoice:
     return MallocChoice(
         plan, base_prediction, prediction, thresholds, largest, ranks, waited, waited_fault_us(traces)
     )
+
+
+def _predicted_to_pay(prediction: Prediction, base: Prediction) -> bool:
+    """Whether fixed thresholds are predicted more than `NO_DECISION_GAIN` faster than ``base``."""
+    return prediction.step_ms < (1 - NO_DECISION_GAIN) * base.step_ms
 
 
 def format_malloc_plan(choice: MallocChoice) -> str:
@@ -120,7 +123,7 @@ def format_malloc_plan(choice: MallocChoice) -> str:
             f"  not predicted more than {100 * NO_DECISION_GAIN:g}% faster, and under {NOISY_PAGE_FAULTS} "
             "page faults a step: nothing is fixed"
         )
-    elif choice.prediction.step_ms >= (1 - NO_DECISION_GAIN) * choice.base.step_ms:
+    elif not _predicted_to_pay(choice.prediction, choice.base):
         lines.append(
             f"  tried though not predicted {100 * NO_DECISION_GAIN:g}% faster: a step waited on "
             f"{NOISY_PAGE_FAULTS} or more page faults, whose number moves with glibc's history; "

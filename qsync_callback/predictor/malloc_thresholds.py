@@ -13,9 +13,8 @@ Thresholds that do not cover a rank's blocks are priced as saving nothing. Peak 
 unchanged: the tensors the step asks for are the same, only where their blocks come from moves.
 The process's resident memory is not: between steps it keeps up to the trim threshold of freed heap
 mapped, and where a small block lands just after a freed aligned one (torch's blocks are
-aligned), the next block of that size does not fit in the gap and the heap grows by it; a torch
-tensor of 40 MiB asked for and freed in a loop grew the heap by 0 to 6 more before the freed blocks
-ran together, in processes here.
+aligned), the next block of that size does not fit in the gap and the heap grows by it, a few
+blocks of the largest size before the freed ones run together.
 
 The faults a step are a mean over the steps timed around the recorded window
 (`measured["page_faults"]`), not a median: they come in bursts (0 one step, 8,000 the next, as
@@ -71,18 +70,27 @@ def faults_per_step(trace: Trace) -> float:
 def waited_faults(traces: Sequence[Trace]) -> float:
     """The page faults a synchronous step waits on: in each step every rank timed, the most any
     rank took; their mean over those steps (one rank: its `faults_per_step`)."""
-    steps = zip(*(trace.measured["page_faults"] for trace in traces), strict=False)
-    return float(statistics.fmean(max(faults) for faults in steps))
+    return _mean_step_maximum([trace.measured["page_faults"] for trace in traces])
 
 
 def waited_fault_us(traces: Sequence[Trace]) -> float:
     """What a synchronous step waits on its page faults (microseconds): in each step every rank
     timed, the most any rank's faults cost at its fresh page's cost; their mean over those steps."""
-    costs = []
-    for trace in traces:
-        page_us = float(trace.measured["malloc"]["fresh_page_us"])
-        costs.append([faults * page_us for faults in trace.measured["page_faults"]])
-    return float(statistics.fmean(max(step) for step in zip(*costs, strict=False)))
+    return _mean_step_maximum(
+        [
+            [
+                faults * float(trace.measured["malloc"]["fresh_page_us"])
+                for faults in trace.measured["page_faults"]
+            ]
+            for trace in traces
+        ]
+    )
+
+
+def _mean_step_maximum(per_rank: Sequence[Sequence[float]]) -> float:
+    """The mean over the steps every rank timed (the first ones, by index) of the most any rank's
+    figure was in the step."""
+    return float(statistics.fmean(max(step) for step in zip(*per_rank, strict=False)))
 
 
 def fault_saving_us(traces: Sequence[Trace], thresholds: Mapping[str, int]) -> float:

@@ -143,7 +143,7 @@ def overhead_per_event(
     (`calibration_extra_times`), of which each loop's lowest counts; ``event_counts``: the events of
     each kind recorded in each loop's ranges, over all its repeats of every round
     (`kineto.calibration_event_counts`)."""
-    extra = {loop: min(r[loop] for r in rounds) for loop in rounds[0]} if rounds else {}
+    extra = {loop: min(r[loop] for r in rounds) for loop in rounds[0]}
     iterations = _LOOPS * _REPEATS * len(rounds)
     per_iteration = {
         loop: {kind: n / iterations for kind, n in event_counts.get(loop, {}).items()} for loop in extra
