@@ -5,8 +5,9 @@ it afresh and faults in its 10,240 pages), trained with ``QSyncCallback(mode="ap
 levers=("allocator",))`` on 1 process or under DDP on 2 (gloo); arguments: the output directory, the
 number of processes and of steps.
 
-Each rank writes ``rank<k>.json`` with the minor page faults of every step (`StepFaults`), the
-plan the callback kept, and the losses. The tests start it with `run`."""
+Each rank writes ``rank<k>.json`` with the minor page faults of every step and whether the
+callback had decided on its plan when the step started (`StepFaults`), the plan the callback kept,
+and the losses. The tests start it with `run`."""
 
 import json
 import subprocess
@@ -43,16 +44,20 @@ class FaultingMLP(pl.LightningModule):
 
 
 class StepFaults(pl.Callback):
-    """The minor page faults between consecutive step starts."""
+    """The minor page faults between consecutive step starts, and for each such step whether
+    ``callback`` had decided on its plan (kept or rolled back) when it started."""
 
-    def __init__(self):
+    def __init__(self, callback: QSyncCallback):
         self.faults: list[int] = []
-        self._last: int | None = None
+        self.decided: list[bool] = []
+        self._callback = callback
+        self._last: tuple[int, bool] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        now = minor_page_faults()
+        now = minor_page_faults(), bool(self._callback.state_dict()["finished"])  # after its boundary
         if self._last is not None:
-            self.faults.append(now - self._last)
+            self.faults.append(now[0] - self._last[0])
+            self.decided.append(self._last[1])
         self._last = now
 
 
@@ -72,7 +77,7 @@ def main() -> None:
         devices=procs,
         strategy="ddp" if procs > 1 else "auto",
         max_steps=steps,
-        callbacks=[callback, faults := StepFaults()],
+        callbacks=[callback, faults := StepFaults(callback)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -80,7 +85,7 @@ def main() -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=32))
     kept = callback.plan.to_dict() if callback.plan is not None else None
-    result = {"faults": faults.faults, "plan": kept, "losses": model.losses}
+    result = {"faults": faults.faults, "decided": faults.decided, "plan": kept, "losses": model.losses}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():  # else gloo's threads can abort the exit (pytorch#190489)
         torch.distributed.destroy_process_group()
