@@ -4,7 +4,7 @@ A memory plan's price is the time its activation policies add. Between fresh pro
 cannot be measured to better than what separates two processes (a drift of the machine's speed,
 glibc's allocator regime), so here it is measured the way the loop measures a plan: in turns with
 the recorded configuration in one process (`plan_turns.py`), over more rounds than the loop's
-(24 rounds in each of 2 processes by default: +-0.8 to +-1.5 ms a cost here, `benchmarks/README.md`).
+(24 rounds in each of 2 processes by default; the noise this leaves on each cost: `benchmarks/README.md`).
 
 For each model: one recording, the one `memory_plans.py` makes (``QSyncCallback(mode="apply")``
 under a 100% budget: the offload store's copy-cost fit and the offload and recompute trials of
