@@ -13,9 +13,10 @@ cancels), the plan's block slower by ``change`` times a factor drawn normal with
 (the disagreement of real rounds: the Horovod MLP's two 12-round launches on two processes in
 session 21's run of `horovod_tf_plans.py`, at `faeb1c5`, spread 14.3% and 10.6%, standard
 deviations), and
-each step's time jittered by ``STEP_JITTER``. The rules: "student", the code as it is (the rounds'
-noise a 95% band on Student's t, `mean_band.band_factor`); "normal", 2 standard errors whatever
-the rounds (the rule before session 20), handed to `paired_change` as its band.
+each step's time jittered by ``STEP_JITTER``. The rules, each handed to `paired_change` as its band:
+"sequential", the loop's (Student's t at the level that holds all the looks together to 5%,
+`Alternation.band`); "student", a 95% band on Student's t at every look (the loop's before)
+(`mean_band.band_factor`); "normal", 2 standard errors whatever the rounds.
 
     python benchmarks/turns_decisions.py [--runs 2000] [--quick] [--out benchmarks/results]
 
@@ -41,8 +42,12 @@ from qsync_callback.verify import can_tell
 FIRST_ROUNDS = 3  # the loop's default (`alternate_rounds`)
 STEP_JITTER = 0.03
 CASES = ((0.0, 12.5), (-5.0, 12.5), (-10.0, 12.5), (-20.0, 12.5), (10.0, 12.5), (-10.0, 20.0))
-RULES = (("normal", 3), ("normal", 6), ("student", 3), ("student", 6))
-BANDS: dict[str, Callable[[int], float]] = {"student": band_factor, "normal": lambda rounds: 2.0}
+RULES = (("normal", 6), ("student", 6), ("student", 8), ("sequential", 6), ("sequential", 8))
+BANDS: dict[str, Callable[[Alternation, int], float]] = {
+    "sequential": Alternation.band,
+    "student": lambda schedule, rounds: band_factor(rounds),
+    "normal": lambda schedule, rounds: 2.0,
+}
 OUTCOMES = ("faster", "slower", "could not tell")
 
 
@@ -81,7 +86,7 @@ def simulate(
     used = []
     for _ in range(runs):
         rounds = [simulated_round(rng, change_pct, spread_pct) for _ in range(schedule.most_rounds)]
-        outcome, n = decide(rounds, schedule, BANDS[rule])
+        outcome, n = decide(rounds, schedule, lambda n: BANDS[rule](schedule, n))
         counts[outcome] += 1
         used.append(n)
     shares = {outcome: counts[outcome] / runs for outcome in OUTCOMES}
@@ -113,8 +118,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines += [
         "",
         f"{rows[0]['runs']} simulated launches a row, {FIRST_ROUNDS} rounds first, blocks of"
-        f" {BLOCK_STEPS} timed steps jittered {100 * STEP_JITTER:.0f}%; student: the loop's rule;"
-        " normal: 2 standard errors.",
+        f" {BLOCK_STEPS} timed steps jittered {100 * STEP_JITTER:.0f}%; sequential: the loop's rule;"
+        " student: 95% at every look; normal: 2 standard errors.",
     ]
     return "\n".join(lines)
 

@@ -12,11 +12,13 @@ within a round, so a drift cancels in that round's change.
 
 When ``rounds`` rounds cannot tell the plan from the baseline (the change within its noise, see
 `verify.can_tell`), the turns go on by ``rounds`` more, up to ``looks`` times as many (the loop's
-`LOOKS`). The rounds' noise is a 95% band of their mean on Student's t (`mean_band.band_factor`):
-a band of 2 standard errors (a normal's) is too narrow over a few rounds and lets chance decide.
-Looking more than once lets chance decide a little more often; the wider band at the first looks
-more than pays for six looks: `benchmarks/turns_decisions.py` runs this code on simulated rounds
-against 2 standard errors at 3 and 6 looks (its table in `benchmarks/README.md`).
+`LOOKS`). The rounds' noise is a band of their mean on Student's t (`mean_band.band_factor`): a
+band of 2 standard errors (a normal's) is too narrow over a few rounds and lets chance decide. Each
+look gives chance one more try, so each is tested at the level that holds all ``looks`` of them
+together to 5% (`Alternation.band`: O'Brien and Fleming's boundary, `mean_band.sequential_level`),
+not at 95% each: the first looks decide only on a change far past the noise, the last is close to
+a single look's 95%. `benchmarks/turns_decisions.py` runs this code on simulated rounds under each
+rule (its table in `benchmarks/README.md`).
 
 `Alternation` is the schedule (which boundary switches, which step is timed in which block);
 `BlockTimes` is one rank's step clock over it; `paired_change` turns every rank's times into the
@@ -31,14 +33,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qsync_callback.mean_band import band_factor
+from qsync_callback.mean_band import band_factor, sequential_level
 from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.report import change_pct, median_band, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1
 BLOCK_STEPS = 4  # at least 3: the noise of a block's median needs 3 samples
-LOOKS = 6  # the loop's turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
+LOOKS = 8  # the loop's turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
 MEDIAN_ROUNDS = 6  # the fewest rounds whose median has a noise: the fewest whose lowest and highest
 # bound it with 95% confidence whatever their distribution (1 - 2 / 2**6 = 96.9%); under that the
 # interquartile band of a median (`report.median_band`) is narrower than the rounds can support
@@ -61,6 +63,12 @@ class Alternation:
     @property
     def block_length(self) -> int:
         return SETTLE_STEPS + BLOCK_STEPS
+
+    def band(self, rounds: int) -> float:
+        """How many standard errors of the rounds' mean change the turns decide on after ``rounds``
+        rounds (at least 2): Student's t at the level of a look that far through the schedule
+        (`mean_band.sequential_level`; where training ends between looks, as far as its rounds got)."""
+        return band_factor(rounds, sequential_level(rounds / self.most_rounds, self.looks))
 
     @property
     def done_step(self) -> int:
@@ -137,9 +145,10 @@ def paired_change(
     baseline block; the change is their mean. Its noise is the larger of two estimates: the blocks'
     own (each median's `median_noise_pct`, combined over the pair and over the rounds) and the
     rounds' disagreement (their mean's band, ``band(rounds)`` standard errors: `band_factor`'s 95%
-    unless another rule is asked for); 0 where neither can be estimated. Beside them, the rounds'
-    median change and its noise (the larger of the blocks' and the rounds' `median_band`; None under
-    `MEDIAN_ROUNDS`), which a few rounds far off the rest (a stall of the disk, say) do not widen.
+    unless another rule is asked for; the loop's turns ask their schedule's `Alternation.band`); 0
+    where neither can be estimated. Beside them, the rounds' median change and its noise (the larger
+    of the blocks' and the rounds' `median_band`; None under `MEDIAN_ROUNDS`), which a few rounds far
+    off the rest (a stall of the disk, say) do not widen.
     And the page faults a step of each configuration (``page_faults_per_step``: the median over the
     rounds of the median of the blocks timed; None where a rank recorded none): a configuration run
     right after the other can take thousands more a step than it does alone (`page_faults`), which

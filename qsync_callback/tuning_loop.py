@@ -648,7 +648,7 @@ class TuningLoop:
         """Rank 0: GO_ON at a look where the turns cannot tell the plan from the baseline yet (and
         the plan is decided on its step time, its loss finite); else verify's decision on the verify
         window and every rank's block times, written."""
-        turns = paired_change([json.loads(text) for text in texts])
+        turns = paired_change([json.loads(text) for text in texts], self._turns.alternation.band)
         change, noise = turns["change_pct"], turns["noise_pct"]
         undecided = change is not None and not can_tell(change, noise)
         on_time = loss_finite and not decided_on_memory(self.report, self._constraints.memory_budget)

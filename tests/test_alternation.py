@@ -3,13 +3,17 @@ its noise from every rank's block times, and the loop running it in real Lightni
 
 import json
 import mmap
+import random
 import statistics
 import time
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import stats
 from test_precision_apply import _apply_callback, _fit, _lp_precisions
 
 from qsync_callback.alternation import (
@@ -24,9 +28,10 @@ from qsync_callback.alternation import (
     BlockTimes,
     paired_change,
 )
-from qsync_callback.mean_band import band_factor, mean_band
+from qsync_callback.mean_band import band_factor, mean_band, sequential_level
 from qsync_callback.plan import Plan
 from qsync_callback.report import median_band, median_noise_pct
+from qsync_callback.verify import can_tell
 
 from apply_script import run_two_ranks
 
@@ -216,8 +221,59 @@ def test_a_few_rounds_far_off_the_rest_widen_the_means_band_and_not_the_medians(
     assert least["median_noise_pct"] == pytest.approx(median_band(enough))
 
 
-def test_the_loop_looks_up_to_six_times_and_fewer_looks_end_sooner():
-    assert LOOKS == 6 and Alternation(rounds=3).most_rounds == 18
+def test_the_sequential_boundary_is_o_brien_and_flemings():
+    """Each look's level is O'Brien and Fleming's: its threshold on the standardized mean is the
+    published constant times sqrt(looks / look) (Jennison and Turnbull's table 2.3, two-sided 5%),
+    and a mean of 0 looked at every time strays past one of them 5% of the time (random walks)."""
+    for looks, constant in ((1, 1.960), (2, 1.977), (3, 2.004), (4, 2.024), (5, 2.040)):
+        for look in range(1, looks + 1):
+            threshold = stats.norm.isf(sequential_level(look / looks, looks) / 2)
+            assert threshold == pytest.approx(constant * (looks / look) ** 0.5, abs=0.002)
+    rng = np.random.default_rng(0)
+    walks = rng.standard_normal((100_000, LOOKS)).cumsum(axis=1) / np.sqrt(np.arange(1, LOOKS + 1))
+    levels = [sequential_level(look / LOOKS, LOOKS) for look in range(1, LOOKS + 1)]
+    strayed = (np.abs(walks) > stats.norm.isf(np.array(levels) / 2)).any(axis=1).mean()
+    assert strayed == pytest.approx(0.05, abs=0.003)
+    assert (np.abs(walks) > 1.96).any(axis=1).mean() > 0.15  # 95% at every look strays far more often
+
+
+def test_the_turns_band_is_wide_at_the_first_looks_and_near_a_single_looks_at_the_last():
+    schedule = Alternation(rounds=3)
+    bands = [schedule.band(rounds) for rounds in range(3, schedule.most_rounds + 1, 3)]
+    assert all(a > b for a, b in zip(bands[:-1], bands[1:], strict=True))
+    assert bands[0] > 100 * band_factor(3)  # 3 rounds decide only on a change far past the noise
+    assert band_factor(schedule.most_rounds) < bands[-1] < 1.1 * band_factor(schedule.most_rounds)
+    assert band_factor(10, 0.01) == pytest.approx(stats.t.ppf(0.995, 9)) and band_factor(10) == pytest.approx(
+        stats.t.ppf(0.975, 9)
+    )
+
+
+def _null_turns_decide(band_of: Callable[[Alternation, int], float], launches: int) -> float:
+    """The share of simulated launches of a plan that changes nothing (rounds spread 12.5%) that the
+    loop's looks decide (faster or slower) under ``band_of``."""
+    rng = random.Random(1)
+    schedule, decided = Alternation(rounds=3), 0
+    for _ in range(launches):
+        spread = [rng.gauss(0.0, 0.125) for _ in range(schedule.most_rounds)]
+        for used in range(3, schedule.most_rounds + 1, 3):
+            plan = [[10.0 * (1 + s)] * BLOCK_STEPS for s in spread[:used]]
+            turns = paired_change(
+                [_rank([[10.0] * BLOCK_STEPS] * used, plan)], lambda n: band_of(schedule, n)
+            )
+            if can_tell(turns["change_pct"], turns["noise_pct"]):
+                decided += 1
+                break
+    return decided / launches
+
+
+def test_the_loops_looks_decide_on_a_plan_that_changes_nothing_in_about_5_percent_of_launches():
+    """The turns' own rule at every look; 95% at every look decides three times as often."""
+    assert _null_turns_decide(Alternation.band, 600) < 0.07
+    assert _null_turns_decide(lambda schedule, rounds: band_factor(rounds), 600) > 0.12
+
+
+def test_the_loop_looks_up_to_eight_times_and_fewer_looks_end_sooner():
+    assert LOOKS == 8 and Alternation(rounds=3).most_rounds == 24
     three = Alternation(rounds=3, looks=3)
     assert three.most_rounds == 9 and three.done_step == 2 * 9 * three.block_length
     round_length = 2 * three.block_length
