@@ -7,8 +7,10 @@ two medians can differ by more than the plan changes. After the verify window th
 undoes and re-applies the candidate in turns, ``rounds`` times: each round runs a block of the
 recorded configuration, then a block of the plan. A block's first ``SETTLE_STEPS`` steps after the
 switch are not timed (the first step after a switch runs with cold caches and allocator), the next
-``BLOCK_STEPS`` are, boundary to boundary. Both configurations see the same stretch of the machine
-within a round, so a drift cancels in that round's change.
+``block_steps`` are, boundary to boundary: as many as take `BLOCK_SECONDS` at the recorded step
+time (`block_steps_for`, 4 to 16), so that a fast step's jitter does not swamp a block's median.
+Both configurations see the same stretch of the machine within a round, so a drift cancels in that
+round's change.
 
 When ``rounds`` rounds cannot tell the plan from the baseline (the change within its noise, see
 `verify.can_tell`), the turns go on by ``rounds`` more, up to ``looks`` times as many (the loop's
@@ -27,6 +29,7 @@ change and its noise that verify decides on.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +42,9 @@ from qsync_callback.report import change_pct, median_band, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1
-BLOCK_STEPS = 4  # at least 3: the noise of a block's median needs 3 samples
+BLOCK_STEPS = 4  # the fewest timed steps a block has; at least 3: the noise of a block's median needs 3
+BLOCK_SECONDS = 0.2  # a block times as many steps as take this long, from BLOCK_STEPS to MOST_BLOCK_STEPS
+MOST_BLOCK_STEPS = 16
 LOOKS = 8  # the loop's turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
 MEDIAN_ROUNDS = 6  # the fewest rounds whose median has a noise: the fewest whose lowest and highest
 # bound it with 95% confidence whatever their distribution (1 - 2 / 2**6 = 96.9%); under that the
@@ -55,6 +60,7 @@ class Alternation:
 
     rounds: int
     looks: int = LOOKS
+    block_steps: int = BLOCK_STEPS  # timed steps a block
 
     @property
     def most_rounds(self) -> int:
@@ -62,7 +68,7 @@ class Alternation:
 
     @property
     def block_length(self) -> int:
-        return SETTLE_STEPS + BLOCK_STEPS
+        return SETTLE_STEPS + self.block_steps
 
     def band(self, rounds: int) -> float:
         """How many standard errors of the rounds' mean change the turns decide on after ``rounds``
@@ -131,6 +137,16 @@ class BlockTimes:
     def record(self) -> dict[str, Any]:
         """The rank's record for `paired_change`: its times, and its page faults under ``page_faults``."""
         return {**self.times, PAGE_FAULTS: self.page_faults}
+
+
+def block_steps_for(step_ms: float | None) -> int:
+    """How many steps a block of the turns times, at a step of ``step_ms``: as many as take
+    `BLOCK_SECONDS`, from `BLOCK_STEPS` to `MOST_BLOCK_STEPS` (`BLOCK_STEPS` where the step time is
+    not known). A block's median over a few fast steps moves with each step's jitter (two Horovod
+    processes of a 17 ms step on two cores: the rounds' changes spread 11-15% at 4 steps a block)."""
+    if not step_ms or step_ms <= 0:
+        return BLOCK_STEPS
+    return min(max(math.ceil(BLOCK_SECONDS * 1e3 / step_ms), BLOCK_STEPS), MOST_BLOCK_STEPS)
 
 
 def paired_change(

@@ -453,6 +453,11 @@ def _predicted_change(plan_ms: float | None, recorded_ms: float | None, noise_pc
     return [f"  predicted change {change:+.1f}% (measured step time's noise +-{noise_pct:.1f}%)"]
 
 
+def _block_steps(turns: Mapping[str, Any]) -> str:
+    steps = turns.get("block_steps")
+    return f" of {steps} timed steps a block" if steps else ""
+
+
 def format_verification(verification: Mapping[str, Any]) -> str:
     """Measured against predicted for an applied plan, and what was kept."""
     predicted, measured = verification["predicted"], verification["measured"]
@@ -468,8 +473,8 @@ def format_verification(verification: Mapping[str, Any]) -> str:
             f"{b:.1f} -> {p:.1f}" for b, p in zip(turns["baseline_ms"], turns["plan_ms"], strict=True)
         )
         lines.append(
-            f"  in turns    {turns['rounds']} rounds, baseline -> plan ms: {pairs}; measured change "
-            f"{turns['change_pct']:+.1f}% +-{turns['noise_pct']:.1f}%, predicted "
+            f"  in turns    {turns['rounds']} rounds{_block_steps(turns)}, baseline -> plan ms: {pairs}; "
+            f"measured change {turns['change_pct']:+.1f}% +-{turns['noise_pct']:.1f}%, predicted "
             f"{_signed_pct(verification.get('predicted_change_pct'))}"
         )
         faults = turns.get("page_faults_per_step") or {}

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
+from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, block_steps_for, paired_change
 from qsync_callback.cache import cached_plan, drop_cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
@@ -63,6 +63,7 @@ MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
 VERIFICATION_FILE = "verification.json"
 ALTERNATE = "alternate"  # rank 0's word to every rank: run the baseline and the plan in turns first
+# (followed by the timed steps of each block)
 GO_ON = "go on"  # ... and at a look: the turns cannot tell yet, run more rounds
 VERIFY_WARMUP_STEPS = 4  # after switching: two cold steps, one timed, one under the profiler unrecorded
 
@@ -563,21 +564,23 @@ class TuningLoop:
         if traces is not None:
             decision = self._safe.run(self._verify, traces, loss_finite) or ""
         decision = (self._exchange(decision) or [""])[0]
-        if decision == ALTERNATE:
+        if decision.startswith(ALTERNATE):
             self._phase = "alternate"
             self._window_start = self._steps - 1
-            self._turns = BlockTimes(Alternation(self.settings.alternate_rounds))
+            block_steps = int(decision.removeprefix(ALTERNATE))
+            self._turns = BlockTimes(Alternation(self.settings.alternate_rounds, block_steps=block_steps))
             self._alternate_step(0)
         else:
             self._decide(decision)
 
     def _verify(self, traces: list[Trace], loss_finite: bool) -> str:
-        """Rank 0: ALTERNATE (the baseline and the plan are to run in turns first), or the decision
-        on the verify window alone (no rounds asked, or the loss stopped being finite)."""
+        """Rank 0: ALTERNATE and the turns' timed steps a block (the baseline and the plan are to
+        run in turns first; `alternation.block_steps_for` the recorded step time), or the decision on
+        the verify window alone (no rounds asked, or the loss stopped being finite)."""
         _save_rank_traces(traces, self.output_dir / "verify" / "trace")
         if self.settings.alternate_rounds and loss_finite:
             self._verify_traces = traces
-            return ALTERNATE
+            return f"{ALTERNATE} {block_steps_for(self.report['measured']['step_ms'])}"
         return self._write_verification(traces, loss_finite, None)
 
     def _write_verification(
@@ -648,7 +651,11 @@ class TuningLoop:
         """Rank 0: GO_ON at a look where the turns cannot tell the plan from the baseline yet (and
         the plan is decided on its step time, its loss finite); else verify's decision on the verify
         window and every rank's block times, written."""
-        turns = paired_change([json.loads(text) for text in texts], self._turns.alternation.band)
+        schedule = self._turns.alternation
+        turns = {
+            **paired_change([json.loads(text) for text in texts], schedule.band),
+            "block_steps": schedule.block_steps,
+        }
         change, noise = turns["change_pct"], turns["noise_pct"]
         undecided = change is not None and not can_tell(change, noise)
         on_time = loss_finite and not decided_on_memory(self.report, self._constraints.memory_budget)

@@ -18,14 +18,17 @@ from test_precision_apply import _apply_callback, _fit, _lp_precisions
 
 from qsync_callback.alternation import (
     BASELINE,
+    BLOCK_SECONDS,
     BLOCK_STEPS,
     LOOKS,
     MEDIAN_ROUNDS,
+    MOST_BLOCK_STEPS,
     PAGE_FAULTS,
     PLAN,
     SETTLE_STEPS,
     Alternation,
     BlockTimes,
+    block_steps_for,
     paired_change,
 )
 from qsync_callback.mean_band import band_factor, mean_band, sequential_level
@@ -61,6 +64,19 @@ def test_each_round_runs_a_baseline_block_then_a_plan_block_of_settle_and_timed_
     assert [step for step in range(one.done_step + 1) if one.look_at(step)] == [
         k * 2 * length for k in range(1, LOOKS)
     ]
+
+
+def test_a_blocks_timed_steps_take_about_block_seconds_within_bounds():
+    assert block_steps_for(None) == block_steps_for(0.0) == BLOCK_STEPS
+    assert block_steps_for(1000.0) == BLOCK_STEPS and block_steps_for(0.5) == MOST_BLOCK_STEPS
+    for step_ms in (17.0, 25.0, 40.0):
+        steps = block_steps_for(step_ms)
+        assert (steps - 1) * step_ms < 1e3 * BLOCK_SECONDS <= steps * step_ms
+    long = Alternation(rounds=2, block_steps=10)
+    assert long.block_length == SETTLE_STEPS + 10
+    assert long.done_step == 2 * long.most_rounds * long.block_length
+    timed = [long.timed_block(step) for step in range(long.done_step + 1)]
+    assert timed.count((0, BASELINE)) == timed.count((long.most_rounds - 1, PLAN)) == 10
 
 
 def test_block_times_time_each_timed_step_from_the_restart_before_it():
@@ -308,9 +324,12 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append(dict(_lp_precisions(pl_module)))
 
-    model = _fit([callback, Watch()], max_steps=60)
+    # windows (under 40 steps), then the first look's 2 rounds of blocks as long as they may be
+    model = _fit([callback, Watch()], max_steps=40 + 2 * 2 * (SETTLE_STEPS + MOST_BLOCK_STEPS))
     verification = json.loads((tmp_path / "q" / "verification.json").read_text())
     turns = verification["alternation"]
+    report = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert turns["block_steps"] == block_steps_for(report["measured"]["step_ms"])
     # decided on its peak: the turns stop at their first look, after 2 rounds
     assert turns["rounds"] == 2 and len(turns["baseline_ms"]) == len(turns["plan_ms"]) == 2
     assert verification["step_ms_change_pct"] == pytest.approx(turns["change_pct"])
@@ -330,11 +349,12 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
 def test_two_ranks_switch_together_and_agree_on_the_turns(tmp_path):
     """DDP over gloo: both ranks undo and re-apply at the same boundaries (a rank switching alone
     would hang the other in a collective) and end with the same configuration."""
-    result = run_two_ranks(tmp_path, steps=60)
+    steps = 30 + 3 * 2 * (SETTLE_STEPS + MOST_BLOCK_STEPS)  # windows, the first look's 3 rounds
+    result = run_two_ranks(tmp_path, steps=steps)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps aside" not in result.stdout + result.stderr
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert per_rank[0]["steps"] == per_rank[1]["steps"] == 60
+    assert per_rank[0]["steps"] == per_rank[1]["steps"] == steps
     assert per_rank[0]["precisions"] == per_rank[1]["precisions"]
     verification = json.loads((tmp_path / "q" / "verification.json").read_text())
     assert verification["alternation"]["rounds"] == 3

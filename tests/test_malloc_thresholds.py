@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from qsync_callback.alternation import Alternation
+from qsync_callback.alternation import MOST_BLOCK_STEPS, Alternation
 from qsync_callback.cli import main
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.malloc_thresholds import (
@@ -53,8 +53,11 @@ from tracebuilder import op, trace
 BLOCK_BYTES = 4 * BLOCK_FLOATS
 PAGES = BLOCK_BYTES // 4096
 # the one-process run: its windows (under 50 steps at the callback's defaults), the turns at their
-# longest (they stop early only where they can tell the plan from the baseline), steps after them
-ONE_PROCESS_STEPS = 50 + Alternation(LoopSettings().alternate_rounds).done_step + 10
+# longest (they stop early only where they can tell the plan from the baseline; blocks as long as
+# the fastest step makes them), steps after them
+ONE_PROCESS_STEPS = (
+    50 + Alternation(LoopSettings().alternate_rounds, block_steps=MOST_BLOCK_STEPS).done_step + 10
+)
 
 
 # --- glibc's rule, the environment, the recorded blocks --------------------------------------------
