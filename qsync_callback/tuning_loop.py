@@ -246,6 +246,7 @@ class TuningLoop:
         self._loss_finite = True
         self._verify_traces: list[Trace] | None = None  # rank 0, while the baseline and plan alternate
         self._turns: BlockTimes | None = None
+        self._went_back: dict[str, list[Any]] = {}  # what the candidate's appliers took back alone
         self._resume_plan: Plan | None = None
 
     @property
@@ -612,6 +613,7 @@ class TuningLoop:
         if switch == BASELINE:
             undo, self._undo_candidate = self._undo_candidate, None
             if undo is not None:
+                self._merge_went_back(self._safe.run(self._applier_went_back))
                 self._safe.run(undo)
         elif switch == PLAN:
             error = self._apply_everywhere(self.candidate, to_keep=False)
@@ -666,6 +668,7 @@ class TuningLoop:
     def _decide(self, decision: str) -> None:
         """Every rank: keep the candidate (``decision`` KEEP) or roll back; rank 0 writes what is kept."""
         kept = self._as_ran(self.candidate) if decision == KEEP and self.candidate is not None else None
+        self._went_back = {}
         if kept is not None:
             self.plan, self._undo_plan = kept, self._undo_candidate
             self.candidate, self._undo_candidate = None, None
@@ -708,16 +711,22 @@ class TuningLoop:
                 return found
         return False
 
+    def _merge_went_back(self, went_back: Any) -> None:
+        """Add ``went_back`` (`_applier_went_back`'s, or FailSafe's True after a failure) to what the
+        candidate's appliers took back alone on this rank: a plan undone for a baseline block of the
+        turns and applied again starts afresh, and its parts that go back alone do so again only
+        when they run."""
+        _add_entries(self._went_back, went_back if isinstance(went_back, dict) else {})
+
     def _as_ran(self, plan: Plan) -> Plan:
-        """Every rank: ``plan`` less the decisions an applier took back alone on any rank
-        (`Applier` ``went_back``), said; ``plan`` itself when none went back."""
-        mine = self._safe.run(self._applier_went_back)
-        texts = self._exchange(json.dumps(mine if isinstance(mine, dict) else {}))
+        """Every rank: ``plan`` less the decisions an applier took back alone on any rank, while
+        it runs or whenever it ran in the turns (`Applier` ``went_back``), said; ``plan`` itself when
+        none went back."""
+        self._merge_went_back(self._safe.run(self._applier_went_back))
+        texts = self._exchange(json.dumps(self._went_back))
         dropped: dict[str, list[Any]] = {}
         for text in texts or []:
-            for name, entries in json.loads(text).items():
-                listed = dropped.setdefault(name, [])
-                listed += [e for e in entries if e not in listed]
+            _add_entries(dropped, json.loads(text))
         if not dropped:
             return plan
         said = "; ".join(f"{name} {entries}" for name, entries in dropped.items())
@@ -797,6 +806,13 @@ class TuningLoop:
     def _log(self, text: str) -> None:
         if self._integration is not None and self._integration.collective.rank == 0:
             self._integration.log(text)
+
+
+def _add_entries(into: dict[str, list[Any]], more: Mapping[str, Sequence[Any]]) -> None:
+    """Add each of ``more``'s entries to ``into``'s list of the same name, once."""
+    for name, entries in more.items():
+        listed = into.setdefault(name, [])
+        listed += [e for e in entries if e not in listed]
 
 
 def _save_rank_traces(traces: Sequence[Trace], trace_dir: Path) -> None:
