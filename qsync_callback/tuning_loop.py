@@ -52,6 +52,7 @@ from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, 
 from qsync_callback.cache import cached_plan, drop_cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
+from qsync_callback.mean_band import band_factor
 from qsync_callback.plan import LEVER_FIELDS, LEVERS, OFFLOAD, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
@@ -652,15 +653,16 @@ class TuningLoop:
     def _verify_in_turns(self, texts: Sequence[str], loss_finite: bool, last: bool) -> str:
         """Rank 0: GO_ON at a look where the turns cannot tell the plan from the baseline yet (and
         the plan is decided on its step time, its loss finite); else verify's decision on the verify
-        window and every rank's block times, written."""
+        window and every rank's block times, written. The change's noise is the band its look
+        decides on (`Alternation.band`) where the plan is decided on its step time, else the rounds'
+        95% band (it only says what the plan costs)."""
         schedule = self._turns.alternation
-        turns = {
-            **paired_change([json.loads(text) for text in texts], schedule.band),
-            "block_steps": schedule.block_steps,
-        }
+        on_time = loss_finite and not decided_on_memory(self.report, self._constraints.memory_budget)
+        band = schedule.band if on_time else band_factor
+        turns = paired_change([json.loads(text) for text in texts], band)
+        turns["block_steps"] = schedule.block_steps
         change, noise = turns["change_pct"], turns["noise_pct"]
         undecided = change is not None and not can_tell(change, noise)
-        on_time = loss_finite and not decided_on_memory(self.report, self._constraints.memory_budget)
         if not last and undecided and on_time:
             return GO_ON
         return self._write_verification(self._verify_traces, loss_finite, turns)
