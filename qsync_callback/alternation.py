@@ -144,7 +144,7 @@ def block_steps_for(step_ms: float | None) -> int:
     `BLOCK_SECONDS`, from `BLOCK_STEPS` to `MOST_BLOCK_STEPS` (`BLOCK_STEPS` where the step time is
     not known). A block's median over a few fast steps moves with each step's jitter (two Horovod
     processes of a 17 ms step on two cores: the rounds' changes spread 11-15% at 4 steps a block)."""
-    if not step_ms or step_ms <= 0:
+    if step_ms is None or step_ms <= 0:
         return BLOCK_STEPS
     return min(max(math.ceil(BLOCK_SECONDS * 1e3 / step_ms), BLOCK_STEPS), MOST_BLOCK_STEPS)
 

@@ -31,7 +31,7 @@ from qsync_callback.alternation import (
     block_steps_for,
     paired_change,
 )
-from qsync_callback.mean_band import band_factor, mean_band, sequential_level
+from qsync_callback.mean_band import _stays_within, band_factor, mean_band, sequential_level
 from qsync_callback.plan import Plan
 from qsync_callback.report import median_band, median_noise_pct
 from qsync_callback.verify import can_tell
@@ -242,6 +242,7 @@ def test_the_sequential_boundary_is_o_brien_and_flemings():
     published constant times sqrt(looks / look) (Jennison and Turnbull's table 2.3, two-sided 5%),
     and a mean of 0 looked at every time strays past one of them 5% of the time (random walks)."""
     for looks, constant in ((1, 1.960), (2, 1.977), (3, 2.004), (4, 2.024), (5, 2.040)):
+        assert 1 - _stays_within(constant, looks) == pytest.approx(0.05, abs=0.0005)
         for look in range(1, looks + 1):
             threshold = stats.norm.isf(sequential_level(look / looks, looks) / 2)
             assert threshold == pytest.approx(constant * (looks / look) ** 0.5, abs=0.002)
