@@ -15,8 +15,8 @@ session 21's run of `horovod_tf_plans.py`, at `faeb1c5`, spread 14.3% and 10.6%,
 deviations), and
 each step's time jittered by ``STEP_JITTER``. The rules, each handed to `paired_change` as its band:
 "sequential", the loop's (Student's t at the level that holds all the looks together to 5%,
-`Alternation.band`); "student", a 95% band on Student's t at every look (the loop's before)
-(`mean_band.band_factor`); "normal", 2 standard errors whatever the rounds.
+`Alternation.band`); "student", a 95% band on Student's t at every look (`mean_band.band_factor`,
+the loop's rule before); "normal", 2 standard errors whatever the rounds.
 
     python benchmarks/turns_decisions.py [--runs 2000] [--quick] [--out benchmarks/results]
 

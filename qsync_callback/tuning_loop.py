@@ -63,8 +63,7 @@ from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, 
 MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
 VERIFICATION_FILE = "verification.json"
-ALTERNATE = "alternate"  # rank 0's word to every rank: run the baseline and the plan in turns first
-# (followed by the timed steps of each block)
+ALTERNATE = "alternate"  # rank 0's word to every rank, and each block's timed steps: run in turns first
 GO_ON = "go on"  # ... and at a look: the turns cannot tell yet, run more rounds
 VERIFY_WARMUP_STEPS = 4  # after switching: two cold steps, one timed, one under the profiler unrecorded
 

@@ -3,10 +3,10 @@ its noise from every rank's block times, and the loop running it in real Lightni
 
 import json
 import mmap
-import random
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,9 +34,11 @@ from qsync_callback.alternation import (
 from qsync_callback.mean_band import _stays_within, band_factor, mean_band, sequential_level
 from qsync_callback.plan import Plan
 from qsync_callback.report import median_band, median_noise_pct
-from qsync_callback.verify import can_tell
 
 from apply_script import run_two_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import turns_decisions  # noqa: E402 - the benchmark's simulated launches of the loop's own rule
 
 
 def test_each_round_runs_a_baseline_block_then_a_plan_block_of_settle_and_timed_steps():
@@ -265,28 +267,13 @@ def test_the_turns_band_is_wide_at_the_first_looks_and_near_a_single_looks_at_th
     )
 
 
-def _null_turns_decide(band_of: Callable[[Alternation, int], float], launches: int) -> float:
-    """The share of simulated launches of a plan that changes nothing (rounds spread 12.5%) that the
-    loop's looks decide (faster or slower) under ``band_of``."""
-    rng = random.Random(1)
-    schedule, decided = Alternation(rounds=3), 0
-    for _ in range(launches):
-        spread = [rng.gauss(0.0, 0.125) for _ in range(schedule.most_rounds)]
-        for used in range(3, schedule.most_rounds + 1, 3):
-            plan = [[10.0 * (1 + s)] * BLOCK_STEPS for s in spread[:used]]
-            turns = paired_change(
-                [_rank([[10.0] * BLOCK_STEPS] * used, plan)], lambda n: band_of(schedule, n)
-            )
-            if can_tell(turns["change_pct"], turns["noise_pct"]):
-                decided += 1
-                break
-    return decided / launches
-
-
 def test_the_loops_looks_decide_on_a_plan_that_changes_nothing_in_about_5_percent_of_launches():
-    """The turns' own rule at every look; 95% at every look decides three times as often."""
-    assert _null_turns_decide(Alternation.band, 600) < 0.07
-    assert _null_turns_decide(lambda schedule, rounds: band_factor(rounds), 600) > 0.12
+    """The turns' own rule at every look, on the benchmark's simulated rounds (a plan that changes
+    nothing, rounds spreading 12.5%); 95% at every look decides three times as often."""
+    sequential = turns_decisions.simulate("sequential", LOOKS, 0.0, 12.5, runs=600, seed=1)
+    student = turns_decisions.simulate("student", LOOKS, 0.0, 12.5, runs=600, seed=1)
+    assert sequential["faster"] + sequential["slower"] < 0.08
+    assert student["faster"] + student["slower"] > 0.13
 
 
 def test_the_loop_looks_up_to_eight_times_and_fewer_looks_end_sooner():
