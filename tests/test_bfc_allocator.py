@@ -253,6 +253,14 @@ def test_the_uniform_rewrites_plan_is_calibrated_on_what_the_allocator_read_unde
     assert rewrite_reading(trace_.precision_costs["op_types"], uniform.op_precision) == in_use + 3 * MiB
     assert rewrite_reading(trace_.precision_costs["op_types"], {"MatMul": "fp16", "Relu": "fp16"}) is None
     assert rewrite_reading(trace_.precision_costs["op_types"], {"MatMul": "bf16", "Relu": "fp16"}) is None
+    # the probe's unprofiled reading calls count too: the largest of all its readings
+    trace_.precision_costs["op_types"]["step_peak_bytes"] = [in_use + 2 * MiB, in_use + 5 * MiB]
+    assert rewrite_reading(trace_.precision_costs["op_types"], uniform.op_precision) == in_use + 5 * MiB
+    assert Predictor([trace_]).predict(uniform).peak_bytes == in_use + 5 * MiB
+    trace_.precision_costs["op_types"]["step_peak_bytes"] = [in_use + 2 * MiB]
+    assert rewrite_reading(trace_.precision_costs["op_types"], uniform.op_precision) == in_use + 3 * MiB
+    del trace_.precision_costs["op_types"]["recorded_peak_bytes"]
+    assert rewrite_reading(trace_.precision_costs["op_types"], uniform.op_precision) == in_use + 2 * MiB
 
 
 def test_a_reading_that_is_no_amount_of_bytes_is_refused():

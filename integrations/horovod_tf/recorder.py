@@ -41,7 +41,8 @@ class Recorder:
         output_dir: where each rank writes its trace, and rank 0 the report, plan and verification.
         warmup_steps: calls before the recorded window (at least 2).
         profile_steps: calls recorded under the profiler (at least 1).
-        measure_steps: unprofiled calls timed after the window.
+        measure_steps: unprofiled calls timed after the window (planning precision, as many calls
+            of the bf16 probe read the allocator's peak under TF's uniform rewrite).
         mode: "record" (write traces only), "report" (also predict, print and write report.json) or
             "apply" (also plan, apply, verify and keep).
         optimizer: the optimizer the step applies (default: ``model.optimizer`` if compiled); its

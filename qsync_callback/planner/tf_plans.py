@@ -37,8 +37,8 @@ In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls,
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
 those the rewrite ran at bf16 is a configuration the probe already ran: its figure reconstructs the
 probe's profiled op times on the recorded step, and its peak is its tensors' simulation calibrated
-on what TF's allocator read in the probe's profiled steps (`op_precision.rewrite_reading`), rather
-than predicting an unseen configuration.
+on what TF's allocator read in the probe's profiled and reading calls
+(`op_precision.rewrite_reading`), rather than predicting an unseen configuration.
 The table marks such a candidate (`reconstructs_probe`). Its verification (`verify.py`) still
 measures it on calls of its own that feed no prediction.
 

@@ -230,7 +230,7 @@ class MemoryCurve:
     def with_lives(self, lives: Sequence[TensorLife], reading: int | None = None) -> MemoryCurve:
         """The same rank's curve with other tensors (a plan's, `op_precision.op_type_lives`),
         calibrated on ``reading`` where the allocator read the configuration they are (the uniform
-        rewrite's profiled steps, `op_precision.rewrite_reading`), else as this one."""
+        rewrite's probe calls, `op_precision.rewrite_reading`), else as this one."""
         if reading is not None:
             return MemoryCurve(self._trace, lives, allocator_reading=reading)
         return MemoryCurve(self._trace, lives, self.allocator_offset)

@@ -72,14 +72,15 @@ def uniform_op_types(table: Mapping, low: str) -> list[str]:
 
 
 def rewrite_reading(table: Mapping, op_precision: Mapping[str, str]) -> int | None:
-    """What the allocator read in use in the profiled steps of the uniform rewrite
-    (``recorded_peak_bytes``) where ``op_precision`` is that rewrite (its changed op types exactly
-    `uniform_op_types` at one precision); else None."""
+    """The most the allocator read in use under the uniform rewrite, in the probe's profiled steps
+    (``recorded_peak_bytes``) and its reading calls (``step_peak_bytes``), where ``op_precision``
+    is that rewrite (its changed op types exactly `uniform_op_types` at one precision); else None."""
     changed = changed_op_types(op_precision)
     precisions = set(changed.values())
     if len(precisions) != 1 or sorted(changed) != uniform_op_types(table, precisions.pop()):
         return None
-    return table.get("recorded_peak_bytes")
+    readings = [*table.get("step_peak_bytes", ()), table.get("recorded_peak_bytes")]
+    return max((r for r in readings if r is not None), default=None)
 
 
 def changed_op_types(op_precision: Mapping[str, str]) -> dict[str, str]:

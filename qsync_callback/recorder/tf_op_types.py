@@ -1,7 +1,7 @@
 """Measure a TF train step per op type under TF's uniform bfloat16 rewrite: the costs that op-type
 precision plans (``Plan.op_precision``, TF's auto-mixed-precision unit) are priced on.
 
-`OpTypeProbe` runs `PROBE_CALLS` calls of the live step switched to TF's oneDNN bfloat16
+`OpTypeProbe` runs `OpTypeProbe.calls` calls of the live step switched to TF's oneDNN bfloat16
 auto-mixed-precision rewrite with its default lists (the caller's ``switch`` re-traces the step and
 returns the undo), after the recorded window: the first call with TF's graph collection on, which
 yields the graph TF really runs (names, fused types, dtypes, data inputs, the rewrite's Cast ops);
@@ -10,9 +10,14 @@ cache its kernels, which would make bf16 look slow against the recorded fp32 ste
 `PROFILED_STEPS` under one ``tf.profiler`` session, each marked as a step. Five, not fewer: the
 allocator's peak under the rewrite moves from step to step by more than under fp32 (the example's
 MLP on one process, on a CPU without native bf16: 27.0 to 34.0 MiB over 31 steps, where fp32 read
-18.0 to 20.0), and the uniform plan's predicted peak is the most these steps read. The calls
-always run, once each; a failure of the probe's own work switches the step back at once, and the
-table then only says why nothing was measured (``{"note": ...}``).
+18.0 to 20.0; with native bf16, 20.0 to 29.0 MiB over 31 steps, where fp32 read 19.0 to 20.0). Then
+``reading_calls`` unprofiled calls (the recorder gives the window's ``measure_steps``), each with
+TF's allocator peak read as a timed step's is (`recorder/tf_memory.StepPeaks`): the uniform plan's
+predicted peak is calibrated on the most any profiled or reading call read, the largest of about
+as many steps as a window measures its peak over, since the largest of five profiled steps falls
+short of the largest of twenty (the MLP above: 27.0 MiB over five, 29.0 over the verify window's
+23). The calls always run, once each; a failure of the probe's own work switches the step back at
+once, and the table then only says why nothing was measured (``{"note": ...}``).
 
 Which calls feed what: the probe's calls come after the window's timed calls and none of them is
 timed (`TFRecorder` times no call from the probe's first on), so the baseline's measured step time
@@ -25,13 +30,13 @@ reconstruction of them, and the planner's table says so (`planner/tf_plans.py`).
 `op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
 (schema in `recorder/trace.py`), with what the allocator gave each op per step in both (what it
 made, and its scratch: `allocated_per_step`), and each of the rewrite's casts (what an op-type
-plan's peak is priced on, `predictor/op_precision.py`), and the most the allocator read in use in
-the profiled steps (the rewrite's own peak, on which the uniform plan's predicted peak is
-calibrated). The table's unit is TF's: an op type as its lists name it. The profile names ops after fusion
-(a ``_FusedMatMul`` named ``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as
-its root type (MatMul). Tensor sizes come from the traced step
-function's static shapes. On a CPU without bfloat16 the rewrite changes no op, and the table has
-no costs.
+plan's peak is priced on, `predictor/op_precision.py`), the most the allocator read in use in the
+profiled steps and each reading call's peak (the rewrite's own peaks, on the largest of which the
+uniform plan's predicted peak is calibrated: `op_precision.rewrite_reading`). The table's unit is
+TF's: an op type as its lists name it. The profile names ops after fusion (a ``_FusedMatMul`` named
+``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as its root type (MatMul).
+Tensor sizes come from the traced step function's static shapes. On a CPU without bfloat16 the
+rewrite changes no op, and the table has no costs.
 """
 
 from __future__ import annotations
@@ -45,14 +50,15 @@ from typing import Any, Protocol
 import tensorflow as tf
 
 from qsync_callback.plan import FULL_PRECISION
+from qsync_callback.recorder.tf_memory import StepPeaks
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.recorder.xspace import STEP_NAME, convert_xspace, find_xspace, load_xspace
 
 LOW = "bf16"
 SETTLE_CALLS = 3  # after graph collection: oneDNN creates and caches the bf16 primitives, TF warms up
 PROFILED_STEPS = 5
-PROBE_CALLS = 1 + SETTLE_CALLS + PROFILED_STEPS
 _FIRST_PROFILED = 1 + SETTLE_CALLS
+_FIRST_READING = _FIRST_PROFILED + PROFILED_STEPS
 _FUSED_ROOT = {
     "_FusedMatMul": "MatMul",
     "_FusedConv2D": "Conv2D",
@@ -75,10 +81,20 @@ class LiveStep(Protocol):
 class OpTypeProbe:
     """The probe's calls, driven by the caller at each call's start and end (counted from 0)."""
 
-    def __init__(self, step: LiveStep, logdir: Path, switch: Callable[[], Callable[[], None]]):
+    def __init__(
+        self,
+        step: LiveStep,
+        logdir: Path,
+        switch: Callable[[], Callable[[], None]],
+        peaks: StepPeaks,
+        reading_calls: int,
+    ):
         self.step = step
         self.logdir = logdir
         self.switch = switch
+        self.peaks = peaks
+        self.reading_calls = reading_calls
+        self.step_peaks: list[int] = []  # the reading calls' allocator peaks (bytes)
         self.note: str | None = None  # why nothing was measured
         self._undo: Callable[[], None] | None = None
         self._collecting = False
@@ -86,6 +102,11 @@ class OpTypeProbe:
         self._mark: Any = None
         self._graph: Any = None  # the optimized GraphDef TF ran
         self._shapes: dict[str, tuple[int, int]] = {}  # "op:index" -> (elements, 1 if float32)
+
+    @property
+    def calls(self) -> int:
+        """How many calls the probe takes: graph collection, settling, profiled, reading."""
+        return _FIRST_READING + self.reading_calls
 
     def step_boundary(self, call: int) -> None:
         if call == 0:
@@ -95,13 +116,19 @@ class OpTypeProbe:
         if self._profiling:
             self._mark = tf.profiler.experimental.Trace(STEP_NAME, step_num=call, _r=1)
             self._mark.__enter__()
+        elif call >= _FIRST_READING and self._undo is not None:
+            self.peaks.start()
 
     def step_end(self, call: int) -> None:
         self._end_mark()
         if call == 0 and self._collecting:
             self._guard(self._collected)
-        elif call == _FIRST_PROFILED + PROFILED_STEPS - 1:
+        elif call == _FIRST_READING - 1:
             self._guard(self._stop_profiler)
+        elif call >= _FIRST_READING and self._undo is not None:
+            peak = self.peaks.end()
+            if peak is not None:
+                self.step_peaks.append(peak)
 
     def table(self, trace: Trace) -> dict[str, Any]:
         """Switch the step back, then the op-type table of ``trace`` (or why there is none)."""
@@ -110,7 +137,7 @@ class OpTypeProbe:
             self.note = "the probe's calls did not run"
         if self.note is None:
             try:
-                return op_type_table(trace, self.logdir, self._graph, self._shapes)
+                return op_type_table(trace, self.logdir, self._graph, self._shapes, self.step_peaks)
             except Exception as exc:  # noqa: BLE001 - a probe that measured nothing is a note, not a failure
                 self.note = f"{type(exc).__name__}: {exc}"
         return {"note": f"TF's uniform bf16 rewrite was not measured ({self.note})"}
@@ -241,11 +268,15 @@ def allocated_per_step(
 
 
 def op_type_table(
-    trace: Trace, logdir: Path, graph: Any, shapes: dict[str, tuple[int, int]]
+    trace: Trace,
+    logdir: Path,
+    graph: Any,
+    shapes: dict[str, tuple[int, int]],
+    step_peaks: Sequence[int] = (),
 ) -> dict[str, Any]:
     """``precision_costs["op_types"]`` (schema in `recorder/trace.py`) from the recorded fp32
-    ``trace``, the probe's profile (``logdir``), the optimized ``graph`` TF ran and the traced
-    step's tensor ``shapes``."""
+    ``trace``, the probe's profile (``logdir``), the optimized ``graph`` TF ran, the traced
+    step's tensor ``shapes`` and the reading calls' allocator peaks (``step_peaks``)."""
     converted = convert_xspace(load_xspace(find_xspace(logdir)))
     bf16_us = _per_step_us([(op.name, op.dur_us) for op in converted["ops"]], len(converted["steps"]))
     fp32_us = _per_step_us([(op.name, op.dur_us) for op in trace.ops if op.kind != "comm"], len(trace.steps))
@@ -331,4 +362,6 @@ def op_type_table(
     }
     if converted["recorded_peak_bytes"] is not None:
         table["recorded_peak_bytes"] = converted["recorded_peak_bytes"]
+    if step_peaks:
+        table["step_peak_bytes"] = list(step_peaks)
     return table

@@ -22,7 +22,8 @@ window:
 - ``measure_steps`` more calls are timed (the measured step time is their median, with the others
   timed before);
 - for planning, the op-type probe (`recorder/tf_op_types.py`) then runs its calls of TF's uniform
-  bf16 rewrite, and its table goes into the trace (``precision_costs["op_types"]``).
+  bf16 rewrite (the last ``measure_steps`` of them read the allocator's peak), and its table goes
+  into the trace (``precision_costs["op_types"]``).
 
 Profiler overhead: the calibrated cost per event of each kind (``trace.profiler_overhead_us``,
 `xspace.EVENT_KINDS`) is charged to the recorded ops' ``overhead_us`` and ``gap_overhead_us``
@@ -74,7 +75,7 @@ from qsync_callback.recorder.horovod_timeline import TensorRecord
 from qsync_callback.recorder.kineto import CALIBRATION_LOOP_PREFIX, CLOCK_SYNC
 from qsync_callback.recorder.tf_collectives import attach_timeline, graph_collectives
 from qsync_callback.recorder.tf_memory import StepPeaks
-from qsync_callback.recorder.tf_op_types import PROBE_CALLS, LiveStep, OpTypeProbe
+from qsync_callback.recorder.tf_op_types import LiveStep, OpTypeProbe
 from qsync_callback.recorder.trace import OP_TYPE_COSTS, Op, Step, Trace, rank_trace_path
 from qsync_callback.recorder.xspace import (
     EVENT_KINDS,
@@ -148,7 +149,9 @@ class TFRecorder:
         self._in_use_at_start: int | None = None
         self._probe = None
         if switch_to_bf16 is not None:
-            self._probe = OpTypeProbe(step, self._profile_dir() / PROBE_RUN, switch_to_bf16)
+            self._probe = OpTypeProbe(
+                step, self._profile_dir() / PROBE_RUN, switch_to_bf16, self._peaks, measure_steps
+            )
         self._calls = 0  # boundaries so far
         self._clock = 0.0
         self._session: Path | None = None
@@ -187,7 +190,7 @@ class TFRecorder:
     @property
     def done_step(self) -> int:
         """The boundary at which the window is complete: its measured calls (and probe) have run."""
-        return self._probe_start + (PROBE_CALLS if self._probe is not None else 0)
+        return self._probe_start + (self._probe.calls if self._probe is not None else 0)
 
     def _timed(self, call: int) -> bool:
         if call < self.warmup_steps - 1:

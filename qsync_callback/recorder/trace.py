@@ -106,6 +106,7 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
                                                # producer's output, by producer and direction
      "recorded_peak_bytes": 34603008,          # the most TF's allocator read in use in the profiled
                                                # steps of the rewrite (where it reads)
+     "step_peak_bytes": [30408704, ...],        # each reading call's (unprofiled) allocator peak
      "source": "..."}                          # what was measured where (rank, steps)
     {"note": "..."}                            # instead, where the probe measured nothing: why
 """
@@ -410,6 +411,7 @@ _PRECISION_COSTS = Fields(
                 "scratch": MapOf(Row((AMOUNT, AMOUNT), "[fp32 bytes, bf16 bytes]")),
                 "cast_allocated": MapOf(AMOUNT),
                 "recorded_peak_bytes": AMOUNT,
+                "step_peak_bytes": ListOf(AMOUNT),
                 "source": STRING,
             }
         ),
