@@ -32,9 +32,9 @@ report.json or plan.json.
     python benchmarks/horovod_tf_plans.py --quick     # smoke run: mlp, 1 and 2 processes, once
 
 A plan whose bf16 op types are exactly those TF's uniform rewrite ran is the configuration the bf16
-probe profiled: its predicted figure is a reconstruction of those profiled calls (in-sample), and
-its row says so ("bf16 uniform, a reconstruction"); the other plans' figures are predictions of
-configurations no call ran before they were applied.
+probe profiled and timed: its predicted figure is those calls' median (in-sample), and its row says
+so ("bf16 uniform, a reconstruction"); the other plans' figures are predictions of configurations no
+call ran before they were applied.
 """
 
 from __future__ import annotations

@@ -56,10 +56,11 @@ from runs import (
 )
 
 from qsync_callback.jsonio import read_json
+from qsync_callback.plan import Plan
 from qsync_callback.planner.tf_plans import uniform_plan
 from qsync_callback.predictor.op_precision import op_type_table
-from qsync_callback.predictor.predict import Predictor
-from qsync_callback.recorder.trace import OP_TYPE_COSTS, load_trace_dir
+from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace, load_trace_dir
 from qsync_callback.report import change_pct
 from qsync_callback.units import format_bytes
 
@@ -126,11 +127,8 @@ def run_uniform(
         return f"{model} {procs}p: the bf16 probe measured no op type at bf16"
     predicted = predictor.predict(plan)
     plan.prediction = predicted.figures()
-    for trace in traces:  # the same tensors calibrated on the recorded configuration's reading
-        trace.precision_costs[OP_TYPE_COSTS] = {
-            k: v for k, v in op_type_table(trace).items() if k != "recorded_peak_bytes"
-        }
-    on_recorded = Predictor(traces).predict(plan).peak_bytes
+    profiled_only = _priced_without(traces, plan, {"step_peak_bytes", "step_ms"})
+    on_recorded = _priced_without(traces, plan, {"recorded_peak_bytes", "step_peak_bytes"}).peak_bytes
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "uniform_plan.json")
     extra = [*WINDOW[:6], "--mode", "report", "--plan", str(run_dir / "uniform_plan.json")]
@@ -154,6 +152,10 @@ def run_uniform(
         "predicted_peak_bytes": predicted.peak_bytes,
         "peak_error_pct": change_pct(predicted.peak_bytes, measured["peak_bytes"]),
         "peak_median_error_pct": change_pct(predicted.peak_bytes, measured["peak_bytes_median"]),
+        "profiled_only_peak_bytes": profiled_only.peak_bytes,
+        "profiled_only_error_pct": change_pct(profiled_only.peak_bytes, measured["peak_bytes"]),
+        "replayed_step_ms": profiled_only.step_ms,
+        "replayed_step_error_pct": change_pct(profiled_only.step_ms, measured["step_ms"]),
         "on_recorded_peak_bytes": on_recorded,
         "on_recorded_error_pct": change_pct(on_recorded, measured["peak_bytes"]),
         "simulated_peak_bytes": predicted.peak_bytes_simulated,
@@ -164,8 +166,22 @@ def run_uniform(
     }
 
 
+def _priced_without(traces: list, plan: Plan, keys: set[str]) -> Prediction:
+    """``plan`` priced on copies of ``traces`` whose probe tables lack ``keys`` (the figures the
+    product calibrates on, to show what they change)."""
+    copies = [Trace.from_dict(trace.to_dict(), source="copy") for trace in traces]
+    for trace in copies:
+        table = op_type_table(trace)
+        trace.precision_costs[OP_TYPE_COSTS] = {k: v for k, v in table.items() if k not in keys}
+    return Predictor(copies).predict(plan)
+
+
 def _bytes(value: int | None) -> str:
     return "n/a" if value is None else format_bytes(value)
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _pct(value: float | None) -> str:
@@ -265,30 +281,36 @@ def _uniform_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = [
         "\nTF's uniform bf16 rewrite, run from the first call (its own run in mode report): measured "
-        "against its peak priced on the apply run's traces, calibrated on the bf16 probe's reading "
-        "(the product's figure), on the recorded configuration's reading instead, and the simulation "
-        "alone.\n",
+        "against its peak priced on the apply run's traces, calibrated on the bf16 probe's readings "
+        "(the product's figure: its five profiled steps and its reading calls), on its profiled steps "
+        "alone, on the recorded configuration's reading instead, and the simulation alone; its step "
+        "time predicted (the median of the probe's timed calls) and replayed from the probe's profiled "
+        "op times alone.\n",
         "| model | processes | op types | measured peak: largest (median, smallest) | predicted "
-        "| error vs largest | error vs median | on the recorded reading (error) | simulation alone "
-        "(error) | step ms measured / predicted (error) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| error vs largest | error vs median | on the profiled steps alone (error) | on the recorded "
+        "reading (error) | simulation alone (error) | step ms measured / predicted (error) | replayed "
+        "alone (error) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r, u in runs:
         lines.append(
             f"| {r['model']} | {r['procs']} | {', '.join(u['op_types'])} | {format_bytes(u['peak_bytes'])} "
             f"({format_bytes(u['peak_median_bytes'])}, {format_bytes(u['peak_min_bytes'])}) "
             f"| {format_bytes(u['predicted_peak_bytes'])} | {_pct(u['peak_error_pct'])} "
-            f"| {_pct(u['peak_median_error_pct'])} | {format_bytes(u['on_recorded_peak_bytes'])} "
+            f"| {_pct(u['peak_median_error_pct'])} | {_bytes(u.get('profiled_only_peak_bytes'))} "
+            f"({_pct(u.get('profiled_only_error_pct'))}) | {format_bytes(u['on_recorded_peak_bytes'])} "
             f"({_pct(u['on_recorded_error_pct'])}) | {_bytes(u['simulated_peak_bytes'])} "
             f"({_pct(u['simulated_error_pct'])}) | {u['step_ms']:.1f} / {u['predicted_step_ms']:.1f} "
-            f"({_pct(u['step_error_pct'])}) |"
+            f"({_pct(u['step_error_pct'])}) | {_ms(u.get('replayed_step_ms'))} "
+            f"({_pct(u.get('replayed_step_error_pct'))}) |"
         )
     for procs in sorted({r["procs"] for r, _ in runs}):
         group = [u for r, u in runs if r["procs"] == procs]
         errors = {
-            name: [abs(u[key]) for u in group if u[key] is not None]
+            name: [abs(u[key]) for u in group if u.get(key) is not None]
             for name, key in (
-                ("calibrated on the probe's reading", "peak_error_pct"),
+                ("calibrated on the probe's readings", "peak_error_pct"),
+                ("on its profiled steps alone", "profiled_only_error_pct"),
                 ("on the recorded reading", "on_recorded_error_pct"),
                 ("the simulation alone", "simulated_error_pct"),
             )
@@ -299,10 +321,18 @@ def _uniform_lines(rows: list[dict[str, Any]]) -> list[str]:
             for name, e in errors.items()
             if e
         ]
+        steps = [abs(u["step_error_pct"]) for u in group if u["step_error_pct"] is not None]
+        replayed = [
+            abs(u["replayed_step_error_pct"]) for u in group if u.get("replayed_step_error_pct") is not None
+        ]
+        step_part = f" Step time |error|: median {statistics.median(steps):.1f}%" if steps else ""
+        if steps and replayed:
+            step_part += f" (replayed from the profiled op times alone {statistics.median(replayed):.1f}%)"
         lines.append(
             f"\n{procs} process(es), uniform bf16, |peak error| against the largest step: "
             + "; ".join(parts)
             + "."
+            + (step_part + "." if step_part else "")
         )
     return lines
 

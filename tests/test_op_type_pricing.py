@@ -10,7 +10,13 @@ from qsync_callback.plan import Plan
 from qsync_callback.planner.op_precision import choose_op_precision
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import TensorLife
-from qsync_callback.predictor.op_precision import apply_op_precision, op_precisions, op_type_lives
+from qsync_callback.predictor.op_precision import (
+    apply_op_precision,
+    changed_share,
+    op_precisions,
+    op_type_lives,
+    rewrite_step_ms,
+)
 from qsync_callback.predictor.predict import Predictor
 
 from tracebuilder import op, trace
@@ -51,6 +57,32 @@ def test_changed_op_types_are_scaled_and_casts_added_where_precisions_meet():
     assert predictor.predict(both).step_ms == pytest.approx((4 + 8 + 25 + 5 + 10 + 8 + 10) / 1e3)
     # an op type kept at fp32 changes nothing
     assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
+
+
+def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it():
+    """The probe timed the uniform rewrite (MatMul and Relu at bf16) at 0.101 ms a call, median over
+    five, where its replay gives 0.070 ms (above): 31 us more. The rewrite's figure is its timed
+    calls'; MatMul alone (100 of the rewrite's 120 us of changed fp32 time) gets 5/6 of the 31 us;
+    a plan that changes nothing, none; without timed calls nothing moves."""
+    recorded = _op_trace({"MatMul": MATMUL, "Relu": RELU})
+    recorded.precision_costs["op_types"]["step_ms"] = [0.09, 0.101, 0.3, 0.1, 0.12]
+    predictor = Predictor([recorded])
+    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
+    assert predictor.predict(both).step_ms == pytest.approx(0.101)
+    replayed_matmul = (4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3
+    only_matmul = predictor.predict(Plan(op_precision={"MatMul": "bf16"}))
+    assert only_matmul.step_ms == pytest.approx(replayed_matmul + 100 / 120 * 0.031)
+    assert only_matmul.replayed_step_ms == [pytest.approx(only_matmul.step_ms)]
+    assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
+    assert changed_share(recorded.precision_costs["op_types"], {"Relu": "bf16", "Sum": "fp32"}) == 1 / 6
+    assert rewrite_step_ms([recorded]) == pytest.approx(0.101)
+    # two ranks: the slower rank's median; a rank whose probe timed nothing: no figure
+    other = _op_trace({"MatMul": MATMUL, "Relu": RELU})
+    other.precision_costs["op_types"]["step_ms"] = [0.2, 0.2]
+    assert rewrite_step_ms([recorded, other]) == pytest.approx(0.2)
+    del other.precision_costs["op_types"]["step_ms"]
+    assert rewrite_step_ms([recorded, other]) is None
+    assert Predictor([other]).predict(both).step_ms == pytest.approx(0.070)
 
 
 def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():

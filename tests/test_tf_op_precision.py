@@ -7,6 +7,7 @@ measuring TF's bf16 rewrite per op type."""
 import json
 import math
 import os
+import statistics
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
@@ -279,6 +280,9 @@ def test_the_examples_planning_window_measures_tfs_bf16_rewrite_per_op_type(tmp_
         fingerprint=trace.fingerprint, op_precision=dict.fromkeys(measured_op_types(predictor), "bf16")
     )
     assert predictor.predict(uniform).peak_bytes == max(readings)
+    # the reading calls are timed too, and the uniform plan's step is their median
+    assert len(table["step_ms"]) == 2 and min(table["step_ms"]) > 0
+    assert predictor.predict(uniform).step_ms == pytest.approx(statistics.median(table["step_ms"]))
     verification = out / "verification.json"
     if verification.exists():  # a plan was predicted faster: it was applied and verified
         candidate = Plan.from_dict(json.loads(verification.read_text())["plan"])

@@ -35,10 +35,13 @@ recorded no allocations) is refused, with the reason.
 
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
-those the rewrite ran at bf16 is a configuration the probe already ran: its figure reconstructs the
-probe's profiled op times on the recorded step, and its peak is its tensors' simulation calibrated
+those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the median
+of the probe's timed calls of it (`op_precision.rewrite_step_ms`; where it timed none, the probe's
+profiled op times rebuilt on the recorded step), and its peak is its tensors' simulation calibrated
 on what TF's allocator read in the probe's profiled and reading calls
-(`op_precision.rewrite_reading`), rather than predicting an unseen configuration.
+(`op_precision.rewrite_reading`), rather than predicting an unseen configuration. Other op-type
+plans take the share of what those timed calls measured over the rewrite's replay that their op
+types make of it (`op_precision.changed_share`).
 The table marks such a candidate (`reconstructs_probe`). Its verification (`verify.py`) still
 measures it on calls of its own that feed no prediction.
 
@@ -84,8 +87,8 @@ RECONSTRUCTION = "reconstruction"
 
 def reconstructs_probe(traces: Sequence[Trace], plan: Plan) -> bool:
     """Whether ``plan``'s bf16 op types are exactly the types TF's uniform rewrite ran at bf16 on
-    every op (`op_precision.measured_op_types`), which the bf16 probe profiled: its bf16 figure is
-    then a reconstruction of profiled calls (module docstring)."""
+    every op (`op_precision.measured_op_types`), which the bf16 probe profiled and timed: its bf16
+    figure is then the probe's calls' own (module docstring)."""
     return _reconstructs(plan, measured_op_types(Predictor(traces)))
 
 
@@ -138,10 +141,10 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     rebuilt = {name for name, candidate, _ in priced if _reconstructs(candidate, uniform)}
     if rebuilt:
         notes.append(
-            f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled; the figure "
-            "reconstructs those profiled op times on the recorded step, and its peak is calibrated on "
-            "what the allocator read in those steps (in-sample figures, not a prediction of an unseen "
-            "configuration)"
+            f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled and timed; the "
+            "figure is the median of the probe's timed calls (where it timed none, its profiled op "
+            "times rebuilt on the recorded step), and its peak is calibrated on what the allocator read "
+            "in the probe's calls (in-sample figures, not a prediction of an unseen configuration)"
         )
     return PlanChoice(plan, best in feasible, _table(priced, best[0], notes, rebuilt))
 

@@ -9,6 +9,13 @@ measured cost per byte of the casts that rewrite inserted.
 
 - Time: every op of a changed type keeps its recorded duration times its type's measured ratio
   (``<p>_us / fp32_us``, summed over the same ops in both runs).
+- Calibration on the rewrite's own timed calls: the bf16 probe times its unprofiled reading calls
+  (``step_ms``), so the uniform rewrite's step is measured as the recorded configuration's is. What
+  it measured over its replayed figure (`rewrite_step_ms` less that replay: the bf16 ops' profiled
+  times, which the profiler slowed otherwise than it slowed the recorded ones, the host gaps that
+  do not shrink with them) is added to a plan in proportion to the share of the rewrite's changed
+  fp32 op time that the plan changes (`changed_share`; all of it for the rewrite itself, whose
+  figure is then its timed calls' median, none for a plan that changes nothing).
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).
@@ -45,6 +52,7 @@ The plan's op types not in the table, and precisions not measured, are refused
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -81,6 +89,31 @@ def rewrite_reading(table: Mapping, op_precision: Mapping[str, str]) -> int | No
         return None
     readings = [*table.get("step_peak_bytes", ()), table.get("recorded_peak_bytes")]
     return max((r for r in readings if r is not None), default=None)
+
+
+def rewrite_step_ms(traces: Sequence[Trace]) -> float | None:
+    """The uniform rewrite's measured step: the slowest rank's median over the probe's timed
+    (reading) calls; None where a rank's probe timed none."""
+    medians = [op_type_table(trace).get("step_ms") for trace in traces]
+    if not all(medians):
+        return None
+    return max(statistics.median(ms) for ms in medians)
+
+
+def changed_share(table: Mapping, op_precision: Mapping[str, str]) -> float:
+    """The share of the uniform rewrite's changed op time (the recorded fp32 time of its op types,
+    `uniform_op_types`) that ``op_precision`` changes: 1 for the rewrite, 0 for a plan that changes
+    nothing or moves op types to more than one precision."""
+    changed = changed_op_types(op_precision)
+    precisions = set(changed.values())
+    if len(precisions) != 1:
+        return 0.0
+    costs = table.get("costs", {})
+    uniform = uniform_op_types(table, precisions.pop())
+    total = sum(costs[t][f"{FULL_PRECISION}_us"] for t in uniform)
+    if total <= 0:
+        return 0.0
+    return sum(costs[t][f"{FULL_PRECISION}_us"] for t in changed if t in costs) / total
 
 
 def changed_op_types(op_precision: Mapping[str, str]) -> dict[str, str]:

@@ -46,10 +46,14 @@ from qsync_callback.predictor.malloc_thresholds import fault_saving_us, malloc_p
 from qsync_callback.predictor.memory import MemoryCurve, TensorLife, lifetime_events, tensor_lifetimes
 from qsync_callback.predictor.op_precision import (
     apply_op_precision,
+    changed_op_types,
+    changed_share,
     check_op_precision_plan,
     op_type_lives,
     op_type_table,
     rewrite_reading,
+    rewrite_step_ms,
+    uniform_op_types,
 )
 from qsync_callback.predictor.precision import (
     PrecisionDurations,
@@ -157,6 +161,7 @@ class Predictor:
         self._typical: int | None = None  # the recorded step the estimates replay, when first needed
         self._fusion_costs: FusionCosts | None = None  # fitted when first needed
         self._estimates: dict[tuple[frozenset, frozenset], Prediction] = {}  # `estimate`'s, by plan
+        self._rewrite_residual_ms: dict[str, float] = {}  # `_on_rewrite_calls`', by precision
 
     def predict(
         self, plan: Plan | None = None, plan_source: str = "<plan>", steps: Sequence[int] | None = None
@@ -168,6 +173,42 @@ class Predictor:
         else:
             check_plan(self.traces, plan, plan_source)
         at = list(range(len(self._graphs)) if steps is None else steps)
+        prediction = self._replayed(plan, at, plan_source)
+        if plan.op_precision:
+            prediction = self._on_rewrite_calls(plan, prediction)
+        return prediction
+
+    def _on_rewrite_calls(self, plan: Plan, prediction: Prediction) -> Prediction:
+        """An op-type plan's step calibrated on the uniform rewrite's timed calls: what they measured
+        over the rewrite's replayed step, times the plan's `changed_share` of the rewrite (module
+        docstring of `op_precision.py`); unchanged where the probe timed no call."""
+        precisions = set(changed_op_types(plan.op_precision).values())
+        if len(precisions) != 1:
+            return prediction
+        low = precisions.pop()
+        if low not in self._rewrite_residual_ms:
+            measured = rewrite_step_ms(self.traces)
+            uniform = uniform_op_types(op_type_table(self.traces[0]), low)
+            self._rewrite_residual_ms[low] = 0.0
+            if measured is not None and uniform:
+                rewrite = Plan(op_precision=dict.fromkeys(uniform, low))
+                replayed = self._replayed(rewrite, None, "<the uniform rewrite>")
+                self._rewrite_residual_ms[low] = measured - replayed.step_ms
+        share = statistics.fmean(
+            changed_share(op_type_table(trace), plan.op_precision) for trace in self.traces
+        )
+        added_ms = share * self._rewrite_residual_ms[low]
+        if not added_ms:
+            return prediction
+        return replace(
+            prediction,
+            step_ms=prediction.step_ms + added_ms,
+            replayed_step_ms=[ms + added_ms for ms in prediction.replayed_step_ms],
+        )
+
+    def _replayed(self, plan: Plan, at: Sequence[int] | None, plan_source: str) -> Prediction:
+        """``plan`` priced on the recorded steps at positions ``at`` (None: all of them)."""
+        at = list(range(len(self._graphs))) if at is None else at
         if not (plan.op_precision or plan.buckets or plan.communication or plan.fused_regions):
             return self._with_malloc(plan, self._price_recorded(plan.precision, _acting(plan.activation), at))
         graphs = [self._graphs[i] for i in at]

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 PEAK_SOURCE = (
     "TensorFlow's allocator ({device}: tf.config.experimental.get_memory_info's peak, reset at each "
-    "timed step's start): the largest over the timed steps after the recorded ones; chunks in use, "
+    "timed step's start): the largest over the window's timed (unprofiled) steps; chunks in use, "
     "as the allocator counts them (on the CPU, requests of 256 KiB and more)"
 )
 NO_STATISTICS = (

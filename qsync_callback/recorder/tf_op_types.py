@@ -11,8 +11,9 @@ cache its kernels, which would make bf16 look slow against the recorded fp32 ste
 allocator's peak under the rewrite moves from step to step by more than under fp32 (the example's
 MLP on one process, on a CPU without native bf16: 27.0 to 34.0 MiB over 31 steps, where fp32 read
 18.0 to 20.0; with native bf16, 20.0 to 29.0 MiB over 31 steps, where fp32 read 19.0 to 20.0). Then
-``reading_calls`` unprofiled calls (the recorder gives the window's ``measure_steps``), each with
-TF's allocator peak read as a timed step's is (`recorder/tf_memory.StepPeaks`): the uniform plan's
+``reading_calls`` unprofiled calls (the recorder gives the window's ``measure_steps``), each timed
+and with TF's allocator peak read as a timed step's is (`recorder/tf_memory.StepPeaks`): the
+uniform rewrite's step time is their median (`predictor/op_precision.rewrite_step_ms`), and its
 predicted peak is calibrated on the most any profiled or reading call read, the largest of about
 as many steps as a window measures its peak over, since the largest of five profiled steps falls
 short of the largest of twenty (the MLP above: 27.0 MiB over five, 29.0 over the verify window's
@@ -20,12 +21,13 @@ short of the largest of twenty (the MLP above: 27.0 MiB over five, 29.0 over the
 once, and the table then only says why nothing was measured (``{"note": ...}``).
 
 Which calls feed what: the probe's calls come after the window's timed calls and none of them is
-timed (`TFRecorder` times no call from the probe's first on), so the baseline's measured step time
-owes nothing to them; their profiled op times feed the predictions of every bf16 candidate, and
-nothing else does: a plan's prediction is made before it is applied, and the calls recorded under
-it (the verify window) only measure it. One candidate is in-sample all the same: the plan whose
-bf16 op types are those the rewrite ran, the configuration these calls profiled; its figure is a
-reconstruction of them, and the planner's table says so (`planner/tf_plans.py`).
+among the baseline's timed calls (`TFRecorder` times no call from the probe's first on), so the
+baseline's measured step time owes nothing to them; their profiled op times and the reading calls'
+times feed the predictions of every bf16 candidate, and nothing else does: a plan's prediction is
+made before it is applied, and the calls recorded under it (the verify window) only measure it.
+One candidate is in-sample all the same: the plan whose bf16 op types are those the rewrite ran,
+the configuration these calls ran; its figure is theirs, and the planner's table says so
+(`planner/tf_plans.py`).
 
 `op_type_table` joins the probe with the recorded fp32 trace into ``precision_costs["op_types"]``
 (schema in `recorder/trace.py`), with what the allocator gave each op per step in both (what it
@@ -95,6 +97,7 @@ class OpTypeProbe:
         self.peaks = peaks
         self.reading_calls = reading_calls
         self.step_peaks: list[int] = []  # the reading calls' allocator peaks (bytes)
+        self.step_ms: list[float] = []  # the reading calls' times
         self.note: str | None = None  # why nothing was measured
         self._undo: Callable[[], None] | None = None
         self._collecting = False
@@ -119,13 +122,14 @@ class OpTypeProbe:
         elif call >= _FIRST_READING and self._undo is not None:
             self.peaks.start()
 
-    def step_end(self, call: int) -> None:
+    def step_end(self, call: int, elapsed_ms: float) -> None:
         self._end_mark()
         if call == 0 and self._collecting:
             self._guard(self._collected)
         elif call == _FIRST_READING - 1:
             self._guard(self._stop_profiler)
         elif call >= _FIRST_READING and self._undo is not None:
+            self.step_ms.append(elapsed_ms)
             peak = self.peaks.end()
             if peak is not None:
                 self.step_peaks.append(peak)
@@ -137,7 +141,10 @@ class OpTypeProbe:
             self.note = "the probe's calls did not run"
         if self.note is None:
             try:
-                return op_type_table(trace, self.logdir, self._graph, self._shapes, self.step_peaks)
+                table = op_type_table(trace, self.logdir, self._graph, self._shapes, self.step_peaks)
+                if self.step_ms:
+                    table["step_ms"] = list(self.step_ms)
+                return table
             except Exception as exc:  # noqa: BLE001 - a probe that measured nothing is a note, not a failure
                 self.note = f"{type(exc).__name__}: {exc}"
         return {"note": f"TF's uniform bf16 rewrite was not measured ({self.note})"}

@@ -264,7 +264,7 @@ class TFRecorder:
             if peak is not None:
                 self.step_peaks.append(peak)
         if self._probe is not None and self._probe_start <= call < self.done_step:
-            self._probe.step_end(call - self._probe_start)
+            self._probe.step_end(call - self._probe_start, elapsed_ms)
 
     def save(self) -> None:
         """Write the trace with the timed calls (``measured.step_ms``), their allocator peaks

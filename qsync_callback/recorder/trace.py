@@ -107,6 +107,7 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
      "recorded_peak_bytes": 34603008,          # the most TF's allocator read in use in the profiled
                                                # steps of the rewrite (where it reads)
      "step_peak_bytes": [30408704, ...],        # each reading call's (unprofiled) allocator peak
+     "step_ms": [5.1, ...],                     # and its time
      "source": "..."}                          # what was measured where (rank, steps)
     {"note": "..."}                            # instead, where the probe measured nothing: why
 """
@@ -412,6 +413,7 @@ _PRECISION_COSTS = Fields(
                 "cast_allocated": MapOf(AMOUNT),
                 "recorded_peak_bytes": AMOUNT,
                 "step_peak_bytes": ListOf(AMOUNT),
+                "step_ms": ListOf(FINITE),
                 "source": STRING,
             }
         ),
