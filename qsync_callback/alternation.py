@@ -77,6 +77,11 @@ class Alternation:
         return band_factor(rounds, sequential_level(rounds / self.most_rounds, self.looks))
 
     @property
+    def first_look_step(self) -> int:
+        """The boundary at which the first look's rounds have ended (the turns' shortest run)."""
+        return 2 * self.rounds * self.block_length
+
+    @property
     def done_step(self) -> int:
         """The boundary at which every block's last step has ended, if the turns run to the end."""
         return 2 * self.most_rounds * self.block_length

@@ -282,6 +282,7 @@ def test_the_loop_looks_up_to_eight_times_and_fewer_looks_end_sooner():
     assert three.most_rounds == 9 and three.done_step == 2 * 9 * three.block_length
     round_length = 2 * three.block_length
     assert [s for s in range(three.done_step + 1) if three.look_at(s)] == [3 * round_length, 6 * round_length]
+    assert three.first_look_step == 3 * round_length
 
 
 @settings(max_examples=200, deadline=None)
@@ -313,7 +314,9 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
             seen.append(dict(_lp_precisions(pl_module)))
 
     # windows (under 40 steps), then the first look's 2 rounds of blocks as long as they may be
-    model = _fit([callback, Watch()], max_steps=40 + 2 * 2 * (SETTLE_STEPS + MOST_BLOCK_STEPS))
+    model = _fit(
+        [callback, Watch()], max_steps=40 + Alternation(2, block_steps=MOST_BLOCK_STEPS).first_look_step
+    )
     verification = json.loads((tmp_path / "q" / "verification.json").read_text())
     turns = verification["alternation"]
     report = json.loads((tmp_path / "q" / "report.json").read_text())
@@ -337,7 +340,7 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
 def test_two_ranks_switch_together_and_agree_on_the_turns(tmp_path):
     """DDP over gloo: both ranks undo and re-apply at the same boundaries (a rank switching alone
     would hang the other in a collective) and end with the same configuration."""
-    steps = 30 + 3 * 2 * (SETTLE_STEPS + MOST_BLOCK_STEPS)  # windows, the first look's 3 rounds
+    steps = 30 + Alternation(3, block_steps=MOST_BLOCK_STEPS).first_look_step  # windows, the first look
     result = run_two_ranks(tmp_path, steps=steps)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps aside" not in result.stdout + result.stderr
