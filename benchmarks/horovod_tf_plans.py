@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from horovod_tf_accuracy import TIMEOUT_S, each_run, example_command, finish, horovod_arguments, quick
-from runs import launch_command, say_allocator, stderr_tail
+from runs import launch_command, priced_without, say_allocator, stderr_tail
 
 from qsync_callback.jsonio import read_json
 from qsync_callback.plan import Plan
@@ -125,6 +125,8 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         "error": None,
         "detail": None,
         "probe_ms": None,
+        "change_gap_pts": None,
+        "replayed_change_gap_pts": None,
     }
     if (qsync / "verification.json").exists():
         verification = read_json(qsync / "verification.json", what="verification")
@@ -137,6 +139,14 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         record["measured_ms"] = verification["measured"]["step_ms"]
         record["outcome"] = "kept" if verification["decision"] == "keep" else "rolled back"
         record["detail"] = verification["reason"]
+        turns = verification.get("alternation") or {}
+        recorded_ms = read_json(qsync / "report.json", what="report")["predicted"]["step_ms"]
+        if turns.get("change_pct") is not None and recorded_ms:
+            predicted_change = change_pct(record["predicted_ms"], recorded_ms)
+            record["change_gap_pts"] = abs(predicted_change - turns["change_pct"])
+            traces = load_trace_dir(qsync / "trace")
+            replayed = priced_without(traces, applied, {"step_ms"}).step_ms  # the probe's timed calls unused
+            record["replayed_change_gap_pts"] = abs(change_pct(replayed, recorded_ms) - turns["change_pct"])
     record["error_pct"] = change_pct(record["predicted_ms"], record["measured_ms"])
     return record
 
@@ -242,6 +252,10 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "error_pct": _median([r["error_pct"] for r in runs]),
                 "baseline_ms": _median([r["baseline_ms"] for r in runs]),
                 "probe_ms": _median([r.get("probe_ms") for r in runs]),
+                "change_gaps_pts": [r["change_gap_pts"] for r in runs if r.get("change_gap_pts") is not None],
+                "replayed_gaps_pts": [
+                    r["replayed_change_gap_pts"] for r in runs if r.get("replayed_change_gap_pts") is not None
+                ],
                 "failed_runs": sum(r["error"] is not None for r in runs),
                 "outcome": ", ".join(f"{o} x{n}" if len(runs) > 1 else o for o, n in outcomes.items()),
                 "notes": notes,
@@ -280,9 +294,24 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
         f" medians over {args.repeats} run(s); error = predicted / measured - 1 (each run's own pair,"
         " median). Fusion threshold + cycle time: predicted on the apply run's traces, measured by a"
         ' launch with its env in mode "report", baseline by one without it. A reconstruction: the plan'
-        " is TF's uniform bf16 rewrite, which the bf16 probe profiled (its profiled calls' median: the"
-        " probe column); its predicted figure rebuilds those calls on the recorded step.",
+        " is TF's uniform bf16 rewrite, which the bf16 probe profiled and timed (its profiled calls'"
+        " median: the probe column); its predicted figure is the median of the probe's timed calls.",
     ]
+    gaps = [g for r in rows for g in r.get("change_gaps_pts", [])]
+    replayed = [g for r in rows for g in r.get("replayed_gaps_pts", [])]
+    if gaps:
+        lines.append(
+            "\nThe plan's predicted change (against the recorded configuration's predicted step) against "
+            "its change measured in turns in the same process: |difference| median "
+            f"{statistics.median(gaps):.1f} points over {len(gaps)} launches"
+            + (
+                f" (priced without the probe's timed calls, from its profiled op times alone: "
+                f"{statistics.median(replayed):.1f})"
+                if replayed
+                else ""
+            )
+            + "; the error column compares windows minutes apart, and holds the drift between them."
+        )
     lines += [f"FAILED: {f}" for f in failures]
     return "\n".join(lines)
 

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.host_cpu import cpu_description
-from qsync_callback.predictor.predict import predict
-from qsync_callback.recorder.trace import Trace
+from qsync_callback.plan import Plan
+from qsync_callback.predictor.op_precision import op_type_table
+from qsync_callback.predictor.predict import Prediction, Predictor, predict
+from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
 
 REPO = Path(__file__).resolve().parent.parent
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -248,3 +250,13 @@ def profiler_share(traces: list[Trace], measured_ms: float | None) -> dict[str, 
         "loops_only_step_ms": loops_only,
         "loops_only_error_pct": 100.0 * (loops_only - measured_ms) / measured_ms if measured_ms else None,
     }
+
+
+def priced_without(traces: list[Trace], plan: Plan, keys: set[str]) -> Prediction:
+    """``plan`` priced on copies of ``traces`` whose probe tables lack ``keys`` (the figures the
+    product calibrates on, to show what they change)."""
+    copies = [Trace.from_dict(trace.to_dict(), source="copy") for trace in traces]
+    for trace in copies:
+        table = op_type_table(trace)
+        trace.precision_costs[OP_TYPE_COSTS] = {k: v for k, v in table.items() if k not in keys}
+    return Predictor(copies).predict(plan)

@@ -48,6 +48,7 @@ from typing import Any
 from horovod_tf_accuracy import TIMEOUT_S, example_command
 from runs import (
     bench_environment,
+    priced_without,
     profiler_share,
     range_noise_pct,
     stderr_tail,
@@ -56,11 +57,9 @@ from runs import (
 )
 
 from qsync_callback.jsonio import read_json
-from qsync_callback.plan import Plan
 from qsync_callback.planner.tf_plans import uniform_plan
-from qsync_callback.predictor.op_precision import op_type_table
-from qsync_callback.predictor.predict import Prediction, Predictor
-from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace, load_trace_dir
+from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import change_pct
 from qsync_callback.units import format_bytes
 
@@ -127,8 +126,8 @@ def run_uniform(
         return f"{model} {procs}p: the bf16 probe measured no op type at bf16"
     predicted = predictor.predict(plan)
     plan.prediction = predicted.figures()
-    profiled_only = _priced_without(traces, plan, {"step_peak_bytes", "step_ms"})
-    on_recorded = _priced_without(traces, plan, {"recorded_peak_bytes", "step_peak_bytes"}).peak_bytes
+    profiled_only = priced_without(traces, plan, {"step_peak_bytes", "step_ms"})
+    on_recorded = priced_without(traces, plan, {"recorded_peak_bytes", "step_peak_bytes"}).peak_bytes
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "uniform_plan.json")
     extra = [*WINDOW[:6], "--mode", "report", "--plan", str(run_dir / "uniform_plan.json")]
@@ -164,16 +163,6 @@ def run_uniform(
         "predicted_step_ms": predicted.step_ms,
         "step_error_pct": change_pct(predicted.step_ms, measured["step_ms"]),
     }
-
-
-def _priced_without(traces: list, plan: Plan, keys: set[str]) -> Prediction:
-    """``plan`` priced on copies of ``traces`` whose probe tables lack ``keys`` (the figures the
-    product calibrates on, to show what they change)."""
-    copies = [Trace.from_dict(trace.to_dict(), source="copy") for trace in traces]
-    for trace in copies:
-        table = op_type_table(trace)
-        trace.precision_costs[OP_TYPE_COSTS] = {k: v for k, v in table.items() if k not in keys}
-    return Predictor(copies).predict(plan)
 
 
 def _bytes(value: int | None) -> str:
