@@ -74,7 +74,22 @@ def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it()
     assert only_matmul.step_ms == pytest.approx(replayed_matmul + 100 / 120 * 0.031)
     assert only_matmul.replayed_step_ms == [pytest.approx(only_matmul.step_ms)]
     assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
-    assert changed_share(recorded.precision_costs["op_types"], {"Relu": "bf16", "Sum": "fp32"}) == 1 / 6
+    table = recorded.precision_costs["op_types"]
+    assert changed_share(table, {"Relu": "bf16", "Sum": "fp32"}) == 1 / 6
+    assert changed_share(table, {"Relu": "bf16", "Conv2D": "bf16"}) == 1 / 6  # a type the probe never ran
+    # no share: a plan that changes nothing, one of two precisions, a probe that measured no type
+    # on all of its ops (no rewrite to share), a table with no costs
+    assert (
+        changed_share(table, {"MatMul": "fp32"})
+        == changed_share(table, {"MatMul": "bf16", "Relu": "fp16"})
+        == 0
+    )
+    partial = {**table, "costs": {"MatMul": {**MATMUL, "ops": 2}}}
+    assert changed_share(partial, {"MatMul": "bf16"}) == 0
+    assert changed_share({"note": "nothing measured"}, {"MatMul": "bf16"}) == 0
+    # however small the rewrite's time, its share is its own
+    tiny = {**table, "costs": {"MatMul": {**MATMUL, "fp32_us": 0.5}, "Relu": {**RELU, "fp32_us": 0.25}}}
+    assert changed_share(tiny, {"MatMul": "bf16"}) == pytest.approx(2 / 3)
     assert rewrite_step_ms([recorded]) == pytest.approx(0.101)
     # two ranks: the slower rank's median; a rank whose probe timed nothing: no figure
     other = _op_trace({"MatMul": MATMUL, "Relu": RELU})

@@ -108,12 +108,11 @@ def changed_share(table: Mapping, op_precision: Mapping[str, str]) -> float:
     precisions = set(changed.values())
     if len(precisions) != 1:
         return 0.0
-    costs = table.get("costs", {})
-    uniform = uniform_op_types(table, precisions.pop())
-    total = sum(costs[t][f"{FULL_PRECISION}_us"] for t in uniform)
+    fp32_us = {t: c[f"{FULL_PRECISION}_us"] for t, c in table.get("costs", {}).items()}
+    total = sum(fp32_us[t] for t in uniform_op_types(table, precisions.pop()))
     if total <= 0:
         return 0.0
-    return sum(costs[t][f"{FULL_PRECISION}_us"] for t in changed if t in costs) / total
+    return sum(fp32_us.get(t, 0.0) for t in changed) / total
 
 
 def changed_op_types(op_precision: Mapping[str, str]) -> dict[str, str]:
