@@ -6,7 +6,9 @@ the liveness model of each rank (`memory.py`); the prediction is the largest ran
 
 A plan is priced as changes to the recorded graph and liveness: per-layer precision
 (`precision.py`: changed op durations and extra tensors on the graphs compiled once, with no copy)
-per-op-type precision (`op_precision.py`, time only: transformed copies of the graphs), and
+per-op-type precision (`op_precision.py`: transformed copies of the graphs, their step calibrated on
+the bf16 probe's timed calls of TF's uniform rewrite, `_on_rewrite_calls`, and their peak on its
+allocator readings), and
 per-module activation policies (`activation.py`: recompute and offload, as added op time on the same
 compiled graphs and synthetic tensors), and compiled regions (`compiled_regions.py`: the fusion
 cost model's durations on copies of the graphs; time only, on torch traces). A plan with decisions
