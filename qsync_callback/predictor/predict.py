@@ -174,8 +174,7 @@ class Predictor:
             plan = Plan()
         else:
             check_plan(self.traces, plan, plan_source)
-        at = list(range(len(self._graphs)) if steps is None else steps)
-        prediction = self._replayed(plan, at, plan_source)
+        prediction = self._replayed(plan, steps, plan_source)
         if plan.op_precision:
             prediction = self._on_rewrite_calls(plan, prediction)
         return prediction
@@ -210,7 +209,7 @@ class Predictor:
 
     def _replayed(self, plan: Plan, at: Sequence[int] | None, plan_source: str) -> Prediction:
         """``plan`` priced on the recorded steps at positions ``at`` (None: all of them)."""
-        at = list(range(len(self._graphs))) if at is None else at
+        at = list(range(len(self._graphs))) if at is None else list(at)
         if not (plan.op_precision or plan.buckets or plan.communication or plan.fused_regions):
             return self._with_malloc(plan, self._price_recorded(plan.precision, _acting(plan.activation), at))
         graphs = [self._graphs[i] for i in at]
