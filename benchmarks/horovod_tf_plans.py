@@ -110,7 +110,8 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
     """The run's record: the chosen plan's kind, predicted and measured step time, the baseline, and
     whether it was kept."""
     qsync = run_dir / "qsync"
-    baseline_ms = read_json(qsync / "report.json", what="report")["measured"]["step_ms"]
+    report = read_json(qsync / "report.json", what="report")
+    baseline_ms = report["measured"]["step_ms"]
     kept = Plan.load(qsync / "plan.json")
     record = {
         "model": model,
@@ -131,7 +132,8 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
     if (qsync / "verification.json").exists():
         verification = read_json(qsync / "verification.json", what="verification")
         applied = Plan.from_dict(verification["plan"])
-        rebuilt = reconstructs_probe(load_trace_dir(qsync / "trace"), applied)
+        traces = load_trace_dir(qsync / "trace")
+        rebuilt = reconstructs_probe(traces, applied)
         record["plan"] = plan_kind(applied, rebuilt)
         if rebuilt:  # what it reconstructs: the probe's profiled calls of that configuration
             record["probe_ms"] = probe_step_ms(qsync)
@@ -140,11 +142,10 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         record["outcome"] = "kept" if verification["decision"] == "keep" else "rolled back"
         record["detail"] = verification["reason"]
         turns = verification.get("alternation") or {}
-        recorded_ms = read_json(qsync / "report.json", what="report")["predicted"]["step_ms"]
+        recorded_ms = report["predicted"]["step_ms"]
         if turns.get("change_pct") is not None and recorded_ms:
             predicted_change = change_pct(record["predicted_ms"], recorded_ms)
             record["change_gap_pts"] = abs(predicted_change - turns["change_pct"])
-            traces = load_trace_dir(qsync / "trace")
             replayed = priced_without(traces, applied, {"step_ms"}).step_ms  # the probe's timed calls unused
             record["replayed_change_gap_pts"] = abs(change_pct(replayed, recorded_ms) - turns["change_pct"])
     record["error_pct"] = change_pct(record["predicted_ms"], record["measured_ms"])

@@ -141,8 +141,9 @@ class OpTypeProbe:
             self.note = "the probe's calls did not run"
         if self.note is None:
             try:
-                table = op_type_table(trace, self.logdir, self._graph, self._shapes, self.step_peaks)
-                if self.step_ms:
+                table = op_type_table(trace, self.logdir, self._graph, self._shapes)
+                if self.step_ms:  # the reading calls ran
+                    table["step_peak_bytes"] = list(self.step_peaks)
                     table["step_ms"] = list(self.step_ms)
                 return table
             except Exception as exc:  # noqa: BLE001 - a probe that measured nothing is a note, not a failure
@@ -275,15 +276,11 @@ def allocated_per_step(
 
 
 def op_type_table(
-    trace: Trace,
-    logdir: Path,
-    graph: Any,
-    shapes: dict[str, tuple[int, int]],
-    step_peaks: Sequence[int] = (),
+    trace: Trace, logdir: Path, graph: Any, shapes: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
     """``precision_costs["op_types"]`` (schema in `recorder/trace.py`) from the recorded fp32
-    ``trace``, the probe's profile (``logdir``), the optimized ``graph`` TF ran, the traced
-    step's tensor ``shapes`` and the reading calls' allocator peaks (``step_peaks``)."""
+    ``trace``, the probe's profile (``logdir``), the optimized ``graph`` TF ran and the traced
+    step's tensor ``shapes`` (the reading calls' figures are the probe's own, `OpTypeProbe.table`)."""
     converted = convert_xspace(load_xspace(find_xspace(logdir)))
     bf16_us = _per_step_us([(op.name, op.dur_us) for op in converted["ops"]], len(converted["steps"]))
     fp32_us = _per_step_us([(op.name, op.dur_us) for op in trace.ops if op.kind != "comm"], len(trace.steps))
@@ -369,6 +366,4 @@ def op_type_table(
     }
     if converted["recorded_peak_bytes"] is not None:
         table["recorded_peak_bytes"] = converted["recorded_peak_bytes"]
-    if step_peaks:
-        table["step_peak_bytes"] = list(step_peaks)
     return table
