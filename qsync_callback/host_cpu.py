@@ -1,5 +1,5 @@
 """The host CPU as ``/proc/cpuinfo`` names it: its model name and the vector extensions that decide
-which precisions it runs fast.
+which precisions it runs fast; and its largest cache, as sysfs gives it.
 
 A VM's model name alone does not say that: this project's VMs are all named "AMD EPYC", some with
 AVX512-BF16 (bf16 faster than fp32) and some with no AVX-512 at all (bf16 slower than fp32). So what
@@ -14,6 +14,8 @@ import platform
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 # the extensions that decide low-precision speed on x86 (fp16/bf16/int8 arithmetic and conversions)
 PRECISION_FLAGS = (
@@ -65,3 +67,20 @@ def cpu_description(cpuinfo: Path | None = None) -> str:
     if flags and "avx512f" not in flags:
         listed += "; no AVX-512"
     return f"{cpu_name(cpuinfo)} ({listed})"
+
+
+def largest_cache_bytes(caches: Path | None = None) -> int | None:
+    """The size of the largest cache of CPU 0 (the last level), from sysfs's ``index*/size`` files
+    under ``caches`` (default `CPU_CACHES`, where Linux writes sizes as ``32768K``); None where
+    there is none to read."""
+    sizes = []
+    for path in sorted((caches or CPU_CACHES).glob("index*/size")):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        unit = _SIZE_UNITS.get(text[-1:].upper(), 1)
+        digits = text[:-1] if text[-1:].upper() in _SIZE_UNITS else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=None)

@@ -86,3 +86,14 @@ def test_every_precision_extension_of_a_recent_xeon_is_named_in_a_fixed_order(tm
         "amx_int8",
         "amx_fp16",
     )
+
+
+def test_the_largest_cache_is_read_from_sysfs_sizes_as_linux_writes_them(tmp_path):
+    for index, size in enumerate(("32K", "32K", "1024K", "32768K", "unknown")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert host_cpu.largest_cache_bytes(tmp_path) == 32 * 2**20
+    (tmp_path / "index5").mkdir()
+    (tmp_path / "index5" / "size").write_text("1M\n")
+    assert host_cpu.largest_cache_bytes(tmp_path) == 32 * 2**20
+    assert host_cpu.largest_cache_bytes(tmp_path / "none") is None
