@@ -20,7 +20,7 @@ The median per size is fitted by `fit_linear_cost` (least squares weighted to th
 as the cast costs are: the sizes span three decades); the medians are returned beside the fit, with
 its r2, since a copy's cost need not be linear over that span (a buffer big enough to be mapped
 afresh by the C allocator pays its page faults on every read back), and so is the bandwidth
-measured at the largest size. About 0.3 s of copies on the disk here.
+measured at the largest size. About 0.4 s of copies and evictions on the disk here.
 
 On the disk tier a write lands in the kernel's page cache and a read of a file just written comes
 from it; that is also what the store meets in training while the machine has memory to spare.
