@@ -2,6 +2,7 @@
 answers are worked out by hand: a block ``b`` of two layers and a residual add, then a ``head``."""
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from qsync_callback.planner.activation import (
 from qsync_callback.planner.memory_plan import plan_memory
 from qsync_callback.predictor.activation import _bounds, _extend, _lane, module_spans, nested_pairs, overlaps
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import Step
 from qsync_callback.report import format_memory_plan
 
 from tracebuilder import op, trace
@@ -29,37 +31,47 @@ COPY = {  # pinned host memory: copies on a side stream, overlapping the step (t
 }
 
 
+def _step_ops(gap=0, head_gap=0, step=0, at=0.0):
+    """The ops and memory events of `_step`'s step number ``step``, starting at ``at`` us; ``gap``
+    as there, ``head_gap``: the host's time before the head's op (everything after it that much
+    later). Its end: 80 us after ``at``, plus both gaps."""
+    g, h, first = gap, gap + head_gap, 8 * step
+    ops = [
+        op(first, "aten::conv", "forward", "main", at, 10, step, layer="b.l1", seq=1),
+        op(first + 1, "aten::bn", "forward", "main", at + 10 + g, 10, step, layer="b.l2", seq=2),
+        op(first + 2, "aten::add", "forward", "main", at + 20 + g, 5, step, seq=3),
+        op(first + 3, "aten::linear", "forward", "main", at + 25 + h, 10, step, layer="head", seq=4),
+        op(first + 4, "LinearBackward", "backward", "main", at + 40 + h, 10, step, layer="head", seq=4),
+        op(first + 5, "AddBackward", "backward", "main", at + 50 + h, 2, step, seq=3),
+        op(first + 6, "BnBackward", "backward", "main", at + 52 + h, 10, step, layer="b.l2", seq=2),
+        op(first + 7, "ConvBackward", "backward", "main", at + 62 + h, 10, step, layer="b.l1", seq=1),
+    ]
+    events = [
+        [at + 1, 0xA, 100 * KIB, first],
+        [at + 11 + g, 0xB, 200 * KIB, first + 1],
+        [at + 21 + g, 0xC, 50 * KIB, first + 2],
+        [at + 26 + h, 0xD, 10 * KIB, first + 3],
+        [at + 45 + h, 0xD, -10 * KIB, first + 4],
+        [at + 48 + h, 0xC, -50 * KIB, first + 4],
+        [at + 60 + h, 0xB, -200 * KIB, first + 6],
+        [at + 70 + h, 0xA, -100 * KIB, first + 7],
+    ]
+    return ops, events, at + 80 + h
+
+
+LAYERS = [{"name": n, "type": "X"} for n in ("b.l1", "b.l2", "head")]
+
+
 def _step(activation_costs=None, temporary=0, gap=0):
     """Forward: b.l1 makes A (100 units), b.l2 makes B (200), the add (no layer) makes C (50, the
     block's output, saved by the head), the head makes D (10: under `MIN_OFFLOAD_BYTES`). Backward
     in reverse, each freeing what its forward op's layer saved. Peak: A+B+C+D = 360 at 26 us.
     ``gap``: the host's time between b.l1's op and b.l2's (everything after it that much later)."""
-    g = gap
-    ops = [
-        op(0, "aten::conv", "forward", "main", 0, 10, layer="b.l1", seq=1),
-        op(1, "aten::bn", "forward", "main", 10 + g, 10, layer="b.l2", seq=2),
-        op(2, "aten::add", "forward", "main", 20 + g, 5, seq=3),
-        op(3, "aten::linear", "forward", "main", 25 + g, 10, layer="head", seq=4),
-        op(4, "LinearBackward", "backward", "main", 40 + g, 10, layer="head", seq=4),
-        op(5, "AddBackward", "backward", "main", 50 + g, 2, seq=3),
-        op(6, "BnBackward", "backward", "main", 52 + g, 10, layer="b.l2", seq=2),
-        op(7, "ConvBackward", "backward", "main", 62 + g, 10, layer="b.l1", seq=1),
-    ]
-    events = [
-        [1, 0xA, 100 * KIB, 0],
-        [11 + g, 0xB, 200 * KIB, 1],
-        [21 + g, 0xC, 50 * KIB, 2],
-        [26 + g, 0xD, 10 * KIB, 3],
-        [45 + g, 0xD, -10 * KIB, 4],
-        [48 + g, 0xC, -50 * KIB, 4],
-        [60 + g, 0xB, -200 * KIB, 6],
-        [70 + g, 0xA, -100 * KIB, 7],
-    ]
+    ops, events, end = _step_ops(gap)
     if temporary:  # made by b.l2's op, freed by the add: one of the block's forward temporaries
-        events += [[11.5 + g, 0xE, temporary * KIB, 1], [21.5 + g, 0xE, -temporary * KIB, 2]]
-    layers = [{"name": n, "type": "X"} for n in ("b.l1", "b.l2", "head")]
+        events += [[11.5 + gap, 0xE, temporary * KIB, 1], [21.5 + gap, 0xE, -temporary * KIB, 2]]
     costs = {"copy": COPY} if activation_costs is None else activation_costs
-    return trace(ops, 80 + g, memory_events=events, layers=layers, activation_costs=costs)
+    return trace(ops, end, memory_events=events, layers=LAYERS, activation_costs=costs)
 
 
 @pytest.fixture
@@ -104,6 +116,28 @@ def test_a_recompute_pays_its_forwards_host_gaps_again_too():
     assert predictor.predict().step_ms * 1e3 == pytest.approx(83.0)
     planned = predictor.predict(Plan(activation={"b": "recompute"}))
     assert planned.step_ms * 1e3 == pytest.approx(83 + 25 + 3)  # its ops and the 3 us between them
+
+
+def test_a_plans_step_is_the_recorded_median_step_plus_its_median_change_over_the_steps():
+    """Three steps: 80 us; 100 (a host gap of 20 before the head); 90 (a gap of 10 inside b). The
+    recompute of b adds its forward again: 25, 25 and 35 us (the gap inside b too). Its steps' own
+    median (125, from the second or third) is 35 over the recorded median (90, the third); paired
+    step by step, the change is 25."""
+    ops, events, steps, at = [], [], [], 0.0
+    for step, (gap, head_gap) in enumerate([(0, 0), (0, 20), (10, 0)]):
+        step_ops, step_events, end = _step_ops(gap, head_gap, step, at)
+        ops += step_ops
+        events += step_events
+        steps.append(Step(step, at, end))
+        at = end
+    recorded = replace(
+        trace(ops, at, memory_events=events, layers=LAYERS, activation_costs={"copy": COPY}), steps=steps
+    )
+    predictor = Predictor([recorded])
+    assert predictor.predict().replayed_step_ms == pytest.approx([0.080, 0.100, 0.090])
+    planned = predictor.predict(Plan(activation={"b": "recompute"}))
+    assert planned.replayed_step_ms == pytest.approx([0.105, 0.125, 0.125])
+    assert planned.step_ms * 1e3 == pytest.approx(90 + 25)
 
 
 def test_offload_frees_after_the_copy_and_waits_only_for_a_late_copy_back(predictor):
