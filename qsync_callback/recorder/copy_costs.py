@@ -32,8 +32,8 @@ came from the cache: on a 2-core AMD EPYC (32 MiB L3), reading back 1 MiB took 0
 its write and 0.36 ms after 256 MiB had been touched in between, 4 MiB 0.26 and 0.63 ms, 16 MiB
 (half the L3) 1.49 and 1.63 ms. So on the disk tier the fit evicts the caches between each put and
 its get (`EVICTION_CACHES` times the largest cache sysfs names, `host_cpu.largest_cache_bytes`,
-written over; `EVICTION_BYTES` where sysfs names none); the put's source is a tensor just made, as
-a saved tensor usually is.
+written over, at most `EVICTION_MOST`; `EVICTION_BYTES` where sysfs names none); the put's source
+is a tensor just made, as a saved tensor usually is.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ COPY_SIZES: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22, 2**24, 2**25)
 """Bytes of the tensors moved: 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 32 MiB."""
 COPY_REPEATS = 5
 EVICTION_CACHES = 2
-EVICTION_BYTES = 64 * 2**20
+EVICTION_BYTES = 64 * 2**20  # what is written over where sysfs names no cache
+EVICTION_MOST = 512 * 2**20  # nor more than this, whatever cache a VM's sysfs names
 CACHE_KIND = "copy-costs"
 CACHE_FORMAT = "qsync-copy-costs"
 DIRECTIONS = ("to_store", "from_store")
@@ -134,9 +135,9 @@ def fit_copy_costs(
 def _cache_evictor() -> Callable[[], None]:
     """What evicts the CPU's caches: a write over a buffer `EVICTION_CACHES` times the largest
     cache (see the module docstring)."""
-    buffer = torch.zeros(
-        EVICTION_CACHES * (largest_cache_bytes() or EVICTION_BYTES // EVICTION_CACHES), dtype=torch.uint8
-    )
+    largest = largest_cache_bytes()
+    nbytes = EVICTION_BYTES if largest is None else min(EVICTION_CACHES * largest, EVICTION_MOST)
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
     return lambda: buffer.add_(1)
 
 
