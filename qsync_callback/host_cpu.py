@@ -79,8 +79,8 @@ def largest_cache_bytes(caches: Path | None = None) -> int | None:
             text = path.read_text().strip()
         except OSError:
             continue
-        unit = _SIZE_UNITS.get(text[-1:].upper(), 1)
-        digits = text[:-1] if text[-1:].upper() in _SIZE_UNITS else text
+        unit = _SIZE_UNITS.get(text[-1:].upper())
+        digits = text[:-1] if unit else text
         if digits.isdigit():
-            sizes.append(int(digits) * unit)
+            sizes.append(int(digits) * (unit or 1))
     return max(sizes, default=None)

@@ -216,6 +216,8 @@ class Predictor:
         at = tuple(range(len(self._graphs))) if at is None else tuple(at)
         if at not in self._recorded_at:
             self._recorded_at[at] = self._replayed_alone(Plan(), at, "<the recorded configuration>")
+        if plan.is_empty:
+            return self._recorded_at[at]
         return _paired(self._replayed_alone(plan, at, plan_source), self._recorded_at[at])
 
     def _replayed_alone(self, plan: Plan, at: Sequence[int], plan_source: str) -> Prediction:
