@@ -97,3 +97,12 @@ def test_the_largest_cache_is_read_from_sysfs_sizes_as_linux_writes_them(tmp_pat
     (tmp_path / "index5" / "size").write_text("1M\n")
     assert host_cpu.largest_cache_bytes(tmp_path) == 32 * 2**20
     assert host_cpu.largest_cache_bytes(tmp_path / "none") is None
+
+
+def test_a_size_without_a_unit_is_bytes_and_an_unreadable_one_is_skipped(tmp_path):
+    (tmp_path / "index0" / "size").mkdir(parents=True)  # read as a file: an OSError
+    (tmp_path / "index1").mkdir()
+    (tmp_path / "index1" / "size").write_text("1024K\n")
+    (tmp_path / "index2").mkdir()
+    (tmp_path / "index2" / "size").write_text("67108864\n")
+    assert host_cpu.largest_cache_bytes(tmp_path) == 64 * 2**20
