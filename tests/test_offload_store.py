@@ -6,14 +6,16 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from qsync_callback import offload_store
 from qsync_callback.lp.costs import cache_path
 from qsync_callback.offload_store import DIRECTORY_PREFIX, DiskStore, PinnedStore, store_for
-from qsync_callback.recorder.copy_costs import COPY_SIZES, copy_costs
+from qsync_callback.recorder.copy_costs import COPY_SIZES, copy_costs, fit_copy_costs
 
 
 def _files(store):
@@ -241,6 +243,25 @@ def test_copy_costs_are_fitted_with_the_disk_store_and_cached_per_device_and_dir
     with pytest.warns(UserWarning, match="ignoring the copy-cost cache \\(negative cost for to_store\\)"):
         assert copy_costs("cpu", offload, cache)["source"] == "measured"
     assert copy_costs("cpu", offload, cache)["source"] == f"cache {path}"  # rewritten
+
+
+def test_the_fit_charges_a_files_removal_to_the_read_back_as_the_training_thread_waits_for_it(
+    tmp_path, monkeypatch
+):
+    # autograd frees an offloaded tensor in backward, and the training thread then removes its file:
+    # a removal made slow (each one waits `removal_s` more) is in every read back's time, in no write's
+    removal_s = 0.05
+    unlink = offload_store._unlink
+
+    def slow_unlink(path):
+        time.sleep(removal_s)
+        unlink(path)
+
+    monkeypatch.setattr(offload_store, "_unlink", slow_unlink)
+    costs = fit_copy_costs("cpu", tmp_path)
+    assert min(costs["from_store"]["median_us"]) >= removal_s * 1e6
+    assert costs["to_store"]["median_us"][0] < removal_s * 1e6  # 64 KiB written in far less
+    assert os.listdir(tmp_path) == []
 
 
 def test_copy_costs_cache_sits_beside_the_cast_costs_cache_under_its_own_kind(tmp_path):
