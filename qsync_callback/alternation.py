@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qsync_callback.mean_band import band_factor, sequential_level
+from qsync_callback.mean_band import band_factor, median_band, sequential_level
 from qsync_callback.page_faults import minor_page_faults
-from qsync_callback.report import change_pct, median_band, median_noise_pct
+from qsync_callback.report import change_pct, median_noise_pct
 from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1

@@ -1,6 +1,7 @@
 """The band of a mean estimated from its own samples: Student's t, one degree of freedom fewer than
-the samples. Their spread is estimated from them, so a band of 2 standard errors (a normal's) is too
-narrow over a few samples (95%: at 3 Student's factor is 4.30, at 6 2.57, at 18 2.11).
+the samples (and the band of a median, `median_band`, from their interquartile range). Their
+spread is estimated from them, so a band of 2 standard errors (a normal's) is too narrow over a few
+samples (95%: at 3 Student's factor is 4.30, at 6 2.57, at 18 2.11).
 
 A mean looked at again and again as its samples grow (the loop's turns, `alternation.py`) gets more
 chances to stray past a 95% band: each look is tested at the lower level that `sequential_level`
@@ -35,6 +36,17 @@ def mean_band(samples: Sequence[float]) -> float:
     if len(samples) < 2:
         return 0.0
     return band_factor(len(samples)) * statistics.stdev(samples) / len(samples) ** 0.5
+
+
+def median_band(samples: Sequence[float]) -> float | None:
+    """How far the median of ``samples`` may be from the typical value by chance, in their unit: the
+    half-width of its 95% band (2 standard errors of a median, 1.2533 sigma / sqrt(n), with sigma
+    from the interquartile range, IQR / 1.349, so that a few outliers do not inflate it). None under
+    3 samples."""
+    if len(samples) < 3:
+        return None
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return 2 * 1.2533 * (q3 - q1) / 1.349 / len(samples) ** 0.5
 
 
 def _stays_within(threshold: float, looks: int) -> float:

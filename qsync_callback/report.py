@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qsync_callback.jsonio import write_text_atomic
+from qsync_callback.mean_band import median_band
 from qsync_callback.plan import FULL_PRECISION, OFFLOAD, RECOMPUTE, Plan
 from qsync_callback.planner.activation import NOTHING_TO_FREE
 from qsync_callback.planner.memory_plan import MemoryChoice
@@ -43,17 +44,6 @@ def _spread_pct(samples: Sequence[float]) -> float | None:
         return None
     deciles = statistics.quantiles(samples, n=10, method="inclusive")
     return 100.0 * (deciles[-1] - deciles[0]) / statistics.median(samples)
-
-
-def median_band(samples: Sequence[float]) -> float | None:
-    """How far the median of ``samples`` may be from the typical value by chance, in their unit: the
-    half-width of its 95% band (2 standard errors of a median, 1.2533 sigma / sqrt(n), with sigma
-    from the interquartile range, IQR / 1.349, so that a few outliers do not inflate it). None under
-    3 samples."""
-    if len(samples) < 3:
-        return None
-    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return 2 * 1.2533 * (q3 - q1) / 1.349 / len(samples) ** 0.5
 
 
 def median_noise_pct(samples: Sequence[float]) -> float | None:

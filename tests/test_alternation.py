@@ -31,9 +31,9 @@ from qsync_callback.alternation import (
     block_steps_for,
     paired_change,
 )
-from qsync_callback.mean_band import _stays_within, band_factor, mean_band, sequential_level
+from qsync_callback.mean_band import _stays_within, band_factor, mean_band, median_band, sequential_level
 from qsync_callback.plan import Plan
-from qsync_callback.report import median_band, median_noise_pct
+from qsync_callback.report import median_noise_pct
 
 from apply_script import run_two_ranks
 

@@ -90,14 +90,38 @@ def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it()
     # however small the rewrite's time, its share is its own
     tiny = {**table, "costs": {"MatMul": {**MATMUL, "fp32_us": 0.5}, "Relu": {**RELU, "fp32_us": 0.25}}}
     assert changed_share(tiny, {"MatMul": "bf16"}) == pytest.approx(2 / 3)
-    assert rewrite_step_ms([recorded]) == pytest.approx(0.101)
-    # two ranks: the slower rank's median; a rank whose probe timed nothing: no figure
+    # the median's band: quartiles 0.1 and 0.12, 2 x 1.2533 x 0.02 / 1.349 / sqrt(5) = 0.0166 ms,
+    # short of the 0.031 ms between the calls and the replay: the calls stand
+    assert rewrite_step_ms([recorded]) == (pytest.approx(0.101), pytest.approx(0.016620, rel=1e-3))
+    # two ranks: the slower rank's median (under 3 calls, no band); a rank whose probe timed
+    # nothing: no figure
     other = _op_trace({"MatMul": MATMUL, "Relu": RELU})
     other.precision_costs["op_types"]["step_ms"] = [0.2, 0.2]
-    assert rewrite_step_ms([recorded, other]) == pytest.approx(0.2)
+    assert rewrite_step_ms([recorded, other]) == (pytest.approx(0.2), 0.0)
     del other.precision_costs["op_types"]["step_ms"]
     assert rewrite_step_ms([recorded, other]) is None
     assert Predictor([other]).predict(both).step_ms == pytest.approx(0.070)
+
+
+def test_timed_calls_within_their_medians_band_of_the_replay_leave_the_replay_standing():
+    """Ten calls whose median (0.074 ms) is 4 us from the rewrite's replay (0.070 ms), with a band of
+    2 x 1.2533 x (0.08375 - 0.06625) / 1.349 / sqrt(10) = 10.3 us: chance; the replay stands, for the
+    rewrite and for a share of it. Calls as spread but 20 us slower are told apart."""
+    calls = [0.05, 0.06, 0.065, 0.07, 0.072, 0.076, 0.08, 0.085, 0.09, 0.1]
+    recorded = _op_trace({"MatMul": MATMUL, "Relu": RELU})
+    recorded.precision_costs["op_types"]["step_ms"] = calls
+    measured, band = rewrite_step_ms([recorded])
+    assert measured == pytest.approx(0.074) and band == pytest.approx(0.010283, rel=1e-3)
+    predictor = Predictor([recorded])
+    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
+    only_matmul = Plan(op_precision={"MatMul": "bf16"})
+    replayed_matmul = (4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3
+    assert predictor.predict(both).step_ms == pytest.approx(0.070)
+    assert predictor.predict(only_matmul).step_ms == pytest.approx(replayed_matmul)
+    recorded.precision_costs["op_types"]["step_ms"] = [ms + 0.02 for ms in calls]
+    slower = Predictor([recorded])
+    assert slower.predict(both).step_ms == pytest.approx(0.094)
+    assert slower.predict(only_matmul).step_ms == pytest.approx(replayed_matmul + 100 / 120 * 0.024)
 
 
 def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():

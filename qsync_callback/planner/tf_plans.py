@@ -36,9 +36,10 @@ recorded no allocations) is refused, with the reason.
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
 those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the median
-of the probe's timed calls of it (`op_precision.rewrite_step_ms`; where it timed none, the probe's
-profiled op times rebuilt on the recorded step), and its peak is its tensors' simulation calibrated
-on what TF's allocator read in the probe's profiled and reading calls
+of the probe's timed calls of it (`op_precision.rewrite_step_ms`; where it timed none, or their
+median is within its band of it, the probe's profiled op times rebuilt on the recorded step), and
+its peak is its tensors' simulation calibrated on what TF's allocator read in the probe's profiled
+and reading calls
 (`op_precision.rewrite_reading`), rather than predicting an unseen configuration. Other op-type
 plans take the share of what those timed calls measured over the rewrite's replay that their op
 types make of it (`op_precision.changed_share`).
@@ -142,9 +143,10 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     if rebuilt:
         notes.append(
             f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled and timed; the "
-            "figure is the median of the probe's timed calls (where it timed none, its profiled op "
-            "times rebuilt on the recorded step), and its peak is calibrated on what the allocator read "
-            "in the probe's calls (in-sample figures, not a prediction of an unseen configuration)"
+            "figure is the median of the probe's timed calls (its profiled op times rebuilt on the "
+            "recorded step where it timed none, or where that median is within its noise of them), and "
+            "its peak is calibrated on what the allocator read in the probe's calls (in-sample figures, "
+            "not a prediction of an unseen configuration)"
         )
     return PlanChoice(plan, best in feasible, _table(priced, best[0], notes, rebuilt))
 

@@ -15,7 +15,13 @@ measured cost per byte of the casts that rewrite inserted.
   times, which the profiler slowed otherwise than it slowed the recorded ones, the host gaps that
   do not shrink with them) is added to a plan in proportion to the share of the rewrite's changed
   fp32 op time that the plan changes (`changed_share`; all of it for the rewrite itself, whose
-  figure is then its timed calls' median, none for a plan that changes nothing).
+  figure is then its timed calls' median, none for a plan that changes nothing). Only where the
+  timed calls tell themselves from the replay: a difference within their median's 95% band is
+  chance, and the replay stands. The example's MLP on two Horovod processes sharing two cores
+  (seven launches over two sessions, `benchmarks/README.md`): the median of the probe's ten timed
+  calls missed the rewrite's change measured in turns afterwards by 1.1-13.9 points where the
+  replay missed by 0.2-7.4, and in the three launches that kept their calls' times, the median's
+  band (0.8-3.5 ms on a 20 ms step) held its difference from the replay (0.1-0.9 ms).
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).
@@ -59,6 +65,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.mean_band import median_band
 from qsync_callback.plan import FULL_PRECISION
 from qsync_callback.predictor.memory import TensorLife
 from qsync_callback.predictor.precision import _insert
@@ -91,13 +98,15 @@ def rewrite_reading(table: Mapping, op_precision: Mapping[str, str]) -> int | No
     return max((r for r in readings if r is not None), default=None)
 
 
-def rewrite_step_ms(traces: Sequence[Trace]) -> float | None:
-    """The uniform rewrite's measured step: the slowest rank's median over the probe's timed
-    (reading) calls; None where a rank's probe timed none."""
-    medians = [op_type_table(trace).get("step_ms") for trace in traces]
-    if not all(medians):
+def rewrite_step_ms(traces: Sequence[Trace]) -> tuple[float, float] | None:
+    """The uniform rewrite's measured step and its noise, in ms: the slowest rank's median over the
+    probe's timed (reading) calls and that median's 95% band (`mean_band.median_band`; 0 under 3
+    calls); None where a rank's probe timed none."""
+    calls = [op_type_table(trace).get("step_ms") for trace in traces]
+    if not all(calls):
         return None
-    return max(statistics.median(ms) for ms in medians)
+    slowest = max(calls, key=statistics.median)
+    return statistics.median(slowest), median_band(slowest) or 0.0
 
 
 def changed_share(table: Mapping, op_precision: Mapping[str, str]) -> float:

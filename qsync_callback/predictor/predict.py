@@ -185,19 +185,21 @@ class Predictor:
     def _on_rewrite_calls(self, plan: Plan, prediction: Prediction) -> Prediction:
         """An op-type plan's step calibrated on the uniform rewrite's timed calls: what they measured
         over the rewrite's replayed step, times the plan's `changed_share` of the rewrite (module
-        docstring of `op_precision.py`); unchanged where the probe timed no call."""
+        docstring of `op_precision.py`); unchanged where the probe timed no call, or where their
+        median is within its band of the replay."""
         precisions = set(changed_op_types(plan.op_precision).values())
         if len(precisions) != 1:
             return prediction
         low = precisions.pop()
         if low not in self._rewrite_residual_ms:
-            measured = rewrite_step_ms(self.traces)
+            timed = rewrite_step_ms(self.traces)
             uniform = uniform_op_types(op_type_table(self.traces[0]), low)
             self._rewrite_residual_ms[low] = 0.0
-            if measured is not None and uniform:
+            if timed is not None and uniform:
+                measured, band = timed
                 rewrite = Plan(op_precision=dict.fromkeys(uniform, low))
-                replayed = self._replayed(rewrite, None, "<the uniform rewrite>")
-                self._rewrite_residual_ms[low] = measured - replayed.step_ms
+                residual = measured - self._replayed(rewrite, None, "<the uniform rewrite>").step_ms
+                self._rewrite_residual_ms[low] = residual if abs(residual) > band else 0.0
         share = statistics.fmean(
             changed_share(op_type_table(trace), plan.op_precision) for trace in self.traces
         )

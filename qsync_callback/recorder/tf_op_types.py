@@ -13,12 +13,13 @@ MLP on one process, on a CPU without native bf16: 27.0 to 34.0 MiB over 31 steps
 18.0 to 20.0; with native bf16, 20.0 to 29.0 MiB over 31 steps, where fp32 read 19.0 to 20.0). Then
 ``reading_calls`` unprofiled calls (the recorder gives the window's ``measure_steps``), each timed
 and with TF's allocator peak read as a timed step's is (`recorder/tf_memory.StepPeaks`): the
-uniform rewrite's step time is their median (`predictor/op_precision.rewrite_step_ms`), and its
-predicted peak is calibrated on the most any profiled or reading call read, the largest of about
-as many steps as a window measures its peak over, since the largest of five profiled steps falls
-short of the largest of twenty (the MLP above: 27.0 MiB over five, 29.0 over the verify window's
-23). The calls always run, once each; a failure of the probe's own work switches the step back at
-once, and the table then only says why nothing was measured (``{"note": ...}``).
+uniform rewrite's step time is their median where it is told apart from the profiled calls' replay
+(`predictor/op_precision.rewrite_step_ms`), and its predicted peak is calibrated on the most any
+profiled or reading call read, the largest of about as many steps as a window measures its peak
+over, since the largest of five profiled steps falls short of the largest of twenty (the MLP above:
+27.0 MiB over five, 29.0 over the verify window's 23). The calls always run, once each; a failure
+of the probe's own work switches the step back at once, and the table then only says why nothing
+was measured (``{"note": ...}``).
 
 Which calls feed what: the probe's calls come after the window's timed calls and none of them is
 among the baseline's timed calls (`TFRecorder` times no call from the probe's first on), so the
