@@ -18,6 +18,7 @@ from qsync_callback.predictor.op_precision import (
     rewrite_step_ms,
 )
 from qsync_callback.predictor.predict import Predictor
+from qsync_callback.recorder.trace import Step, Trace
 
 from tracebuilder import op, trace
 
@@ -122,6 +123,36 @@ def test_timed_calls_within_their_medians_band_of_the_replay_leave_the_replay_st
     slower = Predictor([recorded])
     assert slower.predict(both).step_ms == pytest.approx(0.094)
     assert slower.predict(only_matmul).step_ms == pytest.approx(replayed_matmul + 100 / 120 * 0.024)
+
+
+def test_the_replays_own_band_joins_the_timed_calls_band_before_they_are_told_apart():
+    """Three steps whose MatMul took 60, 100 and 140 us: the rewrite replays them at 60, 70 and 80
+    us (45 us of casts, gap, Relu and loss, and a quarter of the MatMul), paired on the recorded
+    median (135 us) at 70 us, its steps' band 2 x 1.2533 x 10 / 1.349 / sqrt(3) = 10.7 us. Timed
+    calls at 79 us (band 5.0 us) are 9 us off: past their own band, within the two combined (11.8
+    us), so the replay stands; 11 us slower (90 us, 20 off) they are told apart."""
+    ops, steps, start = [], [], 0.0
+    for step, matmul_us in enumerate((60.0, 100.0, 140.0)):  # `_op_trace`'s step, its MatMul changed
+        ops += [
+            op(3 * step, "fc/MatMul", "forward", "main", start, matmul_us, step=step),
+            op(3 * step + 1, "fc/Relu", "forward", "main", start + matmul_us + 5, 20.0, step=step),
+            op(3 * step + 2, "loss", "forward", "main", start + matmul_us + 25, 10.0, step=step),
+        ]
+        steps.append(Step(step, start, start + matmul_us + 35))
+        start += matmul_us + 35
+    table = _op_trace({"MatMul": MATMUL, "Relu": RELU}).precision_costs
+    recorded = Trace(rank=0, world_size=1, device="cpu", steps=steps, ops=ops, precision_costs=table)
+    calls = [0.070, 0.076, 0.079, 0.082, 0.095]
+    recorded.precision_costs["op_types"]["step_ms"] = calls
+    assert rewrite_step_ms([recorded]) == (pytest.approx(0.079), pytest.approx(0.00499, rel=1e-2))
+    both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
+    predictor = Predictor([recorded])
+    assert predictor.predict().step_ms == pytest.approx(0.135)
+    rewrite = predictor.predict(both)
+    assert rewrite.step_ms == pytest.approx(0.070)
+    assert sorted(rewrite.replayed_step_ms) == [pytest.approx(ms) for ms in (0.060, 0.070, 0.080)]
+    recorded.precision_costs["op_types"]["step_ms"] = [ms + 0.011 for ms in calls]
+    assert Predictor([recorded]).predict(both).step_ms == pytest.approx(0.090)
 
 
 def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():

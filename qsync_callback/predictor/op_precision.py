@@ -10,18 +10,20 @@ measured cost per byte of the casts that rewrite inserted.
 - Time: every op of a changed type keeps its recorded duration times its type's measured ratio
   (``<p>_us / fp32_us``, summed over the same ops in both runs).
 - Calibration on the rewrite's own timed calls: the bf16 probe times its unprofiled reading calls
-  (``step_ms``), so the uniform rewrite's step is measured as the recorded configuration's is. What
-  it measured over its replayed figure (`rewrite_step_ms` less that replay: the bf16 ops' profiled
-  times, which the profiler slowed otherwise than it slowed the recorded ones, the host gaps that
-  do not shrink with them) is added to a plan in proportion to the share of the rewrite's changed
-  fp32 op time that the plan changes (`changed_share`; all of it for the rewrite itself, whose
-  figure is then its timed calls' median, none for a plan that changes nothing). Only where the
-  timed calls tell themselves from the replay: a difference within their median's 95% band is
-  chance, and the replay stands. The example's MLP on two Horovod processes sharing two cores
-  (seven launches over two sessions, `benchmarks/README.md`): the median of the probe's ten timed
-  calls missed the rewrite's change measured in turns afterwards by 1.1-13.9 points where the
-  replay missed by 0.2-7.4, and in the three launches that kept their calls' times, the median's
-  band (0.8-3.5 ms on a 20 ms step) held its difference from the replay (0.1-0.9 ms).
+  (``step_ms``), so the uniform rewrite's step is measured as the recorded configuration's is.
+  What it measured over its replayed figure (`rewrite_step_ms` less that replay: the bf16 ops'
+  profiled times, which the profiler slowed otherwise than it slowed the recorded ones, the host
+  gaps that do not shrink with them) is added to a plan in proportion to the share of the
+  rewrite's changed fp32 op time that the plan changes (`changed_share`; all of it for the rewrite
+  itself, whose figure is then its timed calls' median, none for a plan that changes nothing).
+  Only where the timed calls tell themselves from the replay: two medians, each with its 95% band
+  (the timed calls', and the replayed steps'), within their combined band of each other (the root
+  of the sum of squares, as verify combines two medians' noise) differ by chance, and the replay
+  stands. The probe times ten calls, and on two cores their median's band was 0.3-4.0 ms (3-21% of
+  the step) over 15 launches of the example's MLP and CNN on 1 and 2 Horovod processes
+  (`benchmarks/README.md`, the Horovod plans table's reading): the timed calls alone missed the
+  rewrite's change measured in turns afterwards by a median of 7.6 points over 11 of them, the
+  replay alone by 6.2, the two taken this way by 6.2 (means 8.2, 7.3 and 5.8).
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).

@@ -29,6 +29,7 @@ page faults they save off every step, on top of whatever else the plan decides.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -37,6 +38,7 @@ import networkx as nx
 import numpy as np
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.mean_band import median_band
 from qsync_callback.plan import KEEP, Plan, holds
 from qsync_callback.predictor.activation import ActivationPricing, check_activation_plan
 from qsync_callback.predictor.compiled_regions import (
@@ -186,7 +188,7 @@ class Predictor:
         """An op-type plan's step calibrated on the uniform rewrite's timed calls: what they measured
         over the rewrite's replayed step, times the plan's `changed_share` of the rewrite (module
         docstring of `op_precision.py`); unchanged where the probe timed no call, or where their
-        median is within its band of the replay."""
+        median and the replay's are within their combined band of each other."""
         precisions = set(changed_op_types(plan.op_precision).values())
         if len(precisions) != 1:
             return prediction
@@ -198,8 +200,10 @@ class Predictor:
             if timed is not None and uniform:
                 measured, band = timed
                 rewrite = Plan(op_precision=dict.fromkeys(uniform, low))
-                residual = measured - self._replayed(rewrite, None, "<the uniform rewrite>").step_ms
-                self._rewrite_residual_ms[low] = residual if abs(residual) > band else 0.0
+                replayed = self._replayed(rewrite, None, "<the uniform rewrite>")
+                residual = measured - replayed.step_ms
+                noise = math.hypot(band, median_band(replayed.replayed_step_ms) or 0.0)
+                self._rewrite_residual_ms[low] = residual if abs(residual) > noise else 0.0
         share = statistics.fmean(
             changed_share(op_type_table(trace), plan.op_precision) for trace in self.traces
         )
