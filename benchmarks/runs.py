@@ -256,7 +256,7 @@ def priced_without(traces: list[Trace], plan: Plan, keys: set[str]) -> Predictio
     """``plan`` priced on copies of ``traces`` whose probe tables lack ``keys`` (the figures the
     product calibrates on, to show what they change)."""
     copies = [Trace.from_dict(trace.to_dict(), source="copy") for trace in traces]
-    for trace in copies:
-        table = op_type_table(trace)
-        trace.precision_costs[OP_TYPE_COSTS] = {k: v for k, v in table.items() if k not in keys}
+    for trace in copies:  # a copy shares its dicts with the trace: the table is replaced, not edited
+        table = {k: v for k, v in op_type_table(trace).items() if k not in keys}
+        trace.precision_costs = {**trace.precision_costs, OP_TYPE_COSTS: table}
     return Predictor(copies).predict(plan)
