@@ -19,11 +19,11 @@ measured cost per byte of the casts that rewrite inserted.
   Only where the timed calls tell themselves from the replay: two medians, each with its 95% band
   (the timed calls', and the replayed steps'), within their combined band of each other (the root
   of the sum of squares, as verify combines two medians' noise) differ by chance, and the replay
-  stands. The probe times ten calls, and on two cores their median's band was 0.3-4.0 ms (3-21% of
-  the step) over 15 launches of the example's MLP and CNN on 1 and 2 Horovod processes
-  (`benchmarks/README.md`, the Horovod plans table's reading): the timed calls alone missed the
-  rewrite's change measured in turns afterwards by a median of 7.6 points over 11 of them, the
-  replay alone by 6.2, the two taken this way by 6.2 (means 8.2, 7.3 and 5.8).
+  stands. The probe times ten calls, and on two cores their median's band was 0.2-4.0 ms (4-21% of
+  the step) over 27 launches of the example's MLP and CNN on 1 and 2 Horovod processes
+  (`benchmarks/README.md`, the Horovod plans table's reading): over 23 of them, the rewrite's
+  change missed the change measured in turns afterwards by a median of 7.3 points (mean 7.6) at
+  the timed calls' median, 4.9 (6.3) at the replay alone, and 6.2 (5.9) taken this way.
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).
