@@ -99,6 +99,8 @@ def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it()
     other = _op_trace({"MatMul": MATMUL, "Relu": RELU})
     other.precision_costs["op_types"]["step_ms"] = [0.2, 0.2]
     assert rewrite_step_ms([recorded, other]) == (pytest.approx(0.2), 0.0)
+    other.precision_costs["op_types"]["step_ms"] = [0.3, 0.05, 0.05]  # a slow first call, a fast median
+    assert rewrite_step_ms([recorded, other])[0] == pytest.approx(0.101)
     del other.precision_costs["op_types"]["step_ms"]
     assert rewrite_step_ms([recorded, other]) is None
     assert Predictor([other]).predict(both).step_ms == pytest.approx(0.070)
