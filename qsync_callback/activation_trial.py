@@ -23,8 +23,9 @@ median where its noise is the smaller (`trial_change`): an offload trial of the 
 to disk (45 MiB a step) measured +59 ms +-83 in its rounds' mean in one process (session 20) and
 +21.9 +-2.2 in another (session 21), as the disk stalls a few rounds' blocks and not the rest.
 `TrialSequence` runs them one after the other.
-Where the change is within its noise a trial calibrates nothing and says so; a trial that fails (a
-module refused, a store that cannot write) is undone at once and says why.
+Where the change is within its noise, of nothing or of the policy's price, a trial calibrates
+nothing and says so (`predictor.activation.price_stands`); a trial that fails (a module refused, a
+store that cannot write) is undone at once and says why.
 
 - **Offload**: the factor is the step-time change over what the fit prices for the copies the store
   made in the trial's timed steps (``copies * alpha + bytes * beta`` each way, by the store's own
@@ -55,6 +56,7 @@ from typing import Any, ClassVar, Protocol
 
 from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
 from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
+from qsync_callback.predictor.activation import price_stands
 from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
 
@@ -299,7 +301,9 @@ class OffloadTrial(PolicyTrial):
         out["priced_ms"] = priced_ms
         if priced_ms <= 0:
             return {**out, "note": "the trial's offload moved nothing"}
-        note = within_noise(out["change_ms"], out["noise_ms"])
+        note = within_noise(out["change_ms"], out["noise_ms"]) or price_stands(
+            out["change_ms"], out["noise_ms"], priced_ms, "the fit's price"
+        )
         if note is not None:
             return {**out, "note": note}
         return {**out, "factor": out["change_ms"] / priced_ms}

@@ -16,7 +16,15 @@ from qsync_callback.planner.activation import (
     greedy_activation,
 )
 from qsync_callback.planner.memory_plan import plan_memory
-from qsync_callback.predictor.activation import _bounds, _extend, _lane, module_spans, nested_pairs, overlaps
+from qsync_callback.predictor.activation import (
+    _bounds,
+    _extend,
+    _lane,
+    module_spans,
+    nested_pairs,
+    overlaps,
+    price_stands,
+)
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Step
 from qsync_callback.report import format_memory_plan
@@ -271,6 +279,8 @@ def test_an_offload_trials_factor_scales_every_copy_and_none_leaves_the_fit(in_s
         ({"change_ms": 0.0175, "noise_ms": 0.001}, 0.5, 80 + 0.5 * 25),
         # a trial that could not tell leaves the recorded forward's price
         ({"note": "the step's change (+0.01 ms) is within its noise (+-0.02 ms)"}, None, 80 + 25),
+        # nor one whose change (40 us +- 10) is within its noise of that price (35 us)
+        ({"change_ms": 0.040, "noise_ms": 0.01}, None, 80 + 25),
     ],
 )
 def test_a_recompute_trials_factor_is_its_change_over_the_recorded_forward_and_scales_every_recompute(
@@ -285,6 +295,15 @@ def test_a_recompute_trials_factor_is_its_change_over_the_recorded_forward_and_s
     assert planned.step_ms * 1e3 == pytest.approx(step_us)
     assert planned.peak_bytes == 300 * KIB  # the factor prices time, not memory
     assert predictor.predict().step_ms * 1e3 == pytest.approx(80.0)  # nor the recorded configuration
+
+
+def test_a_trial_calibrates_only_a_change_told_apart_from_its_price():
+    assert price_stands(26.5, 2.0, 27.9, "the fit's price") == (
+        "the step's change (+26.50 ms) is within its noise (+-2.00 ms) of the fit's price (27.90 ms)"
+    )
+    assert price_stands(26.0, 2.0, 28.0, "x") is not None  # exactly its noise away: no telling
+    assert price_stands(25.75, 2.0, 28.0, "x") is None
+    assert price_stands(30.0, 2.0, 28.0, "x") is not None and price_stands(30.25, 2.0, 28.0, "x") is None
 
 
 def test_a_recompute_trial_of_modules_the_steps_do_not_hold_calibrates_nothing(predictor):

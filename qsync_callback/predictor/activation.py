@@ -25,29 +25,30 @@ policy frees them; an offload still copies them.
   such tensor dies at the end of the op after the one that made it (its consumer), instead of in
   backward. Right before the module's first backward op, its forward runs again (the forward ops'
   time and host gaps, at the plan's precision, times what a recompute trial measured the run's
-  steps to pay over that price, where one did: ``Trace.activation_costs["recompute"]["in_step"]``,
-  `activation_trial`, `recompute_trials`), and the tensors are made again then, all of them, with
-  the largest total of the forward's own temporaries alive at once; they die where they died in
-  the recording.
+  steps to pay over that price, where one told that apart from the price (`price_stands`):
+  ``Trace.activation_costs["recompute"]["in_step"]``, `activation_trial`, `recompute_trials`), and
+  the tensors are made again then, all of them, with the largest total of the forward's own
+  temporaries alive at once; they die where they died in the recording.
 - **Offload.** Every tensor it saved (``inside``, ``held`` and ``outputs``) of at least
   `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane of its own (one queue for both
   directions, in request order; each copy takes ``alpha + beta * bytes`` of that direction,
   `Trace.activation_costs["copy"]`, times what an offload trial measured the run's steps to pay
-  over that price, where one did: ``["copy"]["in_step"]["factor"]``, `activation_trial`): a
-  copy to the store is requested when the op that made the tensor ends (for ``held``: the module's
-  first forward op), and the tensor is freed when both its copy is done and its consumer has run.
-  The copies back are requested when the backward reaches the next offloaded module in forward
-  order (its first backward op starts; the last one offloaded: its own first backward op), and the
-  tensor is alive again from then. The module's first backward op waits until its tensors are
-  back: only a late copy costs time. That is the CUDA tier (copies on a side stream); on the CPU's
-  disk tier (`overlaps`) each copy to the store is waited for by the op that made the tensor, and
-  each copy back by the module's first backward op, whole: the copies run on the cores the step
-  runs on, and the tensor is freed when its consumer has run. What it ``held`` (its input) is
-  copied too but counted as still alive: its caller may hold it for longer than the record shows
-  (a residual block's input, used again by the add after the block's first op, was measured not to
-  come down at the peak in some runs), so the predicted peak errs high rather than low. An input
-  that a backward outside the module frees last (a ReLU's output, which the ReLU saved) is not the
-  module's: the applier leaves it where it is, and it is neither copied nor freed here.
+  over that price, where one told that apart from the price: ``["copy"]["in_step"]["factor"]``,
+  `activation_trial`): a copy to the store is requested when the op that made the tensor ends (for
+  ``held``: the module's first forward op), and the tensor is freed when both its copy is done and
+  its consumer has run. The copies back are requested when the backward reaches the next offloaded
+  module in forward order (its first backward op starts; the last one offloaded: its own first
+  backward op), and the tensor is alive again from then. The module's first backward op waits until
+  its tensors are back: only a late copy costs time. That is the CUDA tier (copies on a side
+  stream); on the CPU's disk tier (`overlaps`) each copy to the store is waited for by the op that
+  made the tensor, and each copy back by the module's first backward op, whole: the copies run on
+  the cores the step runs on, and the tensor is freed when its consumer has run. What it ``held``
+  (its input) is copied too but counted as still alive: its caller may hold it for longer than the
+  record shows (a residual block's input, used again by the add after the block's first op, was
+  measured not to come down at the peak in some runs), so the predicted peak errs high rather than
+  low. An input that a backward outside the module frees last (a ReLU's output, which the ReLU
+  saved) is not the module's: the applier leaves it where it is, and it is neither copied nor freed
+  here.
 
 Time is priced on the compiled graphs (`replay.CompiledGraph`), on top of the precision plan's op
 durations: the recompute's time is added to the module's first backward op; an offload's wait is
@@ -209,6 +210,21 @@ def _remade_at(span: ModuleSpan) -> float:
     return span.first_backward.start_us - _REMADE_US
 
 
+def price_stands(change_ms: float, noise_ms: float, priced_ms: float, price: str) -> str | None:
+    """Why a trial's measured change (``change_ms`` +- ``noise_ms``) leaves its policy priced by
+    ``price`` alone (``priced_ms``), or None where it tells itself from that price: a factor taken
+    on a change within its noise of the price would move every module's price by chance. On this
+    2-core VM a whole-model trial's noise was +-1.1 to +-7.7 ms on changes of 4-46 ms, and in six
+    recordings (three models, two benchmarks, one session) the offload trial measured 0.77-1.47
+    times the fit, five of them within their noise of it (`benchmarks/README.md`)."""
+    if abs(change_ms - priced_ms) <= noise_ms:
+        return (
+            f"the step's change ({change_ms:+.2f} ms) is within its noise (+-{noise_ms:.2f} ms) of "
+            f"{price} ({priced_ms:.2f} ms)"
+        )
+    return None
+
+
 def _copy_us(costs: Mapping, direction: str, nbytes: int) -> float:
     """The copy's time by the fit, times what the step was measured to pay over the fit's price where
     an offload trial measured it (`activation_trial`)."""
@@ -298,8 +314,8 @@ class ActivationPricing:
         """Rank position ``k``'s recompute trial (`activation_trial.RecomputeTrial`) with its
         ``priced_ms`` (the same recompute priced on the recorded durations, the median over the
         recorded steps; given where the trial could not tell too) and ``factor`` (the measured
-        change over that price; None where the trial could not tell, or nothing was priced); None
-        where no trial ran."""
+        change over that price; None where the trial could not tell its change from nothing or from
+        that price, or nothing was priced); None where no trial ran."""
         trial = self._traces[k].activation_costs.get("recompute", {}).get("in_step")
         if trial is None:
             return None
@@ -312,6 +328,11 @@ class ActivationPricing:
             return out
         if priced_us <= 0:
             return {**out, "note": "the trial's modules recompute nothing in the recorded steps"}
+        note = price_stands(
+            trial["change_ms"], trial["noise_ms"], priced_us / 1e3, "the recorded forward's price"
+        )
+        if note is not None:
+            return {**out, "note": note}
         return {**out, "factor": trial["change_ms"] * 1e3 / priced_us}
 
     def _recompute_added(
