@@ -305,7 +305,7 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
         ' launch with its env in mode "report", baseline by one without it. A reconstruction: the plan'
         " is TF's uniform bf16 rewrite, which the bf16 probe profiled and timed (its profiled calls'"
         " median: the probe column); its predicted figure is the median of the probe's timed calls, or"
-        " its replay where that median is within its noise of it.",
+        " its replay where the two are within their combined noise.",
     ]
     gaps = [g for r in rows for g in r.get("change_gaps_pts", [])]
     replayed = [g for r in rows for g in r.get("replayed_gaps_pts", [])]

@@ -310,8 +310,8 @@ def _uniform_lines(rows: list[dict[str, Any]]) -> list[str]:
         "against its peak priced on the apply run's traces, calibrated on the bf16 probe's readings "
         "(the product's figure: its five profiled steps and its reading calls), on its profiled steps "
         "alone, on the recorded configuration's reading instead, and the simulation alone; its step "
-        "time predicted (the median of the probe's timed calls, or the replay where it is within that "
-        "median's noise) and replayed from the probe's profiled op times alone.\n",
+        "time predicted (the median of the probe's timed calls, or the replay where the two are within "
+        "their combined noise) and replayed from the probe's profiled op times alone.\n",
         "| model | processes | op types | measured peak: largest (median, smallest) | predicted "
         "| error vs largest | error vs median | on the profiled steps alone (error) | on the recorded "
         "reading (error) | simulation alone (error) | step ms measured / predicted (error) | replayed "

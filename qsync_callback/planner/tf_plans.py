@@ -35,14 +35,13 @@ recorded no allocations) is refused, with the reason.
 
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
-those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the median
-of the probe's timed calls of it (`op_precision.rewrite_step_ms`; where it timed none, or their
-median is within its band of it, the probe's profiled op times rebuilt on the recorded step), and
-its peak is its tensors' simulation calibrated on what TF's allocator read in the probe's profiled
-and reading calls
-(`op_precision.rewrite_reading`), rather than predicting an unseen configuration. Other op-type
-plans take the share of what those timed calls measured over the rewrite's replay that their op
-types make of it (`op_precision.changed_share`).
+those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the median of
+the probe's timed calls of it (`op_precision.rewrite_step_ms`; where it timed none, or their median
+is within the two medians' combined band of it, the probe's profiled op times rebuilt on the
+recorded step), and its peak is its tensors' simulation calibrated on what TF's allocator read in
+the probe's profiled and reading calls (`op_precision.rewrite_reading`), rather than predicting an
+unseen configuration. Other op-type plans take the share of what those timed calls measured over
+the rewrite's replay that their op types make of it (`op_precision.changed_share`).
 The table marks such a candidate (`reconstructs_probe`). Its verification (`verify.py`) still
 measures it on calls of its own that feed no prediction.
 

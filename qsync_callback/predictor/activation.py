@@ -214,9 +214,9 @@ def price_stands(change_ms: float, noise_ms: float, priced_ms: float, price: str
     """Why a trial's measured change (``change_ms`` +- ``noise_ms``) leaves its policy priced by
     ``price`` alone (``priced_ms``), or None where it tells itself from that price: a factor taken
     on a change within its noise of the price would move every module's price by chance. On this
-    2-core VM a whole-model trial's noise was +-1.1 to +-7.7 ms on changes of 4-46 ms, and in six
-    recordings (three models, two benchmarks, one session) the offload trial measured 0.77-1.47
-    times the fit, five of them within their noise of it (`benchmarks/README.md`)."""
+    2-core VM a whole-model trial's noise was +-1.1 to +-7.7 ms on changes of 4-46 ms, and in twelve
+    recordings (three models, two benchmarks run twice, one session) the offload trial measured
+    0.77-1.62 times the fit, nine of them within their noise of it (`benchmarks/README.md`)."""
     if abs(change_ms - priced_ms) <= noise_ms:
         return (
             f"the step's change ({change_ms:+.2f} ms) is within its noise (+-{noise_ms:.2f} ms) of "
