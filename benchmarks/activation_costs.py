@@ -12,8 +12,11 @@ under a 100% budget: the offload store's copy-cost fit and the offload and recom
 every module that can be offloaded or recomputed alone; the ``--options`` that free the most of
 each policy, other than the modules its trial ran (priced by that trial's own measurement), are
 priced (the plan's predicted step less the recorded configuration's, both predicted) and run in
-turns, ``--rounds`` rounds in each of ``--repeats`` fresh processes. The measured cost is the change
-in turns (`alternation.paired_change`, mean over the processes, noise combined) times the recorded
+turns; so is each policy's trial's set of modules together (`trial_options`), whose cost, several
+times one module's, the noise resolves to a few percent, and whose independent price is the one
+without the trial (the copy-cost fit, the recorded forward). All run in turns, ``--rounds`` rounds
+in each of ``--repeats`` fresh processes. The measured cost is the change in turns
+(`alternation.paired_change`, mean over the processes, noise combined) times the recorded
 configuration's predicted step, so that it reads in milliseconds; its error is the predicted cost
 against it.
 
@@ -91,6 +94,37 @@ def chosen_options(predictor: Predictor, per_policy: int) -> list[dict[str, Any]
     return rows
 
 
+def trial_options(predictor: Predictor) -> list[dict[str, Any]]:
+    """Each policy's trial's modules together as one plan (`memory_plans.recording_trials`), with
+    the keys of `chosen_options`' rows and ``together``: its price with the trial is calibrated on
+    that trial's own few rounds; its price without the trial is an independent prediction."""
+    options, _ = activation_options(predictor, {})
+    freed = {(o.module, o.policy): o.freed_bytes for o in options}
+    recorded = predictor.predict()
+    untried = Predictor(without_trials(predictor.traces))
+    untried_recorded_ms = untried.predict().step_ms
+    rows = []
+    for policy, trial in recording_trials(predictor).items():
+        if not trial or not trial.get("modules"):
+            continue
+        activation = dict.fromkeys(trial["modules"], policy)
+        plan = Plan(fingerprint=dict(predictor.traces[0].fingerprint), activation=activation)
+        predicted = predictor.predict(plan)
+        rows.append(
+            {
+                "module": ", ".join(trial["modules"][:3]) + ", ..." * (len(trial["modules"]) > 3),
+                "policy": policy,
+                "plan": plan,
+                "together": True,
+                "freed_bytes": sum(freed.get((module, policy), 0) for module in trial["modules"]),
+                "predicted_cost_ms": predicted.step_ms - recorded.step_ms,
+                "untried_cost_ms": untried.predict(plan).step_ms - untried_recorded_ms,
+                "predicted_change_pct": change_pct(predicted.step_ms, recorded.step_ms),
+            }
+        )
+    return rows
+
+
 def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: int, timeout: float) -> dict:
     """Record ``model``, price its chosen options and run them in turns; the rows."""
     runs_dir = out / "activation_cost_runs"
@@ -100,7 +134,7 @@ def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: 
         raise RuntimeError(f"recording {model} failed")
     predictor = Predictor(load_trace_dir(record_dir / "trace"))
     recorded_ms = predictor.predict().step_ms
-    rows = chosen_options(predictor, per_policy)
+    rows = chosen_options(predictor, per_policy) + trial_options(predictor)
     files = {}
     for i, row in enumerate(rows):
         files[str(i)] = runs_dir / f"{model}-option{i}.json"
@@ -134,21 +168,26 @@ def markdown(results: list[dict[str, Any]], rounds: int, repeats: int) -> str:
     ]
     errors: dict[str, list[float]] = {OFFLOAD: [], RECOMPUTE: []}
     within: dict[str, int] = {OFFLOAD: 0, RECOMPUTE: 0}
+    together_lines = []
     for result in results:
         for row in result["rows"]:
             measured = row.get("measured_cost_ms")
             error = row.get("cost_error_pct")
             told = measured is not None and abs(row["predicted_cost_ms"] - measured) <= row["noise_ms"]
-            if error is not None:
+            untried = row["untried_cost_ms"]
+            if row.get("together"):
+                if measured is not None and measured > 0:
+                    together_lines.append(_together_line(result["model"], row, measured, untried))
+            elif error is not None:
                 errors[row["policy"]].append(error)
                 within[row["policy"]] += told
             cell = "-" if measured is None else f"{measured:+.2f} (+-{row['noise_ms']:.2f})"
             frees = format_bytes(row["freed_bytes"])
-            untried = row["untried_cost_ms"]
             ratio = measured / untried if measured is not None and untried > 0 else None
             verdict = "-" if measured is None else "yes" if told else "no"
+            label = f"together: {row['module']}" if row.get("together") else row["module"]
             lines.append(
-                f"| {result['model']} | {row['module']} | {row['policy']} | {frees} | "
+                f"| {result['model']} | {label} | {row['policy']} | {frees} | "
                 f"{row['predicted_cost_ms']:+.2f} | {cell} | {na(error, '+.0f')}% | {verdict} | "
                 f"{untried:+.2f} | {na(ratio, '.2f')} |"
             )
@@ -167,6 +206,12 @@ def markdown(results: list[dict[str, Any]], rounds: int, repeats: int) -> str:
             f"{COST_TOLERANCE:.0f}%: {close} of {len(policy_errors)}; predicted within the measured noise: "
             f"{within[policy]} of {len(policy_errors)}."
         )
+    if together_lines:
+        lines.append(
+            "Each trial's modules together (priced with the trial: calibrated on that trial's own rounds; "
+            "without it: an independent price), the error of the price without the trial:"
+        )
+        lines += together_lines
     lines.append("The recordings' trials (`activation_trial.py`), as the plan's table gives them:")
     lines += [
         f"- {r['model']}: {format_activation_trial(policy, trial).strip()}"
@@ -175,6 +220,19 @@ def markdown(results: list[dict[str, Any]], rounds: int, repeats: int) -> str:
         if trial is not None
     ]
     return "\n".join(lines)
+
+
+def _together_line(model: str, row: dict[str, Any], measured_ms: float, untried_ms: float) -> str:
+    """One summary line for a trial's modules together: the price without the trial against the
+    cost measured in turns, and the measured noise as a share of that cost (what the figure resolves)."""
+    error = change_pct(untried_ms, measured_ms)
+    resolves = 100 * row["noise_ms"] / measured_ms
+    verdict = "within" if abs(error) <= COST_TOLERANCE else "outside"
+    return (
+        f"- {model} {row['policy']} of {row['module']}: {untried_ms:+.2f} ms priced without the trial "
+        f"against {measured_ms:+.2f} ms (+-{row['noise_ms']:.2f}, +-{resolves:.0f}% of it): {error:+.1f}%, "
+        f"{verdict} {COST_TOLERANCE:.0f}%."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

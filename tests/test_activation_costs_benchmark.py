@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from activation_costs import chosen_options, markdown, without_trials  # noqa: E402
+from activation_costs import chosen_options, markdown, trial_options, without_trials  # noqa: E402
 from test_activation_plans import COPY, _step  # noqa: E402
 
 from qsync_callback.predictor.predict import Predictor  # noqa: E402
@@ -48,6 +48,21 @@ def test_the_trials_modules_are_left_out_and_the_others_priced_with_and_without_
     assert "in_step" in predictor.traces[0].activation_costs["copy"]
 
 
+def test_each_trials_modules_together_are_priced_with_the_trial_and_without_it():
+    predictor = _predictor("head")
+    rows = {r["policy"]: r for r in trial_options(predictor)}
+    assert set(rows) == {"offload", "recompute"}
+    assert all(r["together"] and r["module"] == "head" for r in rows.values())
+    assert rows["offload"]["plan"].activation == {"head": "offload"}
+    # with the trial its factor prices the head's copies; without it the fit alone does
+    assert rows["offload"]["predicted_cost_ms"] == pytest.approx(2.5 * rows["offload"]["untried_cost_ms"])
+    assert rows["recompute"]["predicted_cost_ms"] == pytest.approx(2 * rows["recompute"]["untried_cost_ms"])
+    assert rows["offload"]["untried_cost_ms"] > 0
+    # no trial, no row
+    bare = Predictor(without_trials(predictor.traces))
+    assert trial_options(bare) == []
+
+
 def test_the_table_counts_the_costs_within_ten_percent_and_within_the_noise():
     def row(policy, predicted, measured, noise):
         return {
@@ -61,13 +76,28 @@ def test_the_table_counts_the_costs_within_ten_percent_and_within_the_noise():
             "cost_error_pct": 100 * (predicted / measured - 1),
         }
 
+    together = {
+        **row("offload", 40.0, 30.0, 1.5),
+        "together": True,
+        "untried_cost_ms": 28.0,
+        "module": "a, b",
+    }
     rows = [
         row("offload", 10.5, 10.0, 0.1),
         row("offload", 13.0, 10.0, 4.0),
         row("recompute", 5.0, 10.0, 1.0),
+        together,
     ]
     table = markdown([{"model": "x", "rows": rows, "trials": {}}], rounds=24, repeats=2)
     assert "offload: median |cost error| 18% over 2 modules (mean signed +18%); within 10%: 1 of 2; " in table
     assert "predicted within the measured noise: 1 of 2." in table
     assert "recompute: median |cost error| 50% over 1 modules (mean signed -50%); within 10%: 0 of 1" in table
     assert "| x | m | offload | 1.0 MiB | +10.50 | +10.00 (+-0.10) | +5% | no | +5.25 | 1.90 |" in table
+    # the trial's modules together: in the table, out of the single modules' counts, and their price
+    # without the trial against the measured cost in a line of its own
+    assert (
+        "| x | together: a, b | offload | 1.0 MiB | +40.00 | +30.00 (+-1.50) | +33% | no | +28.00 | 1.07 |"
+        in table
+    )
+    line = "- x offload of a, b: +28.00 ms priced without the trial against +30.00 ms (+-1.50, +-5% of it): "
+    assert line + "-6.7%, within 10%." in table
