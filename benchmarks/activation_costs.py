@@ -16,9 +16,8 @@ turns; so is each policy's trial's set of modules together (`trial_options`), wh
 times one module's, the noise resolves to a few percent, and whose independent price is the one
 without the trial (the copy-cost fit, the recorded forward). All run in turns, ``--rounds`` rounds
 in each of ``--repeats`` fresh processes. The measured cost is the change in turns
-(`alternation.paired_change`, mean over the processes, noise combined) times the recorded
-configuration's predicted step, so that it reads in milliseconds; its error is the predicted cost
-against it.
+(`alternation.paired_change`) times the baseline step of the same turns, mean over the processes,
+noise combined (`turns_cost_ms`); its error is the predicted cost against it.
 
     python benchmarks/activation_costs.py [--models resnet,attention,mlp] [--options 3]
         [--rounds 24] [--repeats 2] [--quick] [--out benchmarks/results]
@@ -44,6 +43,7 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Trace, load_trace_dir
 from qsync_callback.report import change_pct, format_activation_trial
 from qsync_callback.units import format_bytes
+from qsync_callback.verify import combined_noise_pct
 
 MEMORY_PLANS = Path(__file__).resolve().with_name("memory_plans.py")  # its recording and turns workers
 COST_TOLERANCE = 10.0  # % of the measured cost: the issue's target for offload's time cost
@@ -125,6 +125,18 @@ def trial_options(predictor: Predictor) -> list[dict[str, Any]]:
     return rows
 
 
+def turns_cost_ms(in_turns: list[dict[str, Any]]) -> tuple[float, float]:
+    """A plan's cost in turns in ms, and its noise: in each process its change in turns times that
+    process's own baseline (the median of its rounds' baseline blocks), the mean over the processes,
+    their noises combined over their number (as `plan_turns.in_turns_change` combines the changes).
+    The recording's step is no measure of the turns' processes: it is predicted, and a process
+    minutes apart runs the same step 20% faster or slower on this VM."""
+    timed = [t for t in in_turns if t["change_pct"] is not None]
+    costs = [t["change_pct"] / 100 * statistics.median(t["baseline_ms"]) for t in timed]
+    noises = [t["noise_pct"] / 100 * statistics.median(t["baseline_ms"]) for t in timed]
+    return statistics.fmean(costs), combined_noise_pct(*noises) / len(timed)
+
+
 def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: int, timeout: float) -> dict:
     """Record ``model``, price its chosen options and run them in turns; the rows."""
     runs_dir = out / "activation_cost_runs"
@@ -149,8 +161,7 @@ def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: 
         measured = in_turns_change(row)
         row["measured_change_pct"], row["noise_pct"] = measured if measured else (None, None)
         if measured is not None:
-            row["measured_cost_ms"] = measured[0] / 100 * recorded_ms
-            row["noise_ms"] = measured[1] / 100 * recorded_ms
+            row["measured_cost_ms"], row["noise_ms"] = turns_cost_ms(row["in_turns"])
             row["cost_error_pct"] = change_pct(row["predicted_cost_ms"], row["measured_cost_ms"])
     return {
         "model": model,
@@ -194,7 +205,7 @@ def markdown(results: list[dict[str, Any]], rounds: int, repeats: int) -> str:
     lines.append("")
     lines.append(
         f"In turns: {rounds} rounds in each of {repeats} processes; the measured cost is the change in turns "
-        "times the recorded configuration's predicted step."
+        "times the same turns' baseline step (each process's median), mean over the processes."
     )
     for policy, policy_errors in errors.items():
         if not policy_errors:

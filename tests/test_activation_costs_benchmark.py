@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from activation_costs import chosen_options, markdown, trial_options, without_trials  # noqa: E402
+from activation_costs import (  # noqa: E402
+    chosen_options,
+    markdown,
+    trial_options,
+    turns_cost_ms,
+    without_trials,
+)
 from test_activation_plans import COPY, _step  # noqa: E402
 
 from qsync_callback.predictor.predict import Predictor  # noqa: E402
@@ -101,3 +107,13 @@ def test_the_table_counts_the_costs_within_ten_percent_and_within_the_noise():
     )
     line = "- x offload of a, b: +28.00 ms priced without the trial against +30.00 ms (+-1.50, +-5% of it): "
     assert line + "-6.7%, within 10%." in table
+
+
+def test_the_measured_cost_is_each_processs_change_times_its_own_baseline_step():
+    # two processes, one 20% slower than the other: each change is taken at its own baseline
+    fast = {"change_pct": 10.0, "noise_pct": 4.0, "baseline_ms": [50.0, 49.0, 51.0]}
+    slow = {"change_pct": 10.0, "noise_pct": 4.0, "baseline_ms": [60.0, 61.0, 59.0]}
+    untimed = {"change_pct": None, "noise_pct": None, "baseline_ms": []}
+    cost, noise = turns_cost_ms([fast, slow, untimed])
+    assert cost == pytest.approx((5.0 + 6.0) / 2)
+    assert noise == pytest.approx((2.0**2 + 2.4**2) ** 0.5 / 2)
