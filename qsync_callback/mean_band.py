@@ -27,7 +27,7 @@ def band_factor(samples: int, level: float = LEVEL) -> float:
     """How many standard errors of the mean of ``samples`` samples their band spans at the two-sided
     ``level``: Student's t at ``1 - level / 2`` with ``samples - 1`` degrees of freedom (at least 2
     samples)."""
-    return float(stats.t.ppf(1 - level / 2, samples - 1))
+    return float(stats.t.isf(level / 2, samples - 1))  # isf: finite at levels far under 1e-16
 
 
 def mean_band(samples: Sequence[float]) -> float:

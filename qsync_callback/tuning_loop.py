@@ -653,11 +653,11 @@ class TuningLoop:
         """Rank 0: GO_ON at a look where the turns cannot tell the plan from the baseline yet (and
         the plan is decided on its step time, its loss finite); else verify's decision on the verify
         window and every rank's block times, written. The change's noise is the band its look
-        decides on (`Alternation.band`) where the plan is decided on its step time, else the rounds'
-        95% band (it only says what the plan costs)."""
+        decides on (`Alternation.band`, at the last look `Alternation.last_band`) where the plan is
+        decided on its step time, else the rounds' 95% band (it only says what the plan costs)."""
         schedule = self._turns.alternation
         on_time = loss_finite and not decided_on_memory(self.report, self._constraints.memory_budget)
-        band = schedule.band if on_time else band_factor
+        band = (schedule.last_band if last else schedule.band) if on_time else band_factor
         turns = paired_change([json.loads(text) for text in texts], band)
         turns["block_steps"] = schedule.block_steps
         change, noise = turns["change_pct"], turns["noise_pct"]

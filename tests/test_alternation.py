@@ -276,13 +276,32 @@ def test_the_loops_looks_decide_on_a_plan_that_changes_nothing_in_about_5_percen
     assert student["faster"] + student["slower"] > 0.13
 
 
-def test_the_loop_looks_up_to_eight_times_and_fewer_looks_end_sooner():
-    assert LOOKS == 8 and Alternation(rounds=3).most_rounds == 24
+def test_the_loop_looks_up_to_thirty_two_times_and_fewer_looks_end_sooner():
+    assert LOOKS == 32 and Alternation(rounds=3).most_rounds == 96
     three = Alternation(rounds=3, looks=3)
     assert three.most_rounds == 9 and three.done_step == 2 * 9 * three.block_length
     round_length = 2 * three.block_length
     assert [s for s in range(three.done_step + 1) if three.look_at(s)] == [3 * round_length, 6 * round_length]
     assert three.first_look_step == 3 * round_length
+
+
+def test_where_training_ends_first_the_last_look_is_held_to_the_full_level_of_the_looks_taken():
+    schedule = Alternation(rounds=3)
+    # run to the end, the last look is the schedule's own
+    assert schedule.last_band(schedule.most_rounds) == schedule.band(schedule.most_rounds)
+    # training ended after 10 rounds: the 4th look (3, 6, 9, then 10), at a 4-look schedule's full level
+    assert schedule.last_band(10) == pytest.approx(band_factor(10, sequential_level(1.0, 4)))
+    assert schedule.last_band(10) < schedule.band(10) / 2  # far narrower than a look 10/96 of the way
+    # the looks before it held to the 32-look schedule's stricter levels: a mean of 0 looked at this
+    # way strays past one of them at most 5% of the time (random walks, normal rounds)
+    rng = np.random.default_rng(2)
+    for taken in (2, 4, 10):
+        walks = rng.standard_normal((100_000, taken)).cumsum(axis=1) / np.sqrt(np.arange(1, taken + 1))
+        levels = [sequential_level(look / LOOKS, LOOKS) for look in range(1, taken)] + [
+            sequential_level(1.0, taken)
+        ]
+        strayed = (np.abs(walks) > stats.norm.isf(np.array(levels) / 2)).any(axis=1).mean()
+        assert 0.035 < strayed < 0.0515
 
 
 @settings(max_examples=200, deadline=None)
