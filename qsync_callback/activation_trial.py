@@ -19,9 +19,10 @@ and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, 
 each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
 rounds again, up to `TRIAL_LOOKS` times as many (fewer looks than the loop's turns: a trial only
 calibrates a price, and the planning waits for it). The change is the rounds' mean, or their
-median where its noise is the smaller (`trial_change`): an offload trial of the benchmarks' ResNet
-to disk (45 MiB a step) measured +59 ms +-83 in its rounds' mean in one process (session 20) and
-+21.9 +-2.2 in another (session 21), as the disk stalls a few rounds' blocks and not the rest.
+median where its noise is the smaller (`verify.less_noisy_change`): an offload trial of the
+benchmarks' ResNet to disk (45 MiB a step) measured +59 ms +-83 in its rounds' mean in one process
+(session 20) and +21.9 +-2.2 in another (session 21), as the disk stalls a few rounds' blocks and
+not the rest.
 `TrialSequence` runs them one after the other.
 Where the change is within its noise, of nothing or of the policy's price, a trial calibrates
 nothing and says so (`predictor.activation.price_stands`); a trial that fails (a module refused, a
@@ -59,6 +60,7 @@ from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
 from qsync_callback.predictor.activation import price_stands
 from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
+from qsync_callback.verify import less_noisy_change
 
 TRIAL_ROUNDS = 6
 TRIAL_LOOKS = 3
@@ -186,7 +188,7 @@ class PolicyTrial(abc.ABC):
         left."""
         first = self._times.alternation.rounds
         if self._looks and self._note is None and self._rounds + first <= self._times.alternation.most_rounds:
-            change = trial_change(paired_change([self._times.times]))
+            change = less_noisy_change(paired_change([self._times.times]))
             if change is not None and change["noise_pct"] > PRECISE_ENOUGH * abs(change["change_pct"]):
                 self._rounds += first
                 return
@@ -212,7 +214,7 @@ class PolicyTrial(abc.ABC):
         if self._note is not None:
             return {**out, "note": self._note}
         rounds = paired_change([self._times.times])
-        change = trial_change(rounds)
+        change = less_noisy_change(rounds)
         if change is None:
             return {**out, "note": "no round of the trial was timed"}
         baseline_ms = statistics.median(rounds["baseline_ms"])
@@ -228,22 +230,6 @@ class PolicyTrial(abc.ABC):
     @abc.abstractmethod
     def result(self) -> dict[str, Any]:
         """The trial's figures (see the module docstring)."""
-
-
-def trial_change(rounds: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A trial's change and noise in %, from its rounds (`alternation.paired_change`): their mean's,
-    or their median's where its noise is the smaller (a few rounds far slower than the rest, as a
-    stall of the disk makes them, widen the mean's band and not the median's; a trial calibrates a
-    price for the median step the report measures). ``estimate`` says which; None without a round."""
-    if rounds["change_pct"] is None:
-        return None
-    if rounds["median_noise_pct"] is not None and rounds["median_noise_pct"] < rounds["noise_pct"]:
-        return {
-            "change_pct": rounds["median_change_pct"],
-            "noise_pct": rounds["median_noise_pct"],
-            "estimate": "median",
-        }
-    return {"change_pct": rounds["change_pct"], "noise_pct": rounds["noise_pct"], "estimate": "mean"}
 
 
 def within_noise(change_ms: float, noise_ms: float) -> str | None:

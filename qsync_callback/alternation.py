@@ -183,8 +183,9 @@ def paired_change(
     rounds' disagreement (their mean's band, ``band(rounds)`` standard errors: `band_factor`'s 95%
     unless another rule is asked for; the loop's turns ask their schedule's `Alternation.band`); 0
     where neither can be estimated. Beside them, the rounds' median change and its noise (the larger
-    of the blocks' and the rounds' `median_band`; None under `MEDIAN_ROUNDS`), which a few rounds far
-    off the rest (a stall of the disk, say) do not widen.
+    of the blocks' and the rounds' `median_band`, widened as ``band`` widens the mean's over a single
+    look's 95%; None under `MEDIAN_ROUNDS`), which a few rounds far off the rest (a stall of the disk,
+    say) do not widen; `verify.less_noisy_change` takes the one of the two with the narrower band.
     And the page faults a step of each configuration (``page_faults_per_step``: the median over the
     rounds of the median of the blocks timed; None where a rank recorded none): a configuration run
     right after the other can take thousands more a step than it does alone (`page_faults`), which
@@ -215,7 +216,9 @@ def paired_change(
     rounds_noise = 0.0
     if len(changes) >= 2:
         rounds_noise = band(len(changes)) * statistics.stdev(changes) / len(changes) ** 0.5
-    median_rounds_noise = median_band(changes) if len(changes) >= MEDIAN_ROUNDS else None
+    median_rounds_noise = None
+    if len(changes) >= MEDIAN_ROUNDS:
+        median_rounds_noise = median_band(changes) * band(len(changes)) / band_factor(len(changes))
     return {
         "rounds": len(rounds),
         "change_pct": statistics.fmean(changes),

@@ -58,7 +58,7 @@ from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
 from qsync_callback.report import REPORT_FILE, build_report, format_summary, format_verification, write_report
 from qsync_callback.units import check_count
-from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, verify_plan
+from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, less_noisy_change, verify_plan
 
 MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
@@ -660,8 +660,8 @@ class TuningLoop:
         band = (schedule.last_band if last else schedule.band) if on_time else band_factor
         turns = paired_change([json.loads(text) for text in texts], band)
         turns["block_steps"] = schedule.block_steps
-        change, noise = turns["change_pct"], turns["noise_pct"]
-        undecided = change is not None and not can_tell(change, noise)
+        decided_on = less_noisy_change(turns)
+        undecided = decided_on is not None and not can_tell(decided_on["change_pct"], decided_on["noise_pct"])
         if not last and undecided and on_time:
             return GO_ON
         return self._write_verification(self._verify_traces, loss_finite, turns)

@@ -18,7 +18,6 @@ from qsync_callback.activation_trial import (
     TrialSequence,
     activation_trials_for,
     recompute_trial_modules,
-    trial_change,
     trial_modules,
 )
 from qsync_callback.appliers.torch_activation import ActivationApplier
@@ -147,18 +146,6 @@ def test_a_recorders_trials_are_of_its_traces_outermost_modules_offload_on_the_d
     assert nothing.finished and nothing.steps == 0
     why = {"modules": [], "rounds": 0, "note": "no module can take a policy"}
     assert nothing.results() == {"copy": {**why, "factor": None}, "recompute": why}
-
-
-def test_a_trial_takes_the_rounds_mean_or_their_median_whichever_is_the_less_noisy():
-    rounds = {"change_pct": 32.0, "noise_pct": 60.0, "median_change_pct": -10.0, "median_noise_pct": 1.0}
-    assert trial_change(rounds) == {"change_pct": -10.0, "noise_pct": 1.0, "estimate": "median"}
-    steady = {**rounds, "change_pct": -10.5, "noise_pct": 0.8}
-    assert trial_change(steady) == {"change_pct": -10.5, "noise_pct": 0.8, "estimate": "mean"}
-    tie = {**rounds, "noise_pct": 1.0}  # equal noise: the mean, as the loop's own change is
-    assert trial_change(tie)["estimate"] == "mean"
-    few = {**rounds, "median_noise_pct": None}  # under alternation.MEDIAN_ROUNDS rounds
-    assert trial_change(few)["estimate"] == "mean"
-    assert trial_change({**rounds, "change_pct": None, "noise_pct": None}) is None
 
 
 def test_copies_are_priced_by_the_fit_each_way():

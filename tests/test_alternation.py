@@ -229,6 +229,12 @@ def test_a_few_rounds_far_off_the_rest_widen_the_means_band_and_not_the_medians(
     q1, _, q3 = statistics.quantiles(spread, n=4, method="inclusive")
     assert even["median_change_pct"] == pytest.approx(-10.0)
     assert even["median_noise_pct"] == pytest.approx(2 * 1.2533 * (q3 - q1) / 1.349 / 7**0.5)
+    # a look's band wider than a single look's 95% widens the median's band as much as the mean's
+    twice = paired_change(
+        [_rank([[10.0] * 4] * 7, [[10.0 * (1 + c / 100)] * 4 for c in spread])], lambda n: 2 * band_factor(n)
+    )
+    assert twice["median_noise_pct"] == pytest.approx(2 * even["median_noise_pct"])
+    assert twice["noise_pct"] == pytest.approx(2 * even["noise_pct"])
     # under MEDIAN_ROUNDS rounds a median has no noise to give (its band would be too narrow)
     few = spread[: MEDIAN_ROUNDS - 1]
     short = paired_change([_rank([[10.0] * 4] * len(few), [[10.0 * (1 + c / 100)] * 4 for c in few])])

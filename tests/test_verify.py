@@ -15,7 +15,14 @@ from qsync_callback.report import (
     median_band,
     median_noise_pct,
 )
-from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, combined_noise_pct, verify_plan
+from qsync_callback.verify import (
+    KEEP,
+    ROLL_BACK,
+    can_tell,
+    combined_noise_pct,
+    less_noisy_change,
+    verify_plan,
+)
 
 from tracebuilder import op, trace
 
@@ -312,3 +319,38 @@ def test_the_report_gives_the_offload_traffic_per_step_and_none_without_it():
     assert build_report([_run([10.0] * 5)])["measured"]["offload"] is None
     offloaded.measured["offload"]["steps"] = 0  # no step ended since the counts started: no figure
     assert build_report([offloaded])["measured"]["offload"] is None
+
+
+def test_the_turns_decide_on_the_rounds_mean_or_their_median_whichever_is_the_less_noisy():
+    rounds = {"change_pct": 32.0, "noise_pct": 60.0, "median_change_pct": -10.0, "median_noise_pct": 1.0}
+    assert less_noisy_change(rounds) == {"change_pct": -10.0, "noise_pct": 1.0, "estimate": "median"}
+    steady = {**rounds, "change_pct": -10.5, "noise_pct": 0.8}
+    assert less_noisy_change(steady) == {"change_pct": -10.5, "noise_pct": 0.8, "estimate": "mean"}
+    tie = {**rounds, "noise_pct": 1.0}  # equal noise: the mean
+    assert less_noisy_change(tie)["estimate"] == "mean"
+    few = {**rounds, "median_noise_pct": None}  # under alternation.MEDIAN_ROUNDS rounds
+    assert less_noisy_change(few)["estimate"] == "mean"
+    assert less_noisy_change({**rounds, "change_pct": None, "noise_pct": None}) is None
+
+
+def test_verify_decides_on_the_rounds_median_where_it_is_the_less_noisy_and_says_so():
+    """Rounds with a few far off the rest: the mean's band spans 0, the median's does not."""
+    baseline = build_report([_run([10.0] * 10)])
+    turns = {
+        "rounds": 40,
+        "change_pct": -2.6,
+        "noise_pct": 3.1,
+        "median_change_pct": -4.1,
+        "median_noise_pct": 2.7,
+    }
+    result = verify_plan(PLAN, baseline, [_run([10.0] * 10)], loss_finite=True, alternation=turns)
+    assert result["decision"] == KEEP and result["estimate"] == "median"
+    assert result["step_ms_change_pct"] == -4.1 and result["noise_pct"] == 2.7
+    assert result["reason"] == (
+        "4.1% faster than the baseline in turns (the rounds' median, the less noisy) (noise +-2.7%)"
+    )
+    # the mean the less noisy: decided on the mean, which cannot tell
+    steady = verify_plan(
+        PLAN, baseline, [_run([10.0] * 10)], loss_finite=True, alternation={**turns, "median_noise_pct": 4.0}
+    )
+    assert steady["estimate"] == "mean" and steady["reason"].startswith("could not tell: -2.6% against")
