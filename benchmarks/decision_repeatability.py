@@ -10,9 +10,10 @@ applies the plan, records again and keeps the plan or rolls it back (`verify.py`
 launch's ``verification.json`` the script takes the plan (its layers' precisions and its modules'
 activation policies), the predicted and the measured step time under it (the verified error: a real
 prediction, made before the plan ran), the change against the baseline between the two windows and,
-decided on, the change measured with the baseline and the plan run in turns (`alternation.py`), each
-with its noise, the change predicted (against the recorded configuration's prediction: the drift
-between the windows does not enter it), and the decision with its reason. The decision is one of:
+decided on, the change measured with the baseline and the plan run in turns (`alternation.py`: the
+rounds' mean, or their median where it is the less noisy, "median" in the cell), each with its
+noise, the change predicted (against the recorded configuration's prediction: the drift between the
+windows does not enter it), and the decision with its reason. The decision is one of:
 faster (kept), slower (rolled back), could not tell (then the cheaper configuration is kept), needed
 for the memory budget, loss not finite; or nothing to apply (the planner kept the recorded
 configuration). Launches of one model agree when they reach the same one.
@@ -96,6 +97,7 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
         "rounds": (v.get("alternation") or {}).get("rounds", 0),
         "change_pct": v["step_ms_change_pct"],
         "noise_pct": v["noise_pct"],
+        "estimate": v.get("estimate"),
         "predicted_change_pct": v["predicted_change_pct"],
         "decision": v["decision"],
         "outcome": outcome(v["reason"]),
@@ -140,7 +142,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{na(r['step_error_pct'], '+.1f')}% | {na(r['baseline_step_ms'], '.1f')} | "
             f"{na(r['windows_change_pct'], '+.1f')}% (+-{na(r['windows_noise_pct'], '.1f')}%) | "
             + (
-                f"{na(r['change_pct'], '+.1f')}% (+-{na(r['noise_pct'], '.1f')}%; {r['rounds']}) | "
+                f"{na(r['change_pct'], '+.1f')}% (+-{na(r['noise_pct'], '.1f')}%; {r['rounds']}"
+                f"{'; median' if r.get('estimate') == 'median' else ''}) | "
                 if r["rounds"]
                 else "none | "
             )
