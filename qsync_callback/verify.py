@@ -37,6 +37,7 @@ from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report, change_pct, error_pct
 
 SLOWER_TOLERANCE = 0.02
+MEDIAN_SAID = " (the rounds' median, the less noisy)"  # after "in turns", where verify decided on it
 KEEP, ROLL_BACK = "keep", "roll back"
 
 
@@ -103,7 +104,7 @@ def verify_plan(
     )
     against = "the baseline" if decided_on is None else "the baseline in turns"
     if decided_on is not None and decided_on["estimate"] == "median":
-        against += " (the rounds' median, the less noisy)"
+        against += MEDIAN_SAID
     if not loss_finite:
         decision, reason = ROLL_BACK, "the loss stopped being finite"
     elif decided_on_memory(baseline, memory_budget):
