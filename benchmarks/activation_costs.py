@@ -61,6 +61,30 @@ def without_trials(traces: list[Trace]) -> list[Trace]:
     return out
 
 
+def priced_rows(predictor: Predictor, plans: list[tuple[str, Plan, int]]) -> list[dict[str, Any]]:
+    """Each ``(label, plan, freed bytes)`` as a row: its policy, its predicted cost (ms) and change
+    (%) against the recorded configuration, and its cost priced without the trials
+    (``untried_cost_ms``)."""
+    recorded = predictor.predict()
+    untried = Predictor(without_trials(predictor.traces))
+    untried_recorded_ms = untried.predict().step_ms
+    rows = []
+    for label, plan, freed_bytes in plans:
+        predicted = predictor.predict(plan)
+        rows.append(
+            {
+                "module": label,
+                "policy": next(iter(plan.activation.values())),
+                "plan": plan,
+                "freed_bytes": freed_bytes,
+                "predicted_cost_ms": predicted.step_ms - recorded.step_ms,
+                "untried_cost_ms": untried.predict(plan).step_ms - untried_recorded_ms,
+                "predicted_change_pct": change_pct(predicted.step_ms, recorded.step_ms),
+            }
+        )
+    return rows
+
+
 def chosen_options(predictor: Predictor, per_policy: int) -> list[dict[str, Any]]:
     """The ``per_policy`` single-module options of each policy that free the most, each with its
     plan, its predicted cost (ms) and change (%) against the recorded configuration, and its cost
@@ -68,30 +92,17 @@ def chosen_options(predictor: Predictor, per_policy: int) -> list[dict[str, Any]
     (`memory_plans.recording_trials`) are left out: their price is that trial's measurement."""
     trials = recording_trials(predictor)
     options, _ = activation_options(predictor, {})
-    recorded = predictor.predict()
-    untried = Predictor(without_trials(predictor.traces))
-    untried_recorded_ms = untried.predict().step_ms
-    rows = []
+    fingerprint = predictor.traces[0].fingerprint
+    plans = []
     for policy in (OFFLOAD, RECOMPUTE):
         tried = set((trials.get(policy) or {}).get("modules", []))
         mine = sorted(
             (o for o in options if o.policy == policy and o.module not in tried), key=lambda o: -o.freed_bytes
         )
         for option in mine[:per_policy]:
-            plan = Plan(fingerprint=dict(predictor.traces[0].fingerprint), activation={option.module: policy})
-            predicted = predictor.predict(plan)
-            rows.append(
-                {
-                    "module": option.module,
-                    "policy": policy,
-                    "plan": plan,
-                    "freed_bytes": option.freed_bytes,
-                    "predicted_cost_ms": predicted.step_ms - recorded.step_ms,
-                    "untried_cost_ms": untried.predict(plan).step_ms - untried_recorded_ms,
-                    "predicted_change_pct": change_pct(predicted.step_ms, recorded.step_ms),
-                }
-            )
-    return rows
+            plan = Plan(fingerprint=dict(fingerprint), activation={option.module: policy})
+            plans.append((option.module, plan, option.freed_bytes))
+    return priced_rows(predictor, plans)
 
 
 def trial_options(predictor: Predictor) -> list[dict[str, Any]]:
@@ -100,29 +111,16 @@ def trial_options(predictor: Predictor) -> list[dict[str, Any]]:
     that trial's own few rounds; its price without the trial is an independent prediction."""
     options, _ = activation_options(predictor, {})
     freed = {(o.module, o.policy): o.freed_bytes for o in options}
-    recorded = predictor.predict()
-    untried = Predictor(without_trials(predictor.traces))
-    untried_recorded_ms = untried.predict().step_ms
-    rows = []
+    plans = []
     for policy, trial in recording_trials(predictor).items():
         if not trial or not trial.get("modules"):
             continue
-        activation = dict.fromkeys(trial["modules"], policy)
+        modules = trial["modules"]
+        activation = dict.fromkeys(modules, policy)
         plan = Plan(fingerprint=dict(predictor.traces[0].fingerprint), activation=activation)
-        predicted = predictor.predict(plan)
-        rows.append(
-            {
-                "module": ", ".join(trial["modules"][:3]) + ", ..." * (len(trial["modules"]) > 3),
-                "policy": policy,
-                "plan": plan,
-                "together": True,
-                "freed_bytes": sum(freed.get((module, policy), 0) for module in trial["modules"]),
-                "predicted_cost_ms": predicted.step_ms - recorded.step_ms,
-                "untried_cost_ms": untried.predict(plan).step_ms - untried_recorded_ms,
-                "predicted_change_pct": change_pct(predicted.step_ms, recorded.step_ms),
-            }
-        )
-    return rows
+        label = ", ".join(modules[:3]) + ", ..." * (len(modules) > 3)
+        plans.append((label, plan, sum(freed.get((module, policy), 0) for module in modules)))
+    return [{**row, "together": True} for row in priced_rows(predictor, plans)]
 
 
 def turns_cost_ms(in_turns: list[dict[str, Any]]) -> tuple[float, float]:
