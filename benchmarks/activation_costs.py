@@ -37,13 +37,13 @@ from models import get_model
 from plan_turns import in_turns_change, measure_in_turns
 from runs import bench_environment, na, run_report, say_allocator, write_results
 
+from qsync_callback.mean_band import change_pct, combined_noise_pct
 from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Trace, load_trace_dir
-from qsync_callback.report import change_pct, format_activation_trial
+from qsync_callback.report import format_activation_trial
 from qsync_callback.units import format_bytes
-from qsync_callback.verify import combined_noise_pct
 
 MEMORY_PLANS = Path(__file__).resolve().with_name("memory_plans.py")  # its recording and turns workers
 COST_TOLERANCE = 10.0  # % of the measured cost: the target for offload's time cost

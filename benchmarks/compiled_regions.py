@@ -82,6 +82,7 @@ from plan_turns import (
 from runs import bench_environment, launch, na, range_noise_pct, say_allocator, stderr_tail, write_results
 
 from qsync_callback.malloc_thresholds import recorded_thresholds
+from qsync_callback.mean_band import combined_noise_pct
 from qsync_callback.plan import Plan
 from qsync_callback.planner.compiled_regions import RegionSearch, choose_regions
 from qsync_callback.planner.malloc_thresholds import choose_malloc_thresholds
@@ -95,7 +96,6 @@ from qsync_callback.predictor.malloc_thresholds import faults_per_step, malloc_p
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 RUN_STEPS = 20_000  # the nominal length of the run the plan is made for

@@ -27,12 +27,12 @@ from typing import Any
 from models import get_model, timed_fit
 from runs import bench_environment, na, range_noise_pct, run_report, say_allocator, write_results
 
+from qsync_callback.mean_band import change_pct
 from qsync_callback.plan import Plan
 from qsync_callback.planner.ddp_buckets import RECORDED, choose_buckets
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import change_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3

@@ -47,9 +47,9 @@ from runs import (
 )
 
 from qsync_callback.jsonio import read_json
+from qsync_callback.mean_band import change_pct
 from qsync_callback.predictor.predict import predict
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import change_pct
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_horovod_tf.py"

@@ -32,9 +32,10 @@ report.json or plan.json.
     python benchmarks/horovod_tf_plans.py --quick     # smoke run: mlp, 1 and 2 processes, once
 
 A plan whose bf16 op types are exactly those TF's uniform rewrite ran is the configuration the bf16
-probe profiled and timed: its predicted figure is those calls' median (in-sample), and its row says
-so ("bf16 uniform, a reconstruction"); the other plans' figures are predictions of configurations no
-call ran before they were applied.
+probe profiled and timed: its predicted figure is the change those calls measured in turns with
+the recorded step, where told apart from its replay (in-sample), and its row says so ("bf16
+uniform, a reconstruction"); the other plans' figures are predictions of configurations no call ran
+before they were applied.
 """
 
 from __future__ import annotations
@@ -54,16 +55,16 @@ from horovod_tf_accuracy import TIMEOUT_S, each_run, example_command, finish, ho
 from runs import launch_command, priced_without, say_allocator, stderr_tail
 
 from qsync_callback.jsonio import read_json
+from qsync_callback.mean_band import change_pct
 from qsync_callback.plan import Plan
 from qsync_callback.planner.tensor_fusion import choose_settings
 from qsync_callback.planner.tf_plans import reconstructs_probe
-from qsync_callback.predictor.op_precision import rewrite_step_ms
+from qsync_callback.predictor.op_precision import rewrite_change
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.predictor.tensor_fusion import can_price_fusion
 from qsync_callback.recorder.tf_recorder import PROBE_RUN
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.recorder.xspace import convert_xspace, find_xspace, load_xspace
-from qsync_callback.report import change_pct
 
 FUSION = "fusion threshold + cycle time"
 FUSION_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME")  # Horovod's names
@@ -129,7 +130,9 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         "probe_ms": None,
         "change_gap_pts": None,
         "replayed_change_gap_pts": None,
-        "timed_change_gap_pts": None,
+        "probe_change_pct": None,
+        "probe_noise_pct": None,
+        "probe_change_gap_pts": None,
     }
     if (qsync / "verification.json").exists():
         verification = read_json(qsync / "verification.json", what="verification")
@@ -148,11 +151,13 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         if turns.get("change_pct") is not None and recorded_ms:
             predicted_change = change_pct(record["predicted_ms"], recorded_ms)
             record["change_gap_pts"] = abs(predicted_change - turns["change_pct"])
-            replayed = priced_without(traces, applied, {"step_ms"}).step_ms  # the probe's timed calls unused
+            replayed = priced_without(traces, applied, {"turns"}).step_ms  # the probe's timed calls unused
             record["replayed_change_gap_pts"] = abs(change_pct(replayed, recorded_ms) - turns["change_pct"])
-            timed = rewrite_step_ms(traces)
-            if rebuilt and timed is not None:  # its timed calls' median, whatever their noise
-                record["timed_change_gap_pts"] = abs(change_pct(timed[0], recorded_ms) - turns["change_pct"])
+            in_probe = rewrite_change(traces)
+            if rebuilt and in_probe is not None:  # the probe's change in turns, whatever its noise
+                record["probe_change_pct"] = in_probe["change_pct"]
+                record["probe_noise_pct"] = in_probe["noise_pct"]
+                record["probe_change_gap_pts"] = abs(in_probe["change_pct"] - turns["change_pct"])
     record["error_pct"] = change_pct(record["predicted_ms"], record["measured_ms"])
     return record
 
@@ -259,8 +264,8 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "baseline_ms": _median([r["baseline_ms"] for r in runs]),
                 "probe_ms": _median([r.get("probe_ms") for r in runs]),
                 "change_gaps_pts": [r["change_gap_pts"] for r in runs if r.get("change_gap_pts") is not None],
-                "timed_gaps_pts": [
-                    r["timed_change_gap_pts"] for r in runs if r.get("timed_change_gap_pts") is not None
+                "probe_gaps_pts": [
+                    r["probe_change_gap_pts"] for r in runs if r.get("probe_change_gap_pts") is not None
                 ],
                 "replayed_gaps_pts": [
                     r["replayed_change_gap_pts"] for r in runs if r.get("replayed_change_gap_pts") is not None
@@ -304,12 +309,12 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
         " median). Fusion threshold + cycle time: predicted on the apply run's traces, measured by a"
         ' launch with its env in mode "report", baseline by one without it. A reconstruction: the plan'
         " is TF's uniform bf16 rewrite, which the bf16 probe profiled and timed (its profiled calls'"
-        " median: the probe column); its predicted figure is the median of the probe's timed calls, or"
-        " its replay where the two are within their combined noise.",
+        " median: the probe column); its predicted figure is the change the probe's timed calls measured"
+        " in turns with the recorded step, or its replay where the two are within their combined noise.",
     ]
     gaps = [g for r in rows for g in r.get("change_gaps_pts", [])]
     replayed = [g for r in rows for g in r.get("replayed_gaps_pts", [])]
-    timed = [g for r in rows for g in r.get("timed_gaps_pts", [])]
+    probed = [g for r in rows for g in r.get("probe_gaps_pts", [])]
     if gaps:
         lines.append(
             "\nThe plan's predicted change (against the recorded configuration's predicted step) against "
@@ -323,9 +328,9 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
                 else ""
             )
             + (
-                f"; the reconstructions at their timed calls' median, whatever its noise: median "
-                f"{statistics.median(timed):.1f} over {len(timed)} (mean {statistics.fmean(timed):.1f})"
-                if timed
+                f"; the reconstructions at the probe's change in turns, whatever its noise: median "
+                f"{statistics.median(probed):.1f} over {len(probed)} (mean {statistics.fmean(probed):.1f})"
+                if probed
                 else ""
             )
             + "; the error column compares windows minutes apart, and holds the drift between them."

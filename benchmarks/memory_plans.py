@@ -57,6 +57,7 @@ from sac_anchor import collect_sac_stats, lightning_loss, lightning_optimizer, s
 
 from qsync_callback.activation_trial import TRIAL_LOOKS, TRIAL_ROUNDS
 from qsync_callback.alternation import BLOCK_STEPS, SETTLE_STEPS
+from qsync_callback.mean_band import change_pct, combined_noise_pct
 from qsync_callback.plan import OFFLOAD, RECOMPUTE, Constraints, Plan
 from qsync_callback.planner.activation import activation_options
 from qsync_callback.planner.memory_plan import plan_memory
@@ -64,9 +65,8 @@ from qsync_callback.predictor.activation import nested_pairs
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import change_pct, format_activation_trial
+from qsync_callback.report import format_activation_trial
 from qsync_callback.units import format_bytes
-from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3

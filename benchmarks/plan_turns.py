@@ -46,10 +46,10 @@ from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.appliers.torch_precision import precision_applier
 from qsync_callback.appliers.torch_regions import RegionApplier
+from qsync_callback.mean_band import combined_noise_pct
 from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.plan import Plan
 from qsync_callback.tuning_loop import apply_plan
-from qsync_callback.verify import combined_noise_pct
 
 BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
 WARMUP_STEPS = 5

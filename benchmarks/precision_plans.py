@@ -58,6 +58,7 @@ from runs import (
     write_results,
 )
 
+from qsync_callback.mean_band import change_pct, combined_noise_pct
 from qsync_callback.plan import FULL_PRECISION, Plan
 from qsync_callback.planner.precision import (
     allocate_precision,
@@ -69,8 +70,6 @@ from qsync_callback.predictor.indicator import sensitivity
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import change_pct
-from qsync_callback.verify import combined_noise_pct
 
 WARMUP_STEPS, PROFILE_STEPS, MEASURE_STEPS = 10, 5, 10
 MAX_STEPS = window_close_step(WARMUP_STEPS, PROFILE_STEPS) + MEASURE_STEPS + 3

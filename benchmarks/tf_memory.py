@@ -57,10 +57,10 @@ from runs import (
 )
 
 from qsync_callback.jsonio import read_json
+from qsync_callback.mean_band import change_pct
 from qsync_callback.planner.tf_plans import uniform_plan
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.report import change_pct
 from qsync_callback.units import format_bytes
 
 MODELS = ("mlp", "cnn", "gru", "resnet")
@@ -126,7 +126,7 @@ def run_uniform(
         return f"{model} {procs}p: the bf16 probe measured no op type at bf16"
     predicted = predictor.predict(plan)
     plan.prediction = predicted.figures()
-    profiled_only = priced_without(traces, plan, {"step_peak_bytes", "step_ms"})
+    profiled_only = priced_without(traces, plan, {"step_peak_bytes", "turns"})
     on_recorded = priced_without(traces, plan, {"recorded_peak_bytes", "step_peak_bytes"}).peak_bytes
     run_dir.mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "uniform_plan.json")
@@ -310,8 +310,9 @@ def _uniform_lines(rows: list[dict[str, Any]]) -> list[str]:
         "against its peak priced on the apply run's traces, calibrated on the bf16 probe's readings "
         "(the product's figure: its five profiled steps and its reading calls), on its profiled steps "
         "alone, on the recorded configuration's reading instead, and the simulation alone; its step "
-        "time predicted (the median of the probe's timed calls, or the replay where the two are within "
-        "their combined noise) and replayed from the probe's profiled op times alone.\n",
+        "time predicted (the change the probe's timed calls measured in turns with the recorded step, or "
+        "the replay where the two are within their combined noise) and replayed from the probe's "
+        "profiled op times alone.\n",
         "| model | processes | op types | measured peak: largest (median, smallest) | predicted "
         "| error vs largest | error vs median | on the profiled steps alone (error) | on the recorded "
         "reading (error) | simulation alone (error) | step ms measured / predicted (error) | replayed "

@@ -15,7 +15,7 @@ session 21's run of `horovod_tf_plans.py`, at `faeb1c5`, spread 14.3% and 10.6%,
 deviations); in the cases with rounds far off, that share of the rounds has the plan's block `FAR_OFF`
 slower still (the two-process Horovod MLP's rounds in session 43: most near -15%, the rest near 0 to
 +10%, a few past +30%); each step's time jittered by ``STEP_JITTER``. The loop decides on the rounds'
-mean or their median, whichever is the less noisy (`verify.less_noisy_change`), and so does this
+mean or their median, whichever is the less noisy (`alternation.less_noisy_change`), and so does this
 simulation. The rules, each handed to `paired_change` as its band:
 "sequential", the loop's (Student's t at the level that holds all the looks together to 5%,
 `Alternation.band`); "student", a 95% band on Student's t at every look (`mean_band.band_factor`,
@@ -38,9 +38,17 @@ from typing import Any
 
 from runs import bench_environment, write_results
 
-from qsync_callback.alternation import BASELINE, BLOCK_STEPS, LOOKS, PLAN, Alternation, paired_change
+from qsync_callback.alternation import (
+    BASELINE,
+    BLOCK_STEPS,
+    LOOKS,
+    PLAN,
+    Alternation,
+    less_noisy_change,
+    paired_change,
+)
 from qsync_callback.mean_band import band_factor
-from qsync_callback.verify import can_tell, less_noisy_change
+from qsync_callback.verify import can_tell
 
 FIRST_ROUNDS = 3  # the loop's default (`alternate_rounds`)
 STEP_JITTER = 0.03

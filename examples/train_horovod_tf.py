@@ -38,6 +38,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from qsync_callback.alternation import LOOKS  # noqa: E402
 from qsync_callback.integrations.horovod_tf import Recorder, profile, record_horovod_timeline  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
 
@@ -196,6 +197,19 @@ def main() -> None:
         " ('all'), to its share of this host's cores, or none of them ('none') (default: all)",
     )
     parser.add_argument(
+        "--alternate-rounds",
+        type=int,
+        default=3,
+        help="mode apply: rounds of the recorded configuration and the plan in turns after verify (0: none)",
+    )
+    parser.add_argument(
+        "--alternate-looks",
+        type=int,
+        default=LOOKS,
+        help="mode apply: while the turns cannot tell the plan from the baseline, as many more rounds,"
+        f" up to this many times as many (default: {LOOKS})",
+    )
+    parser.add_argument(
         "--plan",
         help="a plan.json to apply at the first step (default in mode apply: the one kept in the plan cache"
         " for this job; 'none': no plan, none kept)",
@@ -228,6 +242,8 @@ def main() -> None:
         mode=args.mode,
         optimizer=optimizer,
         verify_steps=args.verify_steps,
+        alternate_rounds=args.alternate_rounds,
+        alternate_looks=args.alternate_looks,
         plan=False if args.plan == "none" else args.plan,
     )
 

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback import QSyncCallback
+from qsync_callback.alternation import LOOKS
 
 
 class Classifier(pl.LightningModule):
@@ -71,6 +72,19 @@ def main() -> None:
     parser.add_argument(
         "--best-effort", action="store_true", help="mode apply: take the closest plan if none fits"
     )
+    parser.add_argument(
+        "--alternate-rounds",
+        type=int,
+        default=3,
+        help="mode apply: rounds of the recorded configuration and the plan in turns after verify (0: none)",
+    )
+    parser.add_argument(
+        "--alternate-looks",
+        type=int,
+        default=LOOKS,
+        help="mode apply: while the turns cannot tell the plan from the baseline, as many more rounds,"
+        f" up to this many times as many (default: {LOOKS})",
+    )
     parser.add_argument("--plan", default=None, help="a plan file to apply from step 0")
     parser.add_argument("--no-plan-cache", action="store_true", help="neither use nor keep cached plans")
     parser.add_argument("--output-dir", default=None, help="default: <log_dir>/qsync")
@@ -99,6 +113,8 @@ def main() -> None:
                 best_effort=args.best_effort,
                 plan=args.plan,
                 plan_cache=not args.no_plan_cache,
+                alternate_rounds=args.alternate_rounds,
+                alternate_looks=args.alternate_looks,
             )
         ],
     )

@@ -19,7 +19,7 @@ and runs it in turns with the recorded configuration for `TRIAL_ROUNDS` rounds, 
 each round). While the change's noise is over `PRECISE_ENOUGH` of it, a trial goes on by as many
 rounds again, up to `TRIAL_LOOKS` times as many (fewer looks than the loop's turns: a trial only
 calibrates a price, and the planning waits for it). The change is the rounds' mean, or their
-median where its noise is the smaller (`verify.less_noisy_change`): an offload trial of the
+median where its noise is the smaller (`alternation.less_noisy_change`): an offload trial of the
 benchmarks' ResNet to disk (45 MiB a step) measured +59 ms +-83 in its rounds' mean in one process
 (session 20) and +21.9 +-2.2 in another (session 21), as the disk stalls a few rounds' blocks and
 not the rest.
@@ -55,12 +55,18 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
-from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, paired_change
+from qsync_callback.alternation import (
+    BASELINE,
+    PLAN,
+    Alternation,
+    BlockTimes,
+    less_noisy_change,
+    paired_change,
+)
 from qsync_callback.plan import OFFLOAD, RECOMPUTE, Plan, module_layers
 from qsync_callback.predictor.activation import price_stands
 from qsync_callback.recorder.copy_costs import copies_us
 from qsync_callback.recorder.trace import Trace
-from qsync_callback.verify import less_noisy_change
 
 TRIAL_ROUNDS = 6
 TRIAL_LOOKS = 3

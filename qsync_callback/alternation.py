@@ -42,10 +42,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qsync_callback.mean_band import band_factor, median_band, sequential_level
+from qsync_callback.mean_band import (
+    band_factor,
+    change_pct,
+    combined_noise_pct,
+    median_band,
+    median_noise_pct,
+    sequential_level,
+)
 from qsync_callback.page_faults import minor_page_faults
-from qsync_callback.report import change_pct, median_noise_pct
-from qsync_callback.verify import combined_noise_pct
 
 SETTLE_STEPS = 1
 BLOCK_STEPS = 4  # the fewest timed steps a block has; at least 3: the noise of a block's median needs 3
@@ -56,6 +61,7 @@ MEDIAN_ROUNDS = 6  # the fewest rounds whose median has a noise: the fewest whos
 # bound it with 95% confidence whatever their distribution (1 - 2 / 2**6 = 96.9%); under that the
 # interquartile band of a median (`report.median_band`) is narrower than the rounds can support
 BASELINE, PLAN = "baseline", "plan"
+MEDIAN_SAID = "the rounds' median, the less noisy"  # where a decision or a cost is the median's
 PAGE_FAULTS = "page_faults"
 
 
@@ -159,6 +165,21 @@ class BlockTimes:
         return {**self.times, PAGE_FAULTS: self.page_faults}
 
 
+def less_noisy_change(turns: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The change and noise in % that the turns (`alternation.paired_change`) decide on: their
+    rounds' mean's, or their median's where its noise is the smaller. A few rounds far off the rest
+    (a stall of the disk in an offload trial; the two-process Horovod MLP's rounds, bimodal: most
+    near -15%, the rest near 0 to +10%, a few past +30%) widen the mean's band and not the median's,
+    and the report measures a median step. ``estimate`` says which ("mean" or
+    "median"); None without a round."""
+    if turns.get("change_pct") is None:
+        return None
+    median_noise = turns.get("median_noise_pct")
+    if median_noise is not None and median_noise < turns["noise_pct"]:
+        return {"change_pct": turns["median_change_pct"], "noise_pct": median_noise, "estimate": "median"}
+    return {"change_pct": turns["change_pct"], "noise_pct": turns["noise_pct"], "estimate": "mean"}
+
+
 def block_steps_for(step_ms: float | None) -> int:
     """How many steps a block of the turns times, at a step of ``step_ms``: as many as take
     `BLOCK_SECONDS`, from `BLOCK_STEPS` to `MOST_BLOCK_STEPS` (`BLOCK_STEPS` where the step time is
@@ -185,7 +206,7 @@ def paired_change(
     where neither can be estimated. Beside them, the rounds' median change and its noise (the larger
     of the blocks' and the rounds' `median_band`, widened as ``band`` widens the mean's over a single
     look's 95%; None under `MEDIAN_ROUNDS`), which a few rounds far off the rest (a stall of the disk,
-    say) do not widen; `verify.less_noisy_change` takes the one of the two with the narrower band.
+    say) do not widen; `less_noisy_change` takes the one of the two with the narrower band.
     And the page faults a step of each configuration (``page_faults_per_step``: the median over the
     rounds of the median of the blocks timed; None where a rank recorded none): a configuration run
     right after the other can take thousands more a step than it does alone (`page_faults`), which

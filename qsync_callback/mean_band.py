@@ -6,7 +6,10 @@ samples (95%: at 3 Student's factor is 4.30, at 6 2.57, at 18 2.11).
 A mean looked at again and again as its samples grow (the loop's turns, `alternation.py`) gets more
 chances to stray past a 95% band: each look is tested at the lower level that `sequential_level`
 gives (O'Brien and Fleming's boundary), so that all of them together stray no more often than one
-look at 95% would."""
+look at 95% would.
+
+Step times' changes and noise are said in % of a reference: `change_pct`, `median_noise_pct` (a
+median's band), `combined_noise_pct` (of a difference of medians)."""
 
 from __future__ import annotations
 
@@ -47,6 +50,24 @@ def median_band(samples: Sequence[float]) -> float | None:
         return None
     q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     return 2 * 1.2533 * (q3 - q1) / 1.349 / len(samples) ** 0.5
+
+
+def median_noise_pct(samples: Sequence[float]) -> float | None:
+    """`median_band` of step times in percent of their median: how far the median may be from the
+    machine's typical step by chance. Two medians whose difference is within their combined noise
+    cannot be told apart. None under 3 samples."""
+    band = median_band(samples)
+    return None if band is None else 100.0 * band / statistics.median(samples)
+
+
+def change_pct(value: float | None, reference: float | None) -> float | None:
+    """How much ``value`` differs from ``reference``, in % of it (None without both)."""
+    return 100.0 * (value / reference - 1) if value and reference else None
+
+
+def combined_noise_pct(*noise_pcts: float | None) -> float:
+    """The noise of a difference of medians, from each median's (`median_noise_pct`; None: 0)."""
+    return sum((n or 0.0) ** 2 for n in noise_pcts) ** 0.5
 
 
 def _stays_within(threshold: float, looks: int) -> float:

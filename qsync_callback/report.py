@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from qsync_callback.alternation import MEDIAN_SAID
 from qsync_callback.jsonio import write_text_atomic
-from qsync_callback.mean_band import median_band
+from qsync_callback.mean_band import change_pct, median_noise_pct
 from qsync_callback.plan import FULL_PRECISION, OFFLOAD, RECOMPUTE, Plan
 from qsync_callback.planner.activation import NOTHING_TO_FREE
 from qsync_callback.planner.memory_plan import MemoryChoice
@@ -44,19 +45,6 @@ def _spread_pct(samples: Sequence[float]) -> float | None:
         return None
     deciles = statistics.quantiles(samples, n=10, method="inclusive")
     return 100.0 * (deciles[-1] - deciles[0]) / statistics.median(samples)
-
-
-def median_noise_pct(samples: Sequence[float]) -> float | None:
-    """`median_band` of step times in percent of their median: how far the median may be from the
-    machine's typical step by chance. Two medians whose difference is within their combined noise
-    cannot be told apart. None under 3 samples."""
-    band = median_band(samples)
-    return None if band is None else 100.0 * band / statistics.median(samples)
-
-
-def change_pct(value: float | None, reference: float | None) -> float | None:
-    """How much ``value`` differs from ``reference``, in % of it (None without both)."""
-    return 100.0 * (value / reference - 1) if value and reference else None
 
 
 def error_pct(predicted: float | None, measured: float | None) -> float | None:
@@ -388,7 +376,7 @@ _TRIAL_PRICE = {  # per policy: what its trial's factor multiplies, and what it 
 }
 
 
-_ESTIMATES = {"mean": "", "median": "; the rounds' median, the less noisy"}
+_ESTIMATES = {"mean": "", "median": f"; {MEDIAN_SAID}"}
 
 
 def format_activation_trial(policy: str, trial: Mapping[str, Any]) -> str:
@@ -443,9 +431,10 @@ def _predicted_change(plan_ms: float | None, recorded_ms: float | None, noise_pc
     return [f"  predicted change {change:+.1f}% (measured step time's noise +-{noise_pct:.1f}%)"]
 
 
-def _block_steps(turns: Mapping[str, Any]) -> str:
-    steps = turns.get("block_steps")
-    return f" of {steps} timed steps a block" if steps else ""
+def _turns_schedule(turns: Mapping[str, Any]) -> str:
+    steps, most = turns.get("block_steps"), turns.get("most_rounds")
+    blocks = f" of {steps} timed steps a block" if steps else ""
+    return blocks + (f" (at most {most} rounds)" if most else "")
 
 
 def format_verification(verification: Mapping[str, Any]) -> str:
@@ -463,7 +452,7 @@ def format_verification(verification: Mapping[str, Any]) -> str:
             f"{b:.1f} -> {p:.1f}" for b, p in zip(turns["baseline_ms"], turns["plan_ms"], strict=True)
         )
         lines.append(
-            f"  in turns    {turns['rounds']} rounds{_block_steps(turns)}, baseline -> plan ms: {pairs}; "
+            f"  in turns    {turns['rounds']} rounds{_turns_schedule(turns)}, baseline -> plan ms: {pairs}; "
             f"measured change {turns['change_pct']:+.1f}% +-{turns['noise_pct']:.1f}%, predicted "
             f"{_signed_pct(verification.get('predicted_change_pct'))}"
         )

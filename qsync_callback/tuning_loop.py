@@ -26,7 +26,8 @@ Step by step, counted at `TuningLoop.step_boundary` (one per optimizer step):
   (`planner.choose.choose_plan`, under the run's `Constraints`, a budget share turned into bytes
   here, once) and sends the plan to every rank; all ranks apply it at the same boundary;
 - the verify window; then, unless the loss stopped being finite, the candidate is undone and
-  re-applied in turns for ``alternate_rounds`` rounds (`alternation.py`: a drift of the machine's
+  re-applied in turns for ``alternate_rounds`` rounds, looking again after as many more while they
+  cannot tell, up to ``alternate_looks`` looks (`alternation.py`: a drift of the machine's
   speed cancels in each round, and a plan kept for memory has its cost measured); rank 0 decides by the
   one rule in `verify.py`, every rank follows: keep, or undo the candidate. What is kept is
   written once, to ``plan.json`` and the plan cache, and is the loop's only state (`state_dict`):
@@ -48,7 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from qsync_callback.alternation import BASELINE, PLAN, Alternation, BlockTimes, block_steps_for, paired_change
+from qsync_callback.alternation import (
+    BASELINE,
+    LOOKS,
+    PLAN,
+    Alternation,
+    BlockTimes,
+    block_steps_for,
+    less_noisy_change,
+    paired_change,
+)
 from qsync_callback.cache import cached_plan, drop_cached_plan, store_plan
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.fail_safe import FailSafe
@@ -58,7 +68,7 @@ from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
 from qsync_callback.report import REPORT_FILE, build_report, format_summary, format_verification, write_report
 from qsync_callback.units import check_count
-from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, less_noisy_change, verify_plan
+from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, verify_plan
 
 MODES = ("record", "report", "apply")
 PLAN_FILE = "plan.json"
@@ -81,6 +91,7 @@ class LoopSettings:
     measure_steps: int = 10
     verify_steps: int = 3
     alternate_rounds: int = 3
+    alternate_looks: int = LOOKS
     output_dir: Path | None = None
     constraints: Constraints = field(default_factory=Constraints)
     plan_path: Path | None = None
@@ -94,6 +105,7 @@ class LoopSettings:
         check_count(self.measure_steps, "measure_steps", 0)
         check_count(self.verify_steps, "verify_steps", 1)
         check_count(self.alternate_rounds, "alternate_rounds", 0)
+        check_count(self.alternate_looks, "alternate_looks", 1)
         if not isinstance(self.plan_cache, (bool, Path)):
             raise ValueError(f"plan_cache: must be True, False or a directory, not {self.plan_cache!r}")
 
@@ -111,6 +123,7 @@ class LoopSettings:
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
         alternate_rounds: int = 3,
+        alternate_looks: int = LOOKS,
     ) -> LoopSettings:
         """The settings from a user's arguments as an integration takes them (paths as strings too)."""
         return cls(
@@ -120,6 +133,7 @@ class LoopSettings:
             measure_steps=measure_steps,
             verify_steps=verify_steps,
             alternate_rounds=alternate_rounds,
+            alternate_looks=alternate_looks,
             output_dir=Path(output_dir) if output_dir is not None else None,
             constraints=constraints or Constraints(),
             plan_path=Path(plan) if plan is not None else None,
@@ -569,7 +583,10 @@ class TuningLoop:
             self._phase = "alternate"
             self._window_start = self._steps - 1
             block_steps = int(decision.removeprefix(ALTERNATE))
-            self._turns = BlockTimes(Alternation(self.settings.alternate_rounds, block_steps=block_steps))
+            schedule = Alternation(
+                self.settings.alternate_rounds, looks=self.settings.alternate_looks, block_steps=block_steps
+            )
+            self._turns = BlockTimes(schedule)
             self._alternate_step(0)
         else:
             self._decide(decision)
@@ -660,6 +677,7 @@ class TuningLoop:
         band = (schedule.last_band if last else schedule.band) if on_time else band_factor
         turns = paired_change([json.loads(text) for text in texts], band)
         turns["block_steps"] = schedule.block_steps
+        turns["most_rounds"] = schedule.most_rounds
         decided_on = less_noisy_change(turns)
         undecided = decided_on is not None and not can_tell(decided_on["change_pct"], decided_on["noise_pct"])
         if not last and undecided and on_time:

@@ -5,8 +5,8 @@ of the slowest rank's unprofiled steps) is compared with the baseline's; when th
 the baseline and the plan in turns (`alternation.py`), the change measured in turns is the one
 decided on (the windows' comparison is kept beside it), since a drift of the machine's speed
 between the two windows cancels there. A difference is a difference only beyond its noise (of
-the two medians, `report.median_noise_pct`, combined; in turns, `alternation.paired_change`'s, of
-the rounds' mean or of their median, whichever is the less noisy, `less_noisy_change`): a
+the two medians, `mean_band.median_noise_pct`, combined; in turns, `alternation.paired_change`'s, of
+the rounds' mean or of their median, whichever is the less noisy, `alternation.less_noisy_change`): a
 decision on less than that is no decision. The plan is:
 
 - rolled back if the loss stopped being finite on any rank;
@@ -32,39 +32,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from qsync_callback.alternation import MEDIAN_SAID, less_noisy_change
+from qsync_callback.mean_band import change_pct, combined_noise_pct
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.trace import Trace
-from qsync_callback.report import build_report, change_pct, error_pct
+from qsync_callback.report import build_report, error_pct
 
 SLOWER_TOLERANCE = 0.02
-MEDIAN_SAID = " (the rounds' median, the less noisy)"  # after "in turns", where verify decided on it
 KEEP, ROLL_BACK = "keep", "roll back"
-
-
-def combined_noise_pct(*noise_pcts: float | None) -> float:
-    """The noise of a difference of medians, from each median's (`median_noise_pct`; None: 0)."""
-    return sum((n or 0.0) ** 2 for n in noise_pcts) ** 0.5
 
 
 def can_tell(change_pct: float, noise_pct: float) -> bool:
     """Whether a measured change says anything: slower beyond its noise and the tolerance, or faster
     beyond its noise."""
     return change_pct > max(100 * SLOWER_TOLERANCE, noise_pct) or change_pct < -noise_pct
-
-
-def less_noisy_change(turns: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The change and noise in % that the turns (`alternation.paired_change`) decide on: their
-    rounds' mean's, or their median's where its noise is the smaller. A few rounds far off the rest
-    (a stall of the disk in an offload trial; the two-process Horovod MLP's rounds, bimodal: most
-    near -15%, the rest near 0 to +10%, a few past +30%) widen the mean's band and not the median's,
-    and the report measures a median step. ``estimate`` says which ("mean" or
-    "median"); None without a round."""
-    if turns.get("change_pct") is None:
-        return None
-    median_noise = turns.get("median_noise_pct")
-    if median_noise is not None and median_noise < turns["noise_pct"]:
-        return {"change_pct": turns["median_change_pct"], "noise_pct": median_noise, "estimate": "median"}
-    return {"change_pct": turns["change_pct"], "noise_pct": turns["noise_pct"], "estimate": "mean"}
 
 
 def decided_on_memory(baseline: Mapping[str, Any], memory_budget: int | None) -> bool:
@@ -104,7 +85,7 @@ def verify_plan(
     )
     against = "the baseline" if decided_on is None else "the baseline in turns"
     if decided_on is not None and decided_on["estimate"] == "median":
-        against += MEDIAN_SAID
+        against += f" ({MEDIAN_SAID})"
     if not loss_finite:
         decision, reason = ROLL_BACK, "the loss stopped being finite"
     elif decided_on_memory(baseline, memory_budget):

@@ -31,9 +31,15 @@ from qsync_callback.alternation import (
     block_steps_for,
     paired_change,
 )
-from qsync_callback.mean_band import _stays_within, band_factor, mean_band, median_band, sequential_level
+from qsync_callback.mean_band import (
+    _stays_within,
+    band_factor,
+    mean_band,
+    median_band,
+    median_noise_pct,
+    sequential_level,
+)
 from qsync_callback.plan import Plan
-from qsync_callback.report import median_noise_pct
 
 from apply_script import run_two_ranks
 
@@ -331,7 +337,7 @@ def test_a_drift_shared_by_both_blocks_of_a_round_cancels(ratio, drifts, base):
 
 def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in_force(tmp_path):
     """A 90% budget needs a layer below fp32 (on any CPU); the turns measure what it costs."""
-    callback = _apply_callback(tmp_path, plan_cache=False, alternate_rounds=2)
+    callback = _apply_callback(tmp_path, plan_cache=False, alternate_rounds=2, alternate_looks=5)
     seen = []
 
     class Watch(pl.Callback):  # after QSyncCallback: sees each step's configuration
@@ -346,6 +352,7 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
     turns = verification["alternation"]
     report = json.loads((tmp_path / "q" / "report.json").read_text())
     assert turns["block_steps"] == block_steps_for(report["measured"]["step_ms"])
+    assert turns["most_rounds"] == 2 * 5  # alternate_rounds x alternate_looks
     # decided on its peak: the turns stop at their first look, after 2 rounds
     assert turns["rounds"] == 2 and len(turns["baseline_ms"]) == len(turns["plan_ms"]) == 2
     assert verification["step_ms_change_pct"] == pytest.approx(turns["change_pct"])

@@ -17,21 +17,22 @@ import horovod.tensorflow as hvd
 import pytest
 import tensorflow as tf
 
-from qsync_callback.alternation import MOST_BLOCK_STEPS, Alternation
+from qsync_callback.alternation import MEDIAN_SAID, MOST_BLOCK_STEPS, Alternation, less_noisy_change
 from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.integrations.horovod_tf.mixed_precision import AMP_OPTION, ENV_PREFIX
 from qsync_callback.plan import Plan
 from qsync_callback.recorder.trace import load_trace_dir
-from qsync_callback.verify import MEDIAN_SAID, SLOWER_TOLERANCE, can_tell, less_noisy_change
+from qsync_callback.verify import SLOWER_TOLERANCE, can_tell
 
 from keras_steps import NO_BF16_CPU, cpu_runs_bf16, mlp_and_step
-from tf_launch import EXAMPLE, run_horovod, run_python
+from tf_launch import EXAMPLE, SHORT_TURNS, run_horovod, run_python
 
-WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 2}
+WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_steps": 2, "alternate_looks": 8}
 LAYERS = ["hidden", "head"]
 WIDE = {"width": 2048, "features": 512, "batch": 512}  # MatMul-bound: bf16 pays for its casts
 EXTRA_CALLS = 3
-MAX_CALLS = 50 + Alternation(3, block_steps=MOST_BLOCK_STEPS).done_step  # windows, the longest turns
+TURNS = Alternation(3, looks=WINDOW["alternate_looks"])  # the recorder's default alternate_rounds
+MAX_CALLS = 50 + Alternation(3, TURNS.looks, MOST_BLOCK_STEPS).done_step  # windows, the longest turns
 
 
 def _step(width: int, features: int, inf_under_bf16: bool = False, py_function: bool = False):
@@ -131,8 +132,9 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     # verify.py's rule on the run's own figures, measured with the recorded configuration and the
     # plan in turns (each switch re-traces the step; TF measures no CPU peak: no decision keeps no plan)
     turns = verification["alternation"]
-    schedule = Alternation(3)  # the recorder's default alternate_rounds
-    assert turns["rounds"] % schedule.rounds == 0 and f"in turns    {turns['rounds']} rounds" in stdout
+    schedule = TURNS
+    assert turns["rounds"] % schedule.rounds == 0 and turns["most_rounds"] == schedule.most_rounds
+    assert f"in turns    {turns['rounds']} rounds" in stdout
     change, noise = verification["step_ms_change_pct"], verification["noise_pct"]
     decided_on = less_noisy_change(turns)  # the rounds' mean, or their median where it is the less noisy
     assert (change, noise) == (decided_on["change_pct"], decided_on["noise_pct"])
@@ -141,7 +143,7 @@ def test_the_best_predicted_plan_is_applied_verified_and_kept_or_rolled_back(tmp
     assert (turns["rounds"] < schedule.most_rounds) <= can_tell(change, noise)
     keep = change < -noise
     assert verification["decision"] == ("keep" if keep else "roll back"), verification["reason"]
-    slower = f"slower than the baseline in turns{MEDIAN_SAID * (decided_on['estimate'] == 'median')}"
+    slower = f"slower than the baseline in turns{f' ({MEDIAN_SAID})' * (decided_on['estimate'] == 'median')}"
     assert (change > max(100 * SLOWER_TOLERANCE, noise)) == verification["reason"].endswith(
         f"{slower} (noise +-{noise:.1f}%)"
     )
@@ -245,7 +247,7 @@ def test_two_processes_under_horovodrun_end_with_the_same_plan_and_the_next_laun
     example = [str(EXAMPLE), "--mode", "apply", "--batch-size", "32", "--output-dir", str(out)]
     example += ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "2"]
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    run = run_horovod([*example, "--horovod-timeline"], env=env)
+    run = run_horovod([*example, "--horovod-timeline", *SHORT_TURNS], env=env)
     in_force = dict(re.findall(r"rank (\d): qsync plan in force: (.*)", run.stdout))
     assert set(in_force) == {"0", "1"} and in_force["0"] == in_force["1"]
     assert "gradient groups (" in run.stdout  # priced from Horovod's timeline

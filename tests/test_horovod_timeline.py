@@ -22,7 +22,7 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.horovod_timeline import load_timeline, read_timeline, tensor_key
 from qsync_callback.recorder.trace import load_trace_dir
 
-from tf_launch import EXAMPLE, run_horovod
+from tf_launch import EXAMPLE, SHORT_TURNS, run_horovod
 
 MIB = 2**20
 
@@ -180,7 +180,7 @@ def test_two_processes_record_the_timeline_and_plan_from_it(tmp_path, capsys):
     window = ["--warmup-steps", "2", "--profile-steps", "2", "--measure-steps", "2", "--verify-steps", "2"]
     example = [str(EXAMPLE), "--batch-size", "16", "--output-dir", str(out)]
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    run = run_horovod([*example, "--mode", "apply", "--horovod-timeline", *window], env)
+    run = run_horovod([*example, "--mode", "apply", "--horovod-timeline", *window, *SHORT_TURNS], env)
 
     traces = load_trace_dir(out / "trace")
     assert sorted(p.name for p in (out / "trace" / "rank0" / "horovod_timeline").iterdir()) == [

@@ -1,5 +1,7 @@
 """Imports point one way: recorder -> predictor -> planner -> appliers -> integrations, and the core
-imports no training framework but torch (read from the source, lazy imports included)."""
+imports no training framework but torch (read from the source, lazy imports included). The turns'
+schedule and their paired change (`alternation.py`) stand below all of them: the loop, the
+activation trial and the TF probe run turns, and the predictor prices a change measured in them."""
 
 import ast
 from pathlib import Path
@@ -16,12 +18,21 @@ FORBIDDEN = {
         "tuning_loop",
         "report",
         "verify",
-        "alternation",
         "integrations",
     ),
-    "predictor": ("planner", "appliers", "tuning_loop", "verify", "alternation", "integrations"),
-    "planner": ("appliers", "tuning_loop", "verify", "alternation", "integrations"),
-    "appliers": ("tuning_loop", "alternation", "integrations"),
+    "predictor": ("planner", "appliers", "tuning_loop", "verify", "integrations"),
+    "planner": ("appliers", "tuning_loop", "verify", "integrations"),
+    "appliers": ("tuning_loop", "integrations"),
+    "alternation": (
+        "recorder",
+        "predictor",
+        "planner",
+        "appliers",
+        "tuning_loop",
+        "report",
+        "verify",
+        "integrations",
+    ),
     "lp": ("recorder", "predictor", "planner", "appliers", "tuning_loop", "integrations"),
 }
 FRAMEWORKS = ("pytorch_lightning", "lightning", "tensorflow", "horovod", "keras")

@@ -15,7 +15,7 @@ from qsync_callback.predictor.op_precision import (
     changed_share,
     op_precisions,
     op_type_lives,
-    rewrite_step_ms,
+    rewrite_change,
 )
 from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import Step, Trace
@@ -60,13 +60,25 @@ def test_changed_op_types_are_scaled_and_casts_added_where_precisions_meet():
     assert predictor.predict(Plan(op_precision={"MatMul": "fp32"})).step_ms == pytest.approx(0.135)
 
 
+def _turns(plan_ms: list[float], baseline_ms: float = 0.135, calls: int = 4) -> dict:
+    """The probe's reading calls in turns: a round per entry of ``plan_ms``, each block ``calls``
+    calls of one time (the blocks' own noise 0), the recorded step's at ``baseline_ms``."""
+    return {"baseline": [[baseline_ms] * calls for _ in plan_ms], "plan": [[ms] * calls for ms in plan_ms]}
+
+
+SPREAD_US = (-10, -4, -1, 1, 4, 10)  # a round's rewrite block about its median: their median's band
+# 2 x 1.2533 x IQR (3.25 + 3.25 us, quartiles "inclusive") / 1.349 / sqrt(6) = 4.93 us on a 135 us step,
+# narrower than their mean's (Student's t, 5.3% of the step): the turns take the median
+
+
 def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it():
-    """The probe timed the uniform rewrite (MatMul and Relu at bf16) at 0.101 ms a call, median over
-    five, where its replay gives 0.070 ms (above): 31 us more. The rewrite's figure is its timed
-    calls'; MatMul alone (100 of the rewrite's 120 us of changed fp32 time) gets 5/6 of the 31 us;
-    a plan that changes nothing, none; without timed calls nothing moves."""
+    """The probe timed the uniform rewrite (MatMul and Relu at bf16) 25.2% faster than the recorded
+    step in turns, so at 0.101 ms on the recorded step's predicted 0.135, where its replay gives
+    0.070 ms (above): 31 us more. The rewrite's figure is the measured change's; MatMul alone (100
+    of the rewrite's 120 us of changed fp32 time) gets 5/6 of the 31 us; a plan that changes
+    nothing, none; without timed rounds nothing moves."""
     recorded = _op_trace({"MatMul": MATMUL, "Relu": RELU})
-    recorded.precision_costs["op_types"]["step_ms"] = [0.09, 0.101, 0.3, 0.1, 0.12]
+    recorded.precision_costs["op_types"]["turns"] = _turns([0.101] * 6)
     predictor = Predictor([recorded])
     both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
     assert predictor.predict(both).step_ms == pytest.approx(0.101)
@@ -91,48 +103,54 @@ def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it()
     # however small the rewrite's time, its share is its own
     tiny = {**table, "costs": {"MatMul": {**MATMUL, "fp32_us": 0.5}, "Relu": {**RELU, "fp32_us": 0.25}}}
     assert changed_share(tiny, {"MatMul": "bf16"}) == pytest.approx(2 / 3)
-    # the median's band: quartiles 0.1 and 0.12, 2 x 1.2533 x 0.02 / 1.349 / sqrt(5) = 0.0166 ms,
-    # short of the 0.031 ms between the calls and the replay: the calls stand
-    assert rewrite_step_ms([recorded]) == (pytest.approx(0.101), pytest.approx(0.016620, rel=1e-3))
-    # two ranks: the slower rank's median (under 3 calls, no band); a rank whose probe timed
-    # nothing: no figure
+    # blocks of one time: no noise, the rounds' mean
+    assert rewrite_change([recorded]) == {
+        "change_pct": pytest.approx(100 * (0.101 / 0.135 - 1)),
+        "noise_pct": 0.0,
+        "estimate": "mean",
+    }
+    # two ranks: each round's blocks are the slower rank's (here the other's rewrite blocks, 0.108
+    # ms, and the recorded one's baseline blocks); a rank whose probe timed nothing: no figure
     other = _op_trace({"MatMul": MATMUL, "Relu": RELU})
-    other.precision_costs["op_types"]["step_ms"] = [0.2, 0.2]
-    assert rewrite_step_ms([recorded, other]) == (pytest.approx(0.2), 0.0)
-    other.precision_costs["op_types"]["step_ms"] = [0.3, 0.05, 0.05]  # a slow first call, a fast median
-    assert rewrite_step_ms([recorded, other])[0] == pytest.approx(0.101)
-    del other.precision_costs["op_types"]["step_ms"]
-    assert rewrite_step_ms([recorded, other]) is None
+    other.precision_costs["op_types"]["turns"] = _turns([0.108] * 6, baseline_ms=0.120)
+    assert rewrite_change([recorded, other])["change_pct"] == pytest.approx(100 * (0.108 / 0.135 - 1))
+    other.precision_costs["op_types"]["turns"] = _turns([])
+    assert rewrite_change([recorded, other]) is None
+    del other.precision_costs["op_types"]["turns"]
+    assert rewrite_change([recorded, other]) is None
     assert Predictor([other]).predict(both).step_ms == pytest.approx(0.070)
 
 
-def test_timed_calls_within_their_medians_band_of_the_replay_leave_the_replay_standing():
-    """Ten calls whose median (0.074 ms) is 4 us from the rewrite's replay (0.070 ms), with a band of
-    2 x 1.2533 x (0.08375 - 0.06625) / 1.349 / sqrt(10) = 10.3 us: chance; the replay stands, for the
-    rewrite and for a share of it. Calls as spread but 20 us slower are told apart."""
-    calls = [0.05, 0.06, 0.065, 0.07, 0.072, 0.076, 0.08, 0.085, 0.09, 0.1]
+def test_a_change_within_its_band_of_the_replay_leaves_the_replay_standing():
+    """Six rounds whose rewrite blocks (`SPREAD_US` about 74 us) put the rewrite at 0.074 ms on
+    the recorded step's 0.135, 4 us from its replay (0.070 ms), with a band of 4.93 us: chance; the
+    replay stands, for the rewrite and for a share of it. Rounds as spread but 20 us slower are
+    told apart."""
+    plan_ms = [0.074 + us / 1e3 for us in SPREAD_US]
     recorded = _op_trace({"MatMul": MATMUL, "Relu": RELU})
-    recorded.precision_costs["op_types"]["step_ms"] = calls
-    measured, band = rewrite_step_ms([recorded])
-    assert measured == pytest.approx(0.074) and band == pytest.approx(0.010283, rel=1e-3)
+    recorded.precision_costs["op_types"]["turns"] = _turns(plan_ms)
+    measured = rewrite_change([recorded])
+    assert measured["estimate"] == "median"
+    assert 0.135 * (1 + measured["change_pct"] / 100) == pytest.approx(0.074)
+    assert 0.135 * measured["noise_pct"] / 100 == pytest.approx(0.00493, rel=1e-2)
     predictor = Predictor([recorded])
     both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
     only_matmul = Plan(op_precision={"MatMul": "bf16"})
     replayed_matmul = (4 + 8 + 25 + 8 + 5 + 20 + 10) / 1e3
     assert predictor.predict(both).step_ms == pytest.approx(0.070)
     assert predictor.predict(only_matmul).step_ms == pytest.approx(replayed_matmul)
-    recorded.precision_costs["op_types"]["step_ms"] = [ms + 0.02 for ms in calls]
+    recorded.precision_costs["op_types"]["turns"] = _turns([ms + 0.02 for ms in plan_ms])
     slower = Predictor([recorded])
     assert slower.predict(both).step_ms == pytest.approx(0.094)
     assert slower.predict(only_matmul).step_ms == pytest.approx(replayed_matmul + 100 / 120 * 0.024)
 
 
-def test_the_replays_own_band_joins_the_timed_calls_band_before_they_are_told_apart():
+def test_the_replays_own_band_joins_the_turns_band_before_they_are_told_apart():
     """Three steps whose MatMul took 60, 100 and 140 us: the rewrite replays them at 60, 70 and 80
     us (45 us of casts, gap, Relu and loss, and a quarter of the MatMul), paired on the recorded
-    median (135 us) at 70 us, its steps' band 2 x 1.2533 x 10 / 1.349 / sqrt(3) = 10.7 us. Timed
-    calls at 79 us (band 5.0 us) are 9 us off: past their own band, within the two combined (11.8
-    us), so the replay stands; 11 us slower (90 us, 20 off) they are told apart."""
+    median (135 us) at 70 us, its steps' band 2 x 1.2533 x 10 / 1.349 / sqrt(3) = 10.7 us. Turns
+    that put the rewrite at 79 us (band 4.93 us) are 9 us off: past their own band, within the two
+    combined (11.8 us), so the replay stands; 11 us slower (90 us, 20 off) they are told apart."""
     ops, steps, start = [], [], 0.0
     for step, matmul_us in enumerate((60.0, 100.0, 140.0)):  # `_op_trace`'s step, its MatMul changed
         ops += [
@@ -144,16 +162,15 @@ def test_the_replays_own_band_joins_the_timed_calls_band_before_they_are_told_ap
         start += matmul_us + 35
     table = _op_trace({"MatMul": MATMUL, "Relu": RELU}).precision_costs
     recorded = Trace(rank=0, world_size=1, device="cpu", steps=steps, ops=ops, precision_costs=table)
-    calls = [0.070, 0.076, 0.079, 0.082, 0.095]
-    recorded.precision_costs["op_types"]["step_ms"] = calls
-    assert rewrite_step_ms([recorded]) == (pytest.approx(0.079), pytest.approx(0.00499, rel=1e-2))
+    plan_ms = [0.079 + us / 1e3 for us in SPREAD_US]
+    recorded.precision_costs["op_types"]["turns"] = _turns(plan_ms)
     both = Plan(op_precision={"MatMul": "bf16", "Relu": "bf16"})
     predictor = Predictor([recorded])
     assert predictor.predict().step_ms == pytest.approx(0.135)
     rewrite = predictor.predict(both)
     assert rewrite.step_ms == pytest.approx(0.070)
     assert sorted(rewrite.replayed_step_ms) == [pytest.approx(ms) for ms in (0.060, 0.070, 0.080)]
-    recorded.precision_costs["op_types"]["step_ms"] = [ms + 0.011 for ms in calls]
+    recorded.precision_costs["op_types"]["turns"] = _turns([ms + 0.011 for ms in plan_ms])
     assert Predictor([recorded]).predict(both).step_ms == pytest.approx(0.090)
 
 

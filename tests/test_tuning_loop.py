@@ -314,6 +314,7 @@ def test_a_resumed_run_in_report_mode_reapplies_the_checkpoint_plan_and_says_so(
         ({"levers": ("precision", "magic")}, "levers: must be some of"),
         ({"precisions": "bf16"}, "precisions: a list of names"),
         ({"mode": "apply-everything"}, "mode: must be one of"),
+        ({"alternate_looks": 0}, "alternate_looks: must be an integer of at least 1"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(arguments, message):

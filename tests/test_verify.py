@@ -6,23 +6,16 @@ import statistics
 
 import pytest
 
+from qsync_callback.alternation import less_noisy_change
+from qsync_callback.mean_band import combined_noise_pct, median_band, median_noise_pct
 from qsync_callback.plan import Plan
 from qsync_callback.report import (
     NOISY_PAGE_FAULTS,
     build_report,
     format_summary,
     format_verification,
-    median_band,
-    median_noise_pct,
 )
-from qsync_callback.verify import (
-    KEEP,
-    ROLL_BACK,
-    can_tell,
-    combined_noise_pct,
-    less_noisy_change,
-    verify_plan,
-)
+from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, verify_plan
 
 from tracebuilder import op, trace
 

@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 
 import horovod.tensorflow as hvd
 
+from qsync_callback.alternation import LOOKS
 from qsync_callback.integrations.horovod_tf.horovod_run import HorovodRun
 from qsync_callback.integrations.horovod_tf.train_step import TrainStep, all_finite
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
@@ -50,6 +51,8 @@ class Recorder:
         verify_steps: calls recorded after applying a plan.
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns,
             as for ``QSyncCallback`` (each switch re-traces the step).
+        alternate_looks: while the turns cannot tell the plan from the baseline, as many more rounds,
+            up to this many times as many, as for ``QSyncCallback``.
         plan: a plan file to apply at the first call; None: in mode "apply" the plan kept in the
             plan cache for this job under these constraints, if any; False: none.
         memory_budget, max_step_time, precisions, levers, best_effort: what a plan is chosen
@@ -74,6 +77,7 @@ class Recorder:
         optimizer: Any = None,
         verify_steps: int = 3,
         alternate_rounds: int = 3,
+        alternate_looks: int = LOOKS,
         plan: str | Path | Literal[False] | None = None,
         memory_budget: str | int | float | None = None,
         max_step_time: float | None = None,
@@ -101,6 +105,7 @@ class Recorder:
             plan=plan if plan is not False else None,
             plan_cache=plan_cache if plan is not False else False,
             alternate_rounds=alternate_rounds,
+            alternate_looks=alternate_looks,
         )
         self._loop = TuningLoop(settings, who="qsync Recorder")
         self.model = model

@@ -18,6 +18,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from qsync_callback.activation_trial import TRIAL_ROUNDS
+from qsync_callback.alternation import LOOKS
 from qsync_callback.fit_check import DoesNotFit, FitCheck, check_fit
 from qsync_callback.integrations.lightning.lightning_run import LightningRun
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
@@ -49,7 +50,8 @@ class QSyncCallback(pl.Callback):
         alternate_rounds: after those, rounds of the recorded configuration and the plan in turns
             (each a block of 1 + 4 steps of each; 0: none), on which keep or roll back is decided
             (a drift of the machine's speed between the two recorded windows cancels in each round);
-            while they cannot tell the plan from the baseline, as many more, up to 6 times as many.
+            while they cannot tell the plan from the baseline, as many more, up to ``alternate_looks``
+            times as many (fewer: a shorter run decides sooner, and says it could not tell more often).
         activation_trial_rounds: mode "apply" with ``memory_budget`` and the "activation" lever:
             after the measured steps, rounds of the recorded configuration and an offload of the
             model's outermost modules in turns (on the CPU), then as many of it and a recompute of
@@ -83,6 +85,7 @@ class QSyncCallback(pl.Callback):
         levers: Iterable[str] = LEVERS,
         verify_steps: int = 3,
         alternate_rounds: int = 3,
+        alternate_looks: int = LOOKS,
         activation_trial_rounds: int = TRIAL_ROUNDS,
         best_effort: bool = False,
         plan: str | Path | None = None,
@@ -103,6 +106,7 @@ class QSyncCallback(pl.Callback):
             plan=plan,
             plan_cache=plan_cache,
             alternate_rounds=alternate_rounds,
+            alternate_looks=alternate_looks,
         )
         check_count(activation_trial_rounds, "activation_trial_rounds", 0)
         self._activation_trial_rounds = activation_trial_rounds

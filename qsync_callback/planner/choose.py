@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from qsync_callback.errors import QSyncInputError
+from qsync_callback.mean_band import median_noise_pct
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner import PlanChoice
 from qsync_callback.planner.compiled_regions import choose_regions, format_region_plan
@@ -32,7 +33,7 @@ from qsync_callback.planner.tf_plans import choose_tf_plan, has_tf_candidates
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import DDP, can_price_fusion
 from qsync_callback.recorder.trace import Trace
-from qsync_callback.report import format_memory_plan, format_precision_plan, median_noise_pct, slowest_rank
+from qsync_callback.report import format_memory_plan, format_precision_plan, slowest_rank
 
 
 def choose_plan(traces: Sequence[Trace], constraints: Constraints, recorded: Mapping[str, Any]) -> PlanChoice:

@@ -35,9 +35,10 @@ recorded no allocations) is refused, with the reason.
 
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
-those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the median of
-the probe's timed calls of it (`op_precision.rewrite_step_ms`; where it timed none, or their median
-is within the two medians' combined band of it, the probe's profiled op times rebuilt on the
+those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the change
+the probe's timed calls of it measured in turns with the recorded step, on the recorded
+configuration's predicted step (`op_precision.rewrite_change`; where it timed none, or that figure
+is within the two figures' combined band of it, the probe's profiled op times rebuilt on the
 recorded step), and its peak is its tensors' simulation calibrated on what TF's allocator read in
 the probe's profiled and reading calls (`op_precision.rewrite_reading`), rather than predicting an
 unseen configuration. Other op-type plans take the share of what those timed calls measured over
@@ -142,8 +143,9 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     if rebuilt:
         notes.append(
             f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled and timed; the "
-            "figure is the median of the probe's timed calls (its profiled op times rebuilt on the "
-            "recorded step where it timed none, or where that median is within its noise of them), and "
+            "figure is the change the probe's timed calls measured in turns with the recorded step (its "
+            "profiled op times rebuilt on the recorded step where it timed none, or where that change is "
+            "within its noise of them), and "
             "its peak is calibrated on what the allocator read in the probe's calls (in-sample figures, "
             "not a prediction of an unseen configuration)"
         )

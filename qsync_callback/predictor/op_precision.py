@@ -10,20 +10,19 @@ measured cost per byte of the casts that rewrite inserted.
 - Time: every op of a changed type keeps its recorded duration times its type's measured ratio
   (``<p>_us / fp32_us``, summed over the same ops in both runs).
 - Calibration on the rewrite's own timed calls: the bf16 probe times its unprofiled reading calls
-  (``step_ms``), so the uniform rewrite's step is measured as the recorded configuration's is.
-  What it measured over its replayed figure (`rewrite_step_ms` less that replay: the bf16 ops'
+  in turns with the recorded step (``turns``), so the uniform rewrite's change against the recorded
+  configuration is measured as the loop's turns measure a plan's (`rewrite_change`: the rounds'
+  mean or median change, the less noisy, over every rank's slowest blocks). That change on the
+  recorded configuration's predicted step, less the rewrite's replayed figure (the bf16 ops'
   profiled times, which the profiler slowed otherwise than it slowed the recorded ones, the host
-  gaps that do not shrink with them) is added to a plan in proportion to the share of the
+  gaps that do not shrink with them), is added to a plan in proportion to the share of the
   rewrite's changed fp32 op time that the plan changes (`changed_share`; all of it for the rewrite
-  itself, whose figure is then its timed calls' median, none for a plan that changes nothing).
-  Only where the timed calls tell themselves from the replay: two medians, each with its 95% band
-  (the timed calls', and the replayed steps'), within their combined band of each other (the root
-  of the sum of squares, as verify combines two medians' noise) differ by chance, and the replay
-  stands. The probe times ten calls, and on two cores their median's band was 0.2-4.0 ms (4-21% of
-  the step) over 27 launches of the example's MLP and CNN on 1 and 2 Horovod processes
-  (`benchmarks/README.md`, the Horovod plans table's reading): over 23 of them, the rewrite's
-  change missed the change measured in turns afterwards by a median of 7.3 points (mean 7.6) at
-  the timed calls' median, 4.9 (6.3) at the replay alone, and 6.2 (5.9) taken this way.
+  itself, whose predicted change is then the measured one, none for a plan that changes nothing).
+  Only where the measured change tells itself from the replay: two figures, each with its 95% band
+  (the turns', and the replayed steps' median's), within their combined band of each other (the
+  root of the sum of squares, as verify combines two medians' noise) differ by chance, and the
+  replay stands. Before the turns, ten calls of the rewrite timed after the recorded configuration's
+  took a drift of the machine between the two whole (`recorder/tf_op_types.py`).
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).
@@ -60,14 +59,14 @@ The plan's op types not in the table, and precisions not measured, are refused
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
+from qsync_callback.alternation import less_noisy_change, paired_change
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.mean_band import median_band
 from qsync_callback.plan import FULL_PRECISION
 from qsync_callback.predictor.memory import TensorLife
 from qsync_callback.predictor.precision import _insert
@@ -100,15 +99,15 @@ def rewrite_reading(table: Mapping, op_precision: Mapping[str, str]) -> int | No
     return max((r for r in readings if r is not None), default=None)
 
 
-def rewrite_step_ms(traces: Sequence[Trace]) -> tuple[float, float] | None:
-    """The uniform rewrite's measured step and its noise, in ms: the slowest rank's median over the
-    probe's timed (reading) calls and that median's 95% band (`mean_band.median_band`; 0 under 3
-    calls); None where a rank's probe timed none."""
-    calls = [op_type_table(trace).get("step_ms") for trace in traces]
-    if not all(calls):
+def rewrite_change(traces: Sequence[Trace]) -> dict[str, Any] | None:
+    """The uniform rewrite's step-time change against the recorded configuration in the probe's
+    turns, over every rank (`alternation.paired_change`: each block the slowest rank's), as the
+    loop's turns decide on it (`alternation.less_noisy_change`: ``change_pct``, ``noise_pct`` and
+    ``estimate``); None where a rank's probe timed no round."""
+    turns = [op_type_table(trace).get("turns") for trace in traces]
+    if not all(turns):
         return None
-    slowest = max(calls, key=statistics.median)
-    return statistics.median(slowest), median_band(slowest) or 0.0
+    return less_noisy_change(paired_change(turns))
 
 
 def changed_share(table: Mapping, op_precision: Mapping[str, str]) -> float:

@@ -57,8 +57,8 @@ from qsync_callback.predictor.op_precision import (
     check_op_precision_plan,
     op_type_lives,
     op_type_table,
+    rewrite_change,
     rewrite_reading,
-    rewrite_step_ms,
     uniform_op_types,
 )
 from qsync_callback.predictor.precision import (
@@ -185,23 +185,25 @@ class Predictor:
         return prediction
 
     def _on_rewrite_calls(self, plan: Plan, prediction: Prediction) -> Prediction:
-        """An op-type plan's step calibrated on the uniform rewrite's timed calls: what they measured
-        over the rewrite's replayed step, times the plan's `changed_share` of the rewrite (module
-        docstring of `op_precision.py`); unchanged where the probe timed no call, or where their
-        median and the replay's are within their combined band of each other."""
+        """An op-type plan's step calibrated on the uniform rewrite's timed calls: the change they
+        measured in turns on the recorded configuration's predicted step, over the rewrite's
+        replayed step, times the plan's `changed_share` of the rewrite (module docstring of
+        `op_precision.py`); unchanged where the probe timed no round, or where the two are within
+        their combined band of each other."""
         precisions = set(changed_op_types(plan.op_precision).values())
         if len(precisions) != 1:
             return prediction
         low = precisions.pop()
         if low not in self._rewrite_residual_ms:
-            timed = rewrite_step_ms(self.traces)
+            measured = rewrite_change(self.traces)
             uniform = uniform_op_types(op_type_table(self.traces[0]), low)
             self._rewrite_residual_ms[low] = 0.0
-            if timed is not None and uniform:
-                measured, band = timed
+            if measured is not None and uniform:
+                recorded_ms = self._replayed(Plan(), None, "<the recorded configuration>").step_ms
                 rewrite = Plan(op_precision=dict.fromkeys(uniform, low))
                 replayed = self._replayed(rewrite, None, "<the uniform rewrite>")
-                residual = measured - replayed.step_ms
+                residual = recorded_ms * (1 + measured["change_pct"] / 100) - replayed.step_ms
+                band = recorded_ms * measured["noise_pct"] / 100
                 noise = math.hypot(band, median_band(replayed.replayed_step_ms) or 0.0)
                 self._rewrite_residual_ms[low] = residual if abs(residual) > noise else 0.0
         share = statistics.fmean(

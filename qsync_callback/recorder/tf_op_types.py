@@ -11,20 +11,25 @@ cache its kernels, which would make bf16 look slow against the recorded fp32 ste
 allocator's peak under the rewrite moves from step to step by more than under fp32 (the example's
 MLP on one process, on a CPU without native bf16: 27.0 to 34.0 MiB over 31 steps, where fp32 read
 18.0 to 20.0; with native bf16, 20.0 to 29.0 MiB over 31 steps, where fp32 read 19.0 to 20.0). Then
-``reading_calls`` unprofiled calls (the recorder gives the window's ``measure_steps``), each timed
-and with TF's allocator peak read as a timed step's is (`recorder/tf_memory.StepPeaks`): the
-uniform rewrite's step time is their median where it is told apart from the profiled calls' replay
-(`predictor/op_precision.rewrite_step_ms`), and its predicted peak is calibrated on the most any
-profiled or reading call read, the largest of about as many steps as a window measures its peak
-over, since the largest of five profiled steps falls short of the largest of twenty (the MLP above:
-27.0 MiB over five, 29.0 over the verify window's 23). The calls always run, once each; a failure
-of the probe's own work switches the step back at once, and the table then only says why nothing
-was measured (``{"note": ...}``).
+the reading calls: `READING_ROUNDS` rounds of the recorded step and the rewrite in turns, a block of
+each a round (`alternation.Alternation`: the first call of a block settles after its switch, the
+next `READING_BLOCK_CALLS` are timed; the recorded step first, the undo puts its function back, the
+rewrite re-traces). The rewrite's change against the recorded step is these rounds' (``turns``,
+`predictor/op_precision.rewrite_change`): a drift of the machine's speed cancels in each round,
+where ten calls of the rewrite timed after the recorded ones took it whole (two Horovod processes
+of the MLP: one launch priced the rewrite 4.8% slower, where the turns of others measured it 5-9%
+faster). The rewrite's blocks read TF's allocator peak as a timed step's is
+(`recorder/tf_memory.StepPeaks`): its predicted peak is calibrated on the most any profiled or
+reading call read, the largest of about as many steps as a window measures its peak over, since the
+largest of five profiled steps falls short of the largest of twenty (the MLP above: 27.0 MiB over
+five, 29.0 over the verify window's 23). Every rank switches at the same calls. The calls always
+run, once each; a failure of the probe's own work switches the step back at once, and the table
+then only says why nothing was measured (``{"note": ...}``).
 
 Which calls feed what: the probe's calls come after the window's timed calls and none of them is
 among the baseline's timed calls (`TFRecorder` times no call from the probe's first on), so the
 baseline's measured step time owes nothing to them; their profiled op times and the reading calls'
-times feed the predictions of every bf16 candidate, and nothing else does: a plan's prediction is
+turns feed the predictions of every bf16 candidate, and nothing else does: a plan's prediction is
 made before it is applied, and the calls recorded under it (the verify window) only measure it.
 One candidate is in-sample all the same: the plan whose bf16 op types are those the rewrite ran,
 the configuration these calls ran; its figure is theirs, and the planner's table says so
@@ -34,9 +39,10 @@ the configuration these calls ran; its figure is theirs, and the planner's table
 (schema in `recorder/trace.py`), with what the allocator gave each op per step in both (what it
 made, and its scratch: `allocated_per_step`), and each of the rewrite's casts (what an op-type
 plan's peak is priced on, `predictor/op_precision.py`), the most the allocator read in use in the
-profiled steps and each reading call's peak (the rewrite's own peaks, on the largest of which the
-uniform plan's predicted peak is calibrated: `op_precision.rewrite_reading`). The table's unit is
-TF's: an op type as its lists name it. The profile names ops after fusion (a ``_FusedMatMul`` named
+profiled steps and the peak of each of the rewrite's reading calls (the rewrite's own peaks, on
+the largest of which the uniform plan's predicted peak is calibrated:
+`op_precision.rewrite_reading`), and the reading calls' turns. The table's unit is TF's: an op
+type as its lists name it. The profile names ops after fusion (a ``_FusedMatMul`` named
 ``mlp/fc1/Relu`` runs MatMul, BiasAdd and Relu): such an op counts as its root type (MatMul).
 Tensor sizes come from the traced step function's static shapes. On a CPU without bfloat16 the
 rewrite changes no op, and the table has no costs.
@@ -52,6 +58,7 @@ from typing import Any, Protocol
 
 import tensorflow as tf
 
+from qsync_callback.alternation import BASELINE, BLOCK_STEPS, MEDIAN_ROUNDS, PLAN, Alternation
 from qsync_callback.plan import FULL_PRECISION
 from qsync_callback.recorder.tf_memory import StepPeaks
 from qsync_callback.recorder.trace import Trace
@@ -60,6 +67,9 @@ from qsync_callback.recorder.xspace import STEP_NAME, convert_xspace, find_xspac
 LOW = "bf16"
 SETTLE_CALLS = 3  # after graph collection: oneDNN creates and caches the bf16 primitives, TF warms up
 PROFILED_STEPS = 5
+READING_ROUNDS = MEDIAN_ROUNDS  # the fewest rounds whose median has a noise
+READING_BLOCK_CALLS = BLOCK_STEPS  # fixed, not from each rank's step time: every rank switches together
+READING = Alternation(READING_ROUNDS, looks=1, block_steps=READING_BLOCK_CALLS)
 _FIRST_PROFILED = 1 + SETTLE_CALLS
 _FIRST_READING = _FIRST_PROFILED + PROFILED_STEPS
 _FUSED_ROOT = {
@@ -90,15 +100,15 @@ class OpTypeProbe:
         logdir: Path,
         switch: Callable[[], Callable[[], None]],
         peaks: StepPeaks,
-        reading_calls: int,
     ):
         self.step = step
         self.logdir = logdir
         self.switch = switch
         self.peaks = peaks
-        self.reading_calls = reading_calls
-        self.step_peaks: list[int] = []  # the reading calls' allocator peaks (bytes)
-        self.step_ms: list[float] = []  # the reading calls' times
+        self.step_peaks: list[int] = []  # the rewrite's reading calls' allocator peaks (bytes)
+        self.turns: dict[str, list[list[float]]] = {  # the reading calls' times, by configuration and round
+            config: [[] for _ in range(READING_ROUNDS)] for config in (BASELINE, PLAN)
+        }
         self.note: str | None = None  # why nothing was measured
         self._undo: Callable[[], None] | None = None
         self._collecting = False
@@ -110,7 +120,7 @@ class OpTypeProbe:
     @property
     def calls(self) -> int:
         """How many calls the probe takes: graph collection, settling, profiled, reading."""
-        return _FIRST_READING + self.reading_calls
+        return _FIRST_READING + READING.done_step
 
     def step_boundary(self, call: int) -> None:
         if call == 0:
@@ -120,8 +130,11 @@ class OpTypeProbe:
         if self._profiling:
             self._mark = tf.profiler.experimental.Trace(STEP_NAME, step_num=call, _r=1)
             self._mark.__enter__()
-        elif call >= _FIRST_READING and self._undo is not None:
-            self.peaks.start()
+        elif call >= _FIRST_READING and self._reading():
+            reading = call - _FIRST_READING
+            self._guard(lambda: self._switch_to(READING.switch_at(reading)))
+            if READING.timed_block(reading + 1) is not None and self._undo is not None:
+                self.peaks.start()  # a timed call of the rewrite
 
     def step_end(self, call: int, elapsed_ms: float) -> None:
         self._end_mark()
@@ -129,11 +142,14 @@ class OpTypeProbe:
             self._guard(self._collected)
         elif call == _FIRST_READING - 1:
             self._guard(self._stop_profiler)
-        elif call >= _FIRST_READING and self._undo is not None:
-            self.step_ms.append(elapsed_ms)
-            peak = self.peaks.end()
-            if peak is not None:
-                self.step_peaks.append(peak)
+        elif call >= _FIRST_READING and self._reading():
+            block = READING.timed_block(call - _FIRST_READING + 1)
+            if block is not None:
+                round_, config = block
+                self.turns[config][round_].append(elapsed_ms)
+                peak = self.peaks.end() if config == PLAN else None
+                if peak is not None:
+                    self.step_peaks.append(peak)
 
     def table(self, trace: Trace) -> dict[str, Any]:
         """Switch the step back, then the op-type table of ``trace`` (or why there is none)."""
@@ -143,9 +159,9 @@ class OpTypeProbe:
         if self.note is None:
             try:
                 table = op_type_table(trace, self.logdir, self._graph, self._shapes)
-                if self.step_ms:  # the reading calls ran
+                if any(self.turns[PLAN]):  # the reading calls ran
                     table["step_peak_bytes"] = list(self.step_peaks)
-                    table["step_ms"] = list(self.step_ms)
+                    table["turns"] = {c: [list(b) for b in blocks] for c, blocks in self.turns.items()}
                 return table
             except Exception as exc:  # noqa: BLE001 - a probe that measured nothing is a note, not a failure
                 self.note = f"{type(exc).__name__}: {exc}"
@@ -177,6 +193,18 @@ class OpTypeProbe:
         except Exception as exc:  # noqa: BLE001 - measuring must never break the step
             self.note = f"{type(exc).__name__}: {exc}"
             self.close()
+
+    def _reading(self) -> bool:
+        """Whether the reading calls go on: the probe's work has not failed."""
+        return self.note is None and self._graph is not None
+
+    def _switch_to(self, config: str | None) -> None:
+        """At a block's first call: the recorded step (the rewrite undone) or the rewrite again."""
+        if config == BASELINE and self._undo is not None:
+            undo, self._undo = self._undo, None
+            undo()
+        elif config == PLAN and self._undo is None:
+            self._undo = self.switch()
 
     def _begin(self) -> None:
         from tensorflow.python.eager import context

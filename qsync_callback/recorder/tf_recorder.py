@@ -22,8 +22,8 @@ window:
 - ``measure_steps`` more calls are timed (the measured step time is their median, with the others
   timed before);
 - for planning, the op-type probe (`recorder/tf_op_types.py`) then runs its calls of TF's uniform
-  bf16 rewrite (the last ``measure_steps`` of them read the allocator's peak), and its table goes
-  into the trace (``precision_costs["op_types"]``).
+  bf16 rewrite (the last of them in turns with the recorded step, the rewrite's reading the
+  allocator's peak), and its table goes into the trace (``precision_costs["op_types"]``).
 
 Profiler overhead: the calibrated cost per event of each kind (``trace.profiler_overhead_us``,
 `xspace.EVENT_KINDS`) is charged to the recorded ops' ``overhead_us`` and ``gap_overhead_us``
@@ -149,9 +149,7 @@ class TFRecorder:
         self._in_use_at_start: int | None = None
         self._probe = None
         if switch_to_bf16 is not None:
-            self._probe = OpTypeProbe(
-                step, self._profile_dir() / PROBE_RUN, switch_to_bf16, self._peaks, measure_steps
-            )
+            self._probe = OpTypeProbe(step, self._profile_dir() / PROBE_RUN, switch_to_bf16, self._peaks)
         self._calls = 0  # boundaries so far
         self._clock = 0.0
         self._session: Path | None = None

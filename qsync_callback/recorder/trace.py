@@ -106,8 +106,9 @@ Per-op-type precision costs (``precision_costs["op_types"]``, written by
                                                # producer's output, by producer and direction
      "recorded_peak_bytes": 34603008,          # the most TF's allocator read in use in the profiled
                                                # steps of the rewrite (where it reads)
-     "step_peak_bytes": [30408704, ...],        # each reading call's (unprofiled) allocator peak
-     "step_ms": [5.1, ...],                     # and its time
+     "step_peak_bytes": [30408704, ...],        # each of the rewrite's reading calls' allocator peak
+     "turns": {"baseline": [[5.3, ...], ...],   # the reading calls' times (ms), the recorded step's
+               "plan": [[5.1, ...], ...]},      # and the rewrite's, by round (`alternation.py`)
      "source": "..."}                          # what was measured where (rank, steps)
     {"note": "..."}                            # instead, where the probe measured nothing: why
 """
@@ -413,7 +414,7 @@ _PRECISION_COSTS = Fields(
                 "cast_allocated": MapOf(AMOUNT),
                 "recorded_peak_bytes": AMOUNT,
                 "step_peak_bytes": ListOf(AMOUNT),
-                "step_ms": ListOf(FINITE),
+                "turns": Fields(required=dict.fromkeys(("baseline", "plan"), ListOf(ListOf(FINITE)))),
                 "source": STRING,
             }
         ),
