@@ -121,11 +121,12 @@ def test_plans_are_calibrated_on_the_rewrites_timed_calls_by_their_share_of_it()
     assert Predictor([other]).predict(both).step_ms == pytest.approx(0.070)
 
 
-def test_a_change_within_its_band_of_the_replay_leaves_the_replay_standing():
+def test_a_change_within_its_band_of_the_replay_or_of_none_leaves_the_replay_standing():
     """Six rounds whose rewrite blocks (`SPREAD_US` about 74 us) put the rewrite at 0.074 ms on
     the recorded step's 0.135, 4 us from its replay (0.070 ms), with a band of 4.93 us: chance; the
     replay stands, for the rewrite and for a share of it. Rounds as spread but 20 us slower are
-    told apart."""
+    told apart. Rounds three times as spread about the recorded step (a change of 0 +- 11%) are far
+    from the replay but cannot tell the rewrite from the recorded step: the replay stands."""
     plan_ms = [0.074 + us / 1e3 for us in SPREAD_US]
     recorded = _op_trace({"MatMul": MATMUL, "Relu": RELU})
     recorded.precision_costs["op_types"]["turns"] = _turns(plan_ms)
@@ -143,6 +144,10 @@ def test_a_change_within_its_band_of_the_replay_leaves_the_replay_standing():
     slower = Predictor([recorded])
     assert slower.predict(both).step_ms == pytest.approx(0.094)
     assert slower.predict(only_matmul).step_ms == pytest.approx(replayed_matmul + 100 / 120 * 0.024)
+    recorded.precision_costs["op_types"]["turns"] = _turns([0.135 + 3 * us / 1e3 for us in SPREAD_US])
+    unresolved = rewrite_change([recorded])
+    assert unresolved["change_pct"] == pytest.approx(0.0, abs=1e-9) and unresolved["noise_pct"] > 10
+    assert Predictor([recorded]).predict(both).step_ms == pytest.approx(0.070)
 
 
 def test_the_replays_own_band_joins_the_turns_band_before_they_are_told_apart():

@@ -38,11 +38,12 @@ baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op 
 those the rewrite ran at bf16 is a configuration the probe already ran: its figure is the change
 the probe's timed calls of it measured in turns with the recorded step, on the recorded
 configuration's predicted step (`op_precision.rewrite_change`; where it timed none, or that figure
-is within the two figures' combined band of it, the probe's profiled op times rebuilt on the
-recorded step), and its peak is its tensors' simulation calibrated on what TF's allocator read in
-the probe's profiled and reading calls (`op_precision.rewrite_reading`), rather than predicting an
-unseen configuration. Other op-type plans take the share of what those timed calls measured over
-the rewrite's replay that their op types make of it (`op_precision.changed_share`).
+is within the two figures' combined band of it or its own of none, the probe's profiled op times
+rebuilt on the recorded step), and its peak is its tensors' simulation calibrated on what TF's
+allocator read in the probe's profiled and reading calls (`op_precision.rewrite_reading`), rather
+than predicting an unseen configuration. Other op-type plans take the share of what those timed
+calls measured over the rewrite's replay that their op types make of it
+(`op_precision.changed_share`).
 The table marks such a candidate (`reconstructs_probe`). Its verification (`verify.py`) still
 measures it on calls of its own that feed no prediction.
 
@@ -144,8 +145,8 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
         notes.append(
             f"{RECONSTRUCTION}: TF's uniform bf16 rewrite, which the bf16 probe profiled and timed; the "
             "figure is the change the probe's timed calls measured in turns with the recorded step (its "
-            "profiled op times rebuilt on the recorded step where it timed none, or where that change is "
-            "within its noise of them), and "
+            "profiled op times rebuilt on the recorded step where it timed none, where that change is "
+            "within its noise of them or of none), and "
             "its peak is calibrated on what the allocator read in the probe's calls (in-sample figures, "
             "not a prediction of an unseen configuration)"
         )

@@ -188,8 +188,9 @@ class Predictor:
         """An op-type plan's step calibrated on the uniform rewrite's timed calls: the change they
         measured in turns on the recorded configuration's predicted step, over the rewrite's
         replayed step, times the plan's `changed_share` of the rewrite (module docstring of
-        `op_precision.py`); unchanged where the probe timed no round, or where the two are within
-        their combined band of each other."""
+        `op_precision.py`); unchanged where the probe timed no round, where the two are within
+        their combined band of each other, or where the turns cannot tell the rewrite from the
+        recorded configuration."""
         precisions = set(changed_op_types(plan.op_precision).values())
         if len(precisions) != 1:
             return prediction
@@ -205,7 +206,8 @@ class Predictor:
                 residual = recorded_ms * (1 + measured["change_pct"] / 100) - replayed.step_ms
                 band = recorded_ms * measured["noise_pct"] / 100
                 noise = math.hypot(band, median_band(replayed.replayed_step_ms) or 0.0)
-                self._rewrite_residual_ms[low] = residual if abs(residual) > noise else 0.0
+                told = abs(residual) > noise and abs(measured["change_pct"]) > measured["noise_pct"]
+                self._rewrite_residual_ms[low] = residual if told else 0.0
         share = statistics.fmean(
             changed_share(op_type_table(trace), plan.op_precision) for trace in self.traces
         )
