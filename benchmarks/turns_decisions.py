@@ -43,6 +43,7 @@ from qsync_callback.alternation import (
     BLOCK_STEPS,
     LOOKS,
     PLAN,
+    ROUNDS,
     Alternation,
     less_noisy_change,
     paired_change,
@@ -50,7 +51,6 @@ from qsync_callback.alternation import (
 from qsync_callback.mean_band import band_factor
 from qsync_callback.verify import can_tell
 
-FIRST_ROUNDS = 3  # the loop's default (`alternate_rounds`)
 STEP_JITTER = 0.03
 CASES = (  # true change %, round spread %, share of the rounds far off (`FAR_OFF`)
     (0.0, 12.5, 0.0),
@@ -108,7 +108,7 @@ def simulate(
     """``runs`` simulated launches under ``rule`` with up to ``looks`` looks (``far_share``:
     `simulated_round`'s)."""
     rng = random.Random(seed)
-    schedule = Alternation(FIRST_ROUNDS, looks=looks)
+    schedule = Alternation(ROUNDS, looks=looks)
     counts = dict.fromkeys(OUTCOMES, 0)
     used = []
     for _ in range(runs):
@@ -142,13 +142,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['change_pct']:+.0f}% | {row['spread_pct']:.1f}% | {100 * row['far_share']:.0f}%"
             f" | {row['rule']} | {row['looks']}"
-            f" ({FIRST_ROUNDS}-{FIRST_ROUNDS * row['looks']}) | {100 * row['faster']:.1f}%"
+            f" ({ROUNDS}-{ROUNDS * row['looks']}) | {100 * row['faster']:.1f}%"
             f" | {100 * row['slower']:.1f}% | {100 * row['could not tell']:.1f}% | {100 * row['agree']:.1f}%"
             f" | {row['mean_rounds']:.1f} |"
         )
     lines += [
         "",
-        f"{rows[0]['runs']} simulated launches a row, {FIRST_ROUNDS} rounds first, blocks of"
+        f"{rows[0]['runs']} simulated launches a row, {ROUNDS} rounds first, blocks of"
         f" {BLOCK_STEPS} timed steps jittered {100 * STEP_JITTER:.0f}%;"
         f" sequential: the loop's rule (the loop looks up to {LOOKS} times); student: 95% at every look;"
         " normal: 2 standard errors.",

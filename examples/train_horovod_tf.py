@@ -38,7 +38,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from qsync_callback.alternation import LOOKS  # noqa: E402
+from qsync_callback.alternation import LOOKS, ROUNDS  # noqa: E402
 from qsync_callback.integrations.horovod_tf import Recorder, profile, record_horovod_timeline  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
 
@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument(
         "--alternate-rounds",
         type=int,
-        default=3,
+        default=ROUNDS,
         help="mode apply: rounds of the recorded configuration and the plan in turns after verify (0: none)",
     )
     parser.add_argument(

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qsync_callback import QSyncCallback
-from qsync_callback.alternation import LOOKS
+from qsync_callback.alternation import LOOKS, ROUNDS
 
 
 class Classifier(pl.LightningModule):
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument(
         "--alternate-rounds",
         type=int,
-        default=3,
+        default=ROUNDS,
         help="mode apply: rounds of the recorded configuration and the plan in turns after verify (0: none)",
     )
     parser.add_argument(

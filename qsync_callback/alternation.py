@@ -56,6 +56,7 @@ SETTLE_STEPS = 1
 BLOCK_STEPS = 4  # the fewest timed steps a block has; at least 3: the noise of a block's median needs 3
 BLOCK_SECONDS = 0.2  # a block times as many steps as take this long, from BLOCK_STEPS to MOST_BLOCK_STEPS
 MOST_BLOCK_STEPS = 16
+ROUNDS = 3  # the loop's turns' first look is after this many rounds (`alternate_rounds`' default)
 LOOKS = 32  # the loop's turns look at their change after rounds, 2 x rounds, ... up to LOOKS x rounds
 MEDIAN_ROUNDS = 6  # the fewest rounds whose median has a noise: the fewest whose lowest and highest
 # bound it with 95% confidence whatever their distribution (1 - 2 / 2**6 = 96.9%); under that the

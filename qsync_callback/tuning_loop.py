@@ -53,6 +53,7 @@ from qsync_callback.alternation import (
     BASELINE,
     LOOKS,
     PLAN,
+    ROUNDS,
     Alternation,
     BlockTimes,
     block_steps_for,
@@ -90,7 +91,7 @@ class LoopSettings:
     profile_steps: int = 5
     measure_steps: int = 10
     verify_steps: int = 3
-    alternate_rounds: int = 3
+    alternate_rounds: int = ROUNDS
     alternate_looks: int = LOOKS
     output_dir: Path | None = None
     constraints: Constraints = field(default_factory=Constraints)
@@ -122,7 +123,7 @@ class LoopSettings:
         constraints: Constraints | None = None,
         plan: str | Path | None = None,
         plan_cache: bool | str | Path = True,
-        alternate_rounds: int = 3,
+        alternate_rounds: int = ROUNDS,
         alternate_looks: int = LOOKS,
     ) -> LoopSettings:
         """The settings from a user's arguments as an integration takes them (paths as strings too)."""

@@ -25,6 +25,7 @@ from qsync_callback.alternation import (
     MOST_BLOCK_STEPS,
     PAGE_FAULTS,
     PLAN,
+    ROUNDS,
     SETTLE_STEPS,
     Alternation,
     BlockTimes,
@@ -372,7 +373,7 @@ def test_the_loop_runs_the_baseline_and_the_plan_in_turns_then_keeps_the_plan_in
 def test_two_ranks_switch_together_and_agree_on_the_turns(tmp_path):
     """DDP over gloo: both ranks undo and re-apply at the same boundaries (a rank switching alone
     would hang the other in a collective) and end with the same configuration."""
-    steps = 30 + Alternation(3, block_steps=MOST_BLOCK_STEPS).first_look_step  # windows, the first look
+    steps = 30 + Alternation(ROUNDS, block_steps=MOST_BLOCK_STEPS).first_look_step  # windows, the first look
     result = run_two_ranks(tmp_path, steps=steps)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps aside" not in result.stdout + result.stderr

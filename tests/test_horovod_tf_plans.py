@@ -17,7 +17,7 @@ import horovod.tensorflow as hvd
 import pytest
 import tensorflow as tf
 
-from qsync_callback.alternation import MEDIAN_SAID, MOST_BLOCK_STEPS, Alternation, less_noisy_change
+from qsync_callback.alternation import MEDIAN_SAID, MOST_BLOCK_STEPS, ROUNDS, Alternation, less_noisy_change
 from qsync_callback.integrations.horovod_tf import Recorder, profile
 from qsync_callback.integrations.horovod_tf.mixed_precision import AMP_OPTION, ENV_PREFIX
 from qsync_callback.plan import Plan
@@ -31,8 +31,8 @@ WINDOW = {"warmup_steps": 2, "profile_steps": 2, "measure_steps": 2, "verify_ste
 LAYERS = ["hidden", "head"]
 WIDE = {"width": 2048, "features": 512, "batch": 512}  # MatMul-bound: bf16 pays for its casts
 EXTRA_CALLS = 3
-TURNS = Alternation(3, looks=WINDOW["alternate_looks"])  # the recorder's default alternate_rounds
-MAX_CALLS = 50 + Alternation(3, TURNS.looks, MOST_BLOCK_STEPS).done_step  # windows, the longest turns
+TURNS = Alternation(ROUNDS, looks=WINDOW["alternate_looks"])  # the recorder's default alternate_rounds
+MAX_CALLS = 50 + Alternation(ROUNDS, TURNS.looks, MOST_BLOCK_STEPS).done_step  # windows, the longest turns
 
 
 def _step(width: int, features: int, inf_under_bf16: bool = False, py_function: bool = False):

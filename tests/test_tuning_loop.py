@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from test_precision_apply import GeluNet, _apply_callback, _fit, _loader, _lp_precisions
 
 from qsync_callback import QSyncCallback, host_cpu
-from qsync_callback.alternation import MOST_BLOCK_STEPS, Alternation
+from qsync_callback.alternation import MOST_BLOCK_STEPS, ROUNDS, Alternation
 from qsync_callback.cache import cached_plan, plan_cache_path, store_plan
 from qsync_callback.host_cpu import cpu_name, precision_flags
 from qsync_callback.plan import Constraints, Plan
@@ -171,7 +171,8 @@ def test_a_checkpoint_during_verification_holds_no_candidate_plan(tmp_path):
     qsync = _apply_callback(tmp_path, plan_cache=False)
     watcher = StateWatcher(qsync)
     # the windows end by step 30, then the turns' first look: 3 rounds of blocks as long as they may be
-    _fit([qsync, watcher], max_steps=30 + Alternation(3, block_steps=MOST_BLOCK_STEPS).first_look_step + 5)
+    first_look = Alternation(ROUNDS, block_steps=MOST_BLOCK_STEPS).first_look_step
+    _fit([qsync, watcher], max_steps=30 + first_look + 5)
     verifying = [state for during, state in watcher.states if during]
     assert verifying, "the run never verified a plan"
     assert all(state["plan"] is None and not state["finished"] for state in verifying)

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 import horovod.tensorflow as hvd
 
-from qsync_callback.alternation import LOOKS
+from qsync_callback.alternation import LOOKS, ROUNDS
 from qsync_callback.integrations.horovod_tf.horovod_run import HorovodRun
 from qsync_callback.integrations.horovod_tf.train_step import TrainStep, all_finite
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
@@ -76,7 +76,7 @@ class Recorder:
         *,
         optimizer: Any = None,
         verify_steps: int = 3,
-        alternate_rounds: int = 3,
+        alternate_rounds: int = ROUNDS,
         alternate_looks: int = LOOKS,
         plan: str | Path | Literal[False] | None = None,
         memory_budget: str | int | float | None = None,

@@ -18,7 +18,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from qsync_callback.activation_trial import TRIAL_ROUNDS
-from qsync_callback.alternation import LOOKS
+from qsync_callback.alternation import LOOKS, ROUNDS
 from qsync_callback.fit_check import DoesNotFit, FitCheck, check_fit
 from qsync_callback.integrations.lightning.lightning_run import LightningRun
 from qsync_callback.plan import DEFAULT_PRECISIONS, LEVERS, Constraints, Plan
@@ -84,7 +84,7 @@ class QSyncCallback(pl.Callback):
         precisions: Iterable[str] = DEFAULT_PRECISIONS,
         levers: Iterable[str] = LEVERS,
         verify_steps: int = 3,
-        alternate_rounds: int = 3,
+        alternate_rounds: int = ROUNDS,
         alternate_looks: int = LOOKS,
         activation_trial_rounds: int = TRIAL_ROUNDS,
         best_effort: bool = False,

@@ -16,15 +16,13 @@ each a round (`alternation.Alternation`: the first call of a block settles after
 next `READING_BLOCK_CALLS` are timed; the recorded step first, the undo puts its function back, the
 rewrite re-traces). The rewrite's change against the recorded step is these rounds' (``turns``,
 `predictor/op_precision.rewrite_change`): a drift of the machine's speed cancels in each round,
-where ten calls of the rewrite timed after the recorded ones took it whole (two Horovod processes
-of the MLP: one launch priced the rewrite 4.8% slower, where the turns of others measured it 5-9%
-faster). The rewrite's blocks read TF's allocator peak as a timed step's is
-(`recorder/tf_memory.StepPeaks`): its predicted peak is calibrated on the most any profiled or
-reading call read, the largest of about as many steps as a window measures its peak over, since the
-largest of five profiled steps falls short of the largest of twenty (the MLP above: 27.0 MiB over
-five, 29.0 over the verify window's 23). Every rank switches at the same calls. The calls always
-run, once each; a failure of the probe's own work switches the step back at once, and the table
-then only says why nothing was measured (``{"note": ...}``).
+where ten calls of the rewrite timed after the recorded ones took it whole. The rewrite's blocks
+read TF's allocator peak as a timed step's is (`recorder/tf_memory.StepPeaks`): its predicted peak
+is calibrated on the most any profiled or reading call read, the largest of about as many steps as a
+window measures its peak over, since the largest of five profiled steps falls short of the largest
+of twenty (the MLP above: 27.0 MiB over five, 29.0 over the verify window's 23). Every rank switches
+at the same calls. The calls always run, once each; a failure of the probe's own work switches the
+step back at once, and the table then only says why nothing was measured (``{"note": ...}``).
 
 Which calls feed what: the probe's calls come after the window's timed calls and none of them is
 among the baseline's timed calls (`TFRecorder` times no call from the probe's first on), so the
@@ -133,7 +131,8 @@ class OpTypeProbe:
         elif call >= _FIRST_READING and self._reading():
             reading = call - _FIRST_READING
             self._guard(lambda: self._switch_to(READING.switch_at(reading)))
-            if READING.timed_block(reading + 1) is not None and self._undo is not None:
+            block = READING.timed_block(reading + 1)
+            if block is not None and block[1] == PLAN and self._reading():
                 self.peaks.start()  # a timed call of the rewrite
 
     def step_end(self, call: int, elapsed_ms: float) -> None:
