@@ -133,6 +133,8 @@ def applied_run(model: str, procs: int, repeat: int, run_dir: Path) -> dict[str,
         "probe_change_pct": None,
         "probe_noise_pct": None,
         "probe_change_gap_pts": None,
+        "noise_pct": report["measured"]["step_ms_noise_pct"],
+        "recorded_again": report.get("recorded_again"),
     }
     if (qsync / "verification.json").exists():
         verification = read_json(qsync / "verification.json", what="verification")
@@ -271,6 +273,8 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     r["replayed_change_gap_pts"] for r in runs if r.get("replayed_change_gap_pts") is not None
                 ],
                 "failed_runs": sum(r["error"] is not None for r in runs),
+                "recorded_again": [r["recorded_again"] for r in runs if r.get("recorded_again")],
+                "noises_pct": [r["noise_pct"] for r in runs if r.get("noise_pct") is not None],
                 "outcome": ", ".join(f"{o} x{n}" if len(runs) > 1 else o for o, n in outcomes.items()),
                 "notes": notes,
             }
@@ -334,6 +338,15 @@ def markdown(rows: list[dict[str, Any]], failures: list[str], args: argparse.Nam
                 else ""
             )
             + "; the error column compares windows minutes apart, and holds the drift between them."
+        )
+    again = [why for r in rows for why in r.get("recorded_again", [])]
+    noises = [n for r in rows for n in r.get("noises_pct", [])]
+    if noises:
+        lines.append(
+            f"\nThe planned-on recordings' measured noise: +-{min(noises):.1f}% to +-{max(noises):.1f}% "
+            f"(median +-{statistics.median(noises):.1f}%) over {len(noises)} launches; recorded again "
+            f"before planning (`report.too_noisy_to_plan`): {len(again)}"
+            + "".join(f"\n- {why}" for why in again)
         )
     lines += [f"FAILED: {f}" for f in failures]
     return "\n".join(lines)

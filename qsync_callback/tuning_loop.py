@@ -22,7 +22,10 @@ Step by step, counted at `TuningLoop.step_boundary` (one per optimizer step):
   given ``plan=`` file, then in mode "apply" the plan cache), is applied on every rank; in mode
   "apply" the loop is then done, in the other modes the run under it is recorded;
 - the baseline window (``warmup_steps``, ``profile_steps`` recorded, ``measure_steps`` timed);
-  rank 0 gathers every rank's trace, reports (``report.json``), and in mode "apply" plans
+  rank 0 gathers every rank's trace, reports (``report.json``); in mode "apply", a recording too
+  noisy to plan on (`report.too_noisy_to_plan`: the machine was busy) is recorded again, once, its
+  report kept as ``report-too-noisy.json``, and the loop goes on with the second whatever its noise;
+  then rank 0 plans
   (`planner.choose.choose_plan`, under the run's `Constraints`, a budget share turned into bytes
   here, once) and sends the plan to every rank; all ranks apply it at the same boundary;
 - the verify window; then, unless the loss stopped being finite, the candidate is undone and
@@ -67,7 +70,15 @@ from qsync_callback.mean_band import band_factor
 from qsync_callback.plan import LEVER_FIELDS, LEVERS, OFFLOAD, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.recorder.trace import Trace, check_rank_traces, rank_trace_path
-from qsync_callback.report import REPORT_FILE, build_report, format_summary, format_verification, write_report
+from qsync_callback.report import (
+    NOISY_REPORT_FILE,
+    REPORT_FILE,
+    build_report,
+    format_summary,
+    format_verification,
+    too_noisy_to_plan,
+    write_report,
+)
 from qsync_callback.units import check_count
 from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, decided_on_memory, verify_plan
 
@@ -76,6 +87,7 @@ PLAN_FILE = "plan.json"
 VERIFICATION_FILE = "verification.json"
 ALTERNATE = "alternate"  # rank 0's word to every rank, and each block's timed steps: run in turns first
 GO_ON = "go on"  # ... and at a look: the turns cannot tell yet, run more rounds
+RECORD_AGAIN = "record again"  # rank 0's word after the baseline window: too noisy to plan on
 VERIFY_WARMUP_STEPS = 4  # after switching: two cold steps, one timed, one under the profiler unrecorded
 
 Undo = Callable[[], None]
@@ -263,6 +275,7 @@ class TuningLoop:
         self._turns: BlockTimes | None = None
         self._went_back: dict[str, list[Any]] = {}  # what the candidate's appliers took back alone
         self._resume_plan: Plan | None = None
+        self._too_noisy: str | None = None  # why the first baseline window was recorded again
 
     @property
     def failure(self) -> str | None:
@@ -321,7 +334,15 @@ class TuningLoop:
             self._after_alternation()
             return
         if self._recorder is not None and self._recorder.trace is None and self._safe.ok:
-            self._safe.fail("training ended before the recorded window was complete; nothing was recorded")
+            if self._too_noisy is not None:
+                self._safe.fail(
+                    "training ended while the window was recorded again (the first recording was too "
+                    f"noisy to plan on: {self._too_noisy}); no plan was made"
+                )
+            else:
+                self._safe.fail(
+                    "training ended before the recorded window was complete; nothing was recorded"
+                )
         self._window_done()
 
     def exception(self, cause: str | None = None) -> None:
@@ -498,13 +519,20 @@ class TuningLoop:
         if traces is not None:
             self._safe.run(self._report, traces)
             if self.settings.mode == "apply" and self.report is not None:
-                plan_text = self._safe.run(self._plan, traces) or ""
+                plan_text = self._safe.run(self._record_again_or_plan, traces) or ""
         if self.settings.mode != "apply":
             self.finished = True
             return
         plan_text = (self._exchange(plan_text) or [""])[0]
         if not plan_text or not self._agree():
             self.finished = True
+            return
+        if plan_text.startswith(RECORD_AGAIN):
+            self._too_noisy = plan_text.removeprefix(RECORD_AGAIN).strip()
+            self._window_start = self._steps - 1
+            s = self.settings
+            if self._new_window(self.output_dir / "trace", s.warmup_steps, s.profile_steps, s.measure_steps):
+                self._window_step(0)
             return
         plan = Plan.from_json(plan_text, source="rank 0's plan")
         error = self._apply_everywhere(plan, to_keep=False)
@@ -530,6 +558,19 @@ class TuningLoop:
         write_report(self.report, self.output_dir / REPORT_FILE)
         self._log(format_summary(self.report) + f"\n  written to {self.output_dir}")
         self._integration.log_metrics(self.report)
+
+    def _record_again_or_plan(self, traces: list[Trace]) -> str:
+        """Rank 0: RECORD_AGAIN and why, the first time a recording is too noisy to plan on (its report
+        kept aside); else `_plan`'s text."""
+        why = too_noisy_to_plan(self.report) if self._too_noisy is None else None
+        if why is None:
+            if self._too_noisy is not None:
+                self.report["recorded_again"] = self._too_noisy
+                write_report(self.report, self.output_dir / REPORT_FILE)
+            return self._plan(traces)
+        write_report(self.report, self.output_dir / NOISY_REPORT_FILE)
+        self._log(f"qsync: recording the window again before planning (once): {why}")
+        return f"{RECORD_AGAIN} {why}"
 
     def _plan(self, traces: list[Trace]) -> str:
         """Rank 0: choose the plan; its JSON if it changes anything, else "" (and keep the baseline)."""

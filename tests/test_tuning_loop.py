@@ -4,6 +4,8 @@ under, what survives a rollback or a failure, what a step is, and argument check
 import json
 import logging
 import math
+import statistics
+import time
 import warnings
 
 import pytest
@@ -17,6 +19,13 @@ from qsync_callback.host_cpu import cpu_name, precision_flags
 from qsync_callback.plan import Constraints, Plan
 from qsync_callback.recorder.torch_recorder import batch_shapes_of, torch_fingerprint
 from qsync_callback.recorder.trace import load_trace_dir
+from qsync_callback.report import (
+    NOISY_REPORT_FILE,
+    RECORD_AGAIN_MIN_STEPS,
+    RECORD_AGAIN_NOISE_PCT,
+    REPORT_FILE,
+    too_noisy_to_plan,
+)
 from qsync_callback.tuning_loop import apply_plan
 
 from apply_script import run_two_ranks
@@ -210,6 +219,50 @@ def test_a_plan_whose_loss_stops_being_finite_is_rolled_back_on_every_count(tmp_
     assert verification["reason"] == "the loss stopped being finite"
     assert _lp_precisions(model) == {} and qsync.plan is None and qsync.state_dict()["plan"] is None
     assert Plan.load(tmp_path / "q" / "plan.json").is_empty  # the recorded configuration is kept
+
+
+# ----------------------------------------------------------------- a recording too noisy to plan on
+
+
+class BusyMachine(pl.Callback):
+    """Another load on the machine while the loop records its baseline: each step waits 4 to 64 ms
+    more, by its number (4 * 2 ** (step % 5)), so the measured steps spread far over their median."""
+
+    def __init__(self, qsync):
+        self.qsync = qsync
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.qsync._loop._phase == "baseline":
+            time.sleep(0.004 * 2 ** (trainer.global_step % 5))
+
+
+def test_a_recording_too_noisy_to_plan_on_is_recorded_again_once_then_planned_on(tmp_path, caplog):
+    qsync = _apply_callback(tmp_path, measure_steps=RECORD_AGAIN_MIN_STEPS, alternate_rounds=0)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit([qsync, BusyMachine(qsync)], max_steps=60)
+    assert not [w for w in caught if "steps aside" in str(w.message)]
+    assert caplog.text.count("recording the window again before planning (once)") == 1
+    out = tmp_path / "q"
+    noisy = json.loads((out / NOISY_REPORT_FILE).read_text())
+    again = json.loads((out / REPORT_FILE).read_text())
+    for report in (noisy, again):  # busy through both windows: the second is planned on all the same
+        assert report["measured"]["step_ms_noise_pct"] > RECORD_AGAIN_NOISE_PCT
+        assert report["measured"]["step_ms_samples"] >= RECORD_AGAIN_MIN_STEPS
+    assert again["recorded_again"] == too_noisy_to_plan(noisy)
+    # the trace kept is the second window's, which the plan was made on
+    (trace,) = load_trace_dir(out / "trace")
+    assert statistics.median(trace.measured["step_ms"]) == again["measured"]["step_ms"]
+    assert again["measured"]["step_ms"] != noisy["measured"]["step_ms"]
+    verification = json.loads((out / "verification.json").read_text())
+    assert verification["decision"] in ("keep", "roll back")
+
+
+def test_training_that_ends_while_the_window_is_recorded_again_says_so(tmp_path):
+    qsync = _apply_callback(tmp_path, measure_steps=RECORD_AGAIN_MIN_STEPS)
+    with pytest.warns(RuntimeWarning, match="training ended while the window was recorded again"):
+        _fit([qsync, BusyMachine(qsync)], max_steps=22)
+    assert (tmp_path / "q" / NOISY_REPORT_FILE).exists() and qsync.plan is None
 
 
 # ----------------------------------------------------------------- a step is an optimizer step

@@ -11,9 +11,12 @@ from qsync_callback.mean_band import combined_noise_pct, median_band, median_noi
 from qsync_callback.plan import Plan
 from qsync_callback.report import (
     NOISY_PAGE_FAULTS,
+    RECORD_AGAIN_MIN_STEPS,
+    RECORD_AGAIN_NOISE_PCT,
     build_report,
     format_summary,
     format_verification,
+    too_noisy_to_plan,
 )
 from qsync_callback.verify import KEEP, ROLL_BACK, can_tell, verify_plan
 
@@ -66,6 +69,28 @@ def test_the_noise_of_a_median_shrinks_with_samples_and_grows_with_spread():
     assert median_noise_pct(_samples(10, 40, n=80, seed=1)) < median_noise_pct(_samples(10, 40, n=10, seed=1))
     # one slow outlier does not make a steady run noisy
     assert median_noise_pct([10.0] * 9 + [30.0]) == 0.0
+
+
+def test_a_recording_is_too_noisy_to_plan_on_over_its_noise_bound_from_enough_steps():
+    def noise_and_why(steps):
+        report = build_report([_run(steps)])
+        return report["measured"]["step_ms_noise_pct"], too_noisy_to_plan(report)
+
+    steady, why = noise_and_why(_samples(10, 30, n=RECORD_AGAIN_MIN_STEPS))
+    assert steady < RECORD_AGAIN_NOISE_PCT and why is None
+    busy = _samples(10, 120, n=RECORD_AGAIN_MIN_STEPS, seed=2)
+    noise, why = noise_and_why(busy)
+    assert noise > RECORD_AGAIN_NOISE_PCT
+    assert why.startswith("the measured step time 10.00 ms is known only to +-") and "busy" in why
+    assert f"median of {RECORD_AGAIN_MIN_STEPS} steps" in why
+    # as spread, from fewer steps: the band says more about their count than about the machine
+    noise, why = noise_and_why(busy[: RECORD_AGAIN_MIN_STEPS - 1])
+    assert noise > RECORD_AGAIN_NOISE_PCT and why is None
+    # scaled to the bound, then 1% past it
+    bound = RECORD_AGAIN_NOISE_PCT / noise_and_why(busy)[0]
+    at_bound = [10 + (s - 10) * bound for s in busy]
+    assert noise_and_why(at_bound)[0] == pytest.approx(RECORD_AGAIN_NOISE_PCT)
+    assert noise_and_why([10 + (s - 10) * bound * 1.01 for s in busy])[1] is not None
 
 
 def test_a_slowdown_beyond_the_noise_is_rolled_back():
