@@ -23,7 +23,7 @@ from qsync_callback.activation_trial import (
 from qsync_callback.appliers.torch_activation import ActivationApplier
 from qsync_callback.offload_store import DIRECTORY_PREFIX
 from qsync_callback.plan import module_layers
-from qsync_callback.recorder.copy_costs import copies_us, copy_costs
+from qsync_callback.recorder.copy_costs import DIRECTIONS, copies_us, copy_costs
 from qsync_callback.report import format_activation_trial
 
 from tracebuilder import trace
@@ -188,6 +188,30 @@ def test_a_trial_counts_the_bytes_moved_prices_them_and_leaves_nothing_behind():
         assert result["change_ms"] > result["noise_ms"]
     assert "forward" not in model.body.__dict__ and "forward" not in model.head.__dict__
     assert _offload_dirs() <= before
+
+
+@pytest.mark.parametrize(
+    ("change_ms", "noise_ms", "factor"),
+    [
+        (2.0, 0.5, 2.0 / 1.65),  # within its noise of the fit's price (1.65 ms): the fit moves more than that
+        (3.3, 0.5, 2.0),
+        (0.4, 0.5, None),  # within its noise of nothing
+    ],
+)
+def test_an_offload_trial_prices_the_copies_at_any_change_it_tells_from_nothing(change_ms, noise_ms, factor):
+    fit = {
+        "to_store": {"alpha_us": 100.0, "us_per_byte": 0.001},
+        "from_store": {"alpha_us": 50.0, "us_per_byte": 0.0005},
+    }
+    trial = OffloadTrial(ActivationApplier(Net()), ["body"], fit, rounds=2)
+    measured = {"modules": ["body"], "rounds": 2, "baseline_ms": 10.0, "change_ms": change_ms}
+    trial._measured = lambda: {**measured, "noise_ms": noise_ms}  # the rounds' figures (`paired_change`)
+    trial._timed_plan_steps = 4  # one copy of 1 MB each way a step
+    trial._moved = {"copies": dict.fromkeys(DIRECTIONS, 4), "bytes": dict.fromkeys(DIRECTIONS, 4 * 10**6)}
+    result = trial.result()
+    assert result["priced_ms"] == pytest.approx(1.65)  # (100 + 1000) + (50 + 500) us
+    assert result["factor"] == (None if factor is None else pytest.approx(factor))
+    assert ("note" in result) == (factor is None)
 
 
 def test_a_trial_that_moves_nothing_calibrates_nothing():

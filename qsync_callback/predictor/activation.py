@@ -33,7 +33,7 @@ policy frees them; an offload still copies them.
   `MIN_OFFLOAD_BYTES` is copied to the store on a copy lane of its own (one queue for both
   directions, in request order; each copy takes ``alpha + beta * bytes`` of that direction,
   `Trace.activation_costs["copy"]`, times what an offload trial measured the run's steps to pay
-  over that price, where one told that apart from the price: ``["copy"]["in_step"]["factor"]``,
+  over that price, where one measured a change: ``["copy"]["in_step"]["factor"]``,
   `activation_trial`): a copy to the store is requested when the op that made the tensor ends (for
   ``held``: the module's first forward op), and the tensor is freed when both its copy is done and
   its consumer has run. The copies back are requested when the backward reaches the next offloaded
@@ -211,12 +211,12 @@ def _remade_at(span: ModuleSpan) -> float:
 
 
 def price_stands(change_ms: float, noise_ms: float, priced_ms: float, price: str) -> str | None:
-    """Why a trial's measured change (``change_ms`` +- ``noise_ms``) leaves its policy priced by
-    ``price`` alone (``priced_ms``), or None where it tells itself from that price: a factor taken
-    on a change within its noise of the price would move every module's price by chance. On this
-    2-core VM a whole-model trial's noise was +-1.1 to +-7.7 ms on changes of 4-46 ms, and in twelve
-    recordings (three models, two benchmarks run twice, one session) the offload trial measured
-    0.77-1.62 times the fit, nine of them within their noise of it (`benchmarks/README.md`)."""
+    """Why a recompute trial's measured change (``change_ms`` +- ``noise_ms``) leaves the recompute
+    priced by ``price`` alone (``priced_ms``: the recorded forward's), or None where it tells itself
+    from that price: a factor taken on a change within its noise of the price would move every
+    module's price by chance. On this 2-core VM a whole-model trial's noise was +-1.1 to +-7.7 ms on
+    changes of 4-46 ms. The offload trial is not held to it (`activation_trial`: the copy-cost fit
+    it is priced against moves between measurements by more than that)."""
     if abs(change_ms - priced_ms) <= noise_ms:
         return (
             f"the step's change ({change_ms:+.2f} ms) is within its noise (+-{noise_ms:.2f} ms) of "
