@@ -15,7 +15,12 @@ priced (the plan's predicted step less the recorded configuration's, both predic
 turns; so is each policy's trial's set of modules together (`trial_options`), whose cost, several
 times one module's, the noise resolves to a few percent, and whose independent price is the one
 without the trial (the copy-cost fit, the recorded forward). All run in turns, ``--rounds`` rounds
-in each of ``--repeats`` fresh processes. The measured cost is the change in turns
+in each of ``--repeats`` fresh processes, each of which first records and reports a window as a
+user's run does (`plan_turns.turns_worker`'s ``after_recording``: the loop applies a plan in the
+process that recorded, whose allocator regime a fresh process does not share; in session 45's run
+without it the ResNet's recording took 2 page faults a step and the turns processes 4,200-5,700, and
+their offload and recompute cost 1.3-1.8 times what the recording's trials measured). The measured
+cost is the change in turns
 (`alternation.paired_change`) times the baseline step of the same turns, mean over the processes,
 noise combined (`turns_cost_ms`); its error is the predicted cost against it.
 
@@ -153,7 +158,9 @@ def measure_model(model: str, out: Path, per_policy: int, rounds: int, repeats: 
     for k in range(repeats):
         print(f"[benchmark] {model}: {len(rows)} options in turns, process {k + 1} ...", file=sys.stderr)
         run_dir = runs_dir / f"{model}-turns-r{k}"
-        turns.append(measure_in_turns(MEMORY_PLANS, model, files, run_dir, timeout, rounds))
+        turns.append(
+            measure_in_turns(MEMORY_PLANS, model, files, run_dir, timeout, rounds, after_recording=True)
+        )
     for i, row in enumerate(rows):
         row["in_turns"] = [each[str(i)] for each in turns if str(i) in each]
         measured = in_turns_change(row)

@@ -22,7 +22,12 @@ a model given to ``fit`` compiled (`compile_whole_model`), so that a plan and th
 are each measured against the recorded configuration in the same rounds.
 
 A benchmark runs them in a fresh process of its own script (`measure_in_turns`), whose worker mode
-"turns" calls `turns_worker`.
+"turns" calls `turns_worker`. With ``after_recording`` the process first records and reports a
+window as a user's run does (``QSyncCallback(mode="report")``, its defaults), and the warm-up starts
+once its report is out: the loop applies a plan in the process that recorded, whose allocator the
+recording's own allocations and frees left in another regime than a fresh process's (the
+benchmarks' ResNet: 2 page faults a step in its recording, 4,200-5,700 in fresh turns processes,
+session 45).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from models import get_model, timed_fit
 from pytorch_lightning.utilities.compile import from_compiled, to_uncompiled
 from runs import launch, stderr_tail
 
+from qsync_callback import QSyncCallback
 from qsync_callback.alternation import BASELINE, BLOCK_STEPS, PAGE_FAULTS, PLAN, SETTLE_STEPS, paired_change
 from qsync_callback.appliers.malloc_thresholds import MallocThresholdApplier
 from qsync_callback.appliers.torch_activation import ActivationApplier
@@ -49,7 +55,7 @@ from qsync_callback.appliers.torch_regions import RegionApplier
 from qsync_callback.mean_band import combined_noise_pct
 from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.plan import Plan
-from qsync_callback.tuning_loop import apply_plan
+from qsync_callback.tuning_loop import LoopSettings, apply_plan
 
 BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
 WARMUP_STEPS = 5
@@ -78,9 +84,11 @@ class PlansInTurns(pl.Callback):
         rounds: int,
         warmup_steps: int = WARMUP_STEPS,
         malloc_in_force: Sequence[Mapping[str, int]] | None = None,
+        ready: Callable[[], bool] | None = None,
     ):
         self.plans = list(plans)
         self._malloc_in_force = malloc_in_force  # per rank: what a malloc plan's undo sets
+        self._ready = ready  # the warm-up starts at the first step it says True (None: at once)
         self._warmup = warmup_steps
         # per step after the warm-up: (round, plan index, configuration, timed); the block it is in
         self._schedule = [
@@ -111,7 +119,7 @@ class PlansInTurns(pl.Callback):
     @property
     def steps(self) -> int:
         """The steps the warm-up and the turns take, and one more whose start ends the last timed
-        step."""
+        step (after `ready` said True; the steps after them run the recorded configuration)."""
         return self._warmup + len(self._schedule) + 1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -129,8 +137,11 @@ class PlansInTurns(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         now, faults = time.perf_counter(), minor_page_faults()
+        if self._ready is not None and not self._ready():
+            return
+        self._ready = None
         step, self._step = self._step - self._warmup, self._step + 1  # this step, in the turns
-        if step < 0:
+        if step < 0 or step > len(self._schedule):  # the warm-up, or steps after the turns
             return
         if step > 0:
             r, i, config, timed = self._schedule[step - 1]
@@ -172,11 +183,23 @@ def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | Non
     one training run of ``model`` (in a subprocess; under DDP on more than one process, each rank
     applying each plan at the same step; ``batches``: `timed_fit`'s); each plan's `paired_change` in
     ``run_dir / TURNS_FILE``, in the list's order, from rank 0's clock (DDP's all-reduces keep the
-    ranks' steps in step)."""
+    ranks' steps in step). The listing's ``after_recording``: the turns follow a recorded window (see
+    the module docstring)."""
     listing = json.loads(plan_files.read_text())
     plans = [path if path == WHOLE_MODEL else Plan.load(path) for path in listing["plans"]]
-    turns = PlansInTurns(plans, listing["rounds"], malloc_in_force=listing.get("malloc_in_force"))
-    trainer, *_ = timed_fit(get_model(model), turns.steps, [turns], listing["procs"], batches=batches)
+    callbacks: list[pl.Callback] = []
+    window, ready = 0, None
+    if listing.get("after_recording"):
+        recording = QSyncCallback(mode="report", output_dir=run_dir / "recorded", plan_cache=False)
+        s = LoopSettings()
+        window = s.warmup_steps + 2 * s.profile_steps + s.measure_steps + 2  # its report is out by then
+        callbacks.append(recording)
+        ready = lambda: recording.report is not None  # noqa: E731
+    in_force = listing.get("malloc_in_force")
+    turns = PlansInTurns(plans, listing["rounds"], malloc_in_force=in_force, ready=ready)
+    trainer, *_ = timed_fit(
+        get_model(model), window + turns.steps, [*callbacks, turns], listing["procs"], batches=batches
+    )
     if trainer.global_rank == 0:
         (run_dir / TURNS_FILE).write_text(json.dumps(turns.results()))
 
@@ -190,16 +213,25 @@ def measure_in_turns(
     rounds: int = TURN_ROUNDS,
     procs: int = 1,
     malloc_in_force: Sequence[Mapping[str, int]] | None = None,
+    after_recording: bool = False,
 ) -> dict[str, Any]:
     """Run the plans in ``files`` (saved plans' paths or `WHOLE_MODEL`, by key) in turns for
     ``rounds`` rounds in one fresh run of ``script``'s worker mode "turns" on ``procs`` processes
-    (``malloc_in_force``: `PlansInTurns`'); each key's `paired_change`, or none where the run failed
-    (said on stderr)."""
+    (``malloc_in_force``: `PlansInTurns`'; ``after_recording``: `turns_worker`'s); each key's
+    `paired_change`, or none where the run failed (said on stderr)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     listing = run_dir.with_name(f"{run_dir.name}-plans.json")
     plans = [str(path) for path in files.values()]
     listing.write_text(
-        json.dumps({"plans": plans, "rounds": rounds, "procs": procs, "malloc_in_force": malloc_in_force})
+        json.dumps(
+            {
+                "plans": plans,
+                "rounds": rounds,
+                "procs": procs,
+                "malloc_in_force": malloc_in_force,
+                "after_recording": after_recording,
+            }
+        )
     )
     args = ["--worker", model, "--worker-mode", "turns", "--worker-plan", str(listing)]
     rc, _ = launch(script, [*args, "--worker-dir", str(run_dir)], run_dir, timeout)

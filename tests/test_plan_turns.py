@@ -20,6 +20,7 @@ from plan_turns import (  # noqa: E402
     page_faults_cell,
 )
 
+from qsync_callback import QSyncCallback  # noqa: E402
 from qsync_callback.alternation import BLOCK_STEPS  # noqa: E402
 from qsync_callback.plan import Plan  # noqa: E402
 
@@ -100,6 +101,47 @@ def test_each_plan_is_in_force_in_its_own_blocks_only_and_timed_in_every_round()
     for config in ("baseline", "plan"):  # every timed step has its time and its page faults
         assert all(len(block) == BLOCK_STEPS for block in record[config])
         assert all(len(block) == BLOCK_STEPS for block in record["page_faults"][config])
+
+
+def test_turns_after_a_recording_start_their_warm_up_once_its_report_is_out(tmp_path):
+    torch.manual_seed(0)
+    model = Blocks()
+    recording = QSyncCallback(
+        mode="report", warmup_steps=2, profile_steps=1, measure_steps=2, output_dir=tmp_path, plan_cache=False
+    )
+    turns = PlansInTurns(
+        [Plan(activation={"net.1": "recompute"})],
+        rounds=1,
+        warmup_steps=2,
+        ready=lambda: recording.report is not None,
+    )
+    reported = ReportSeen(recording)
+    data = TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=30,
+        callbacks=[recording, turns, reported],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    first_reported = reported.steps.index(True)  # the step at whose start the report was out
+    first_recomputed = next(i for i, calls in enumerate(model.per_step) if calls["net.1"] == 2)
+    # the warm-up's 2 steps and the baseline's block, then the plan's block
+    assert first_recomputed == first_reported + 2 + BLOCK_LENGTH
+    assert turns.results()[0]["rounds"] == 1
+
+
+class ReportSeen(pl.Callback):
+    """Per step: whether ``recording``'s report was out at its start."""
+
+    def __init__(self, recording):
+        self.recording, self.steps = recording, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append(self.recording.report is not None)
 
 
 def test_the_whole_model_compiled_is_in_force_in_its_own_blocks_only_and_compiles_once():
