@@ -55,6 +55,7 @@ from qsync_callback.appliers.torch_regions import RegionApplier
 from qsync_callback.mean_band import combined_noise_pct
 from qsync_callback.page_faults import minor_page_faults
 from qsync_callback.plan import Plan
+from qsync_callback.recorder.torch_recorder import window_close_step
 from qsync_callback.tuning_loop import LoopSettings, apply_plan
 
 BLOCK_LENGTH = SETTLE_STEPS + BLOCK_STEPS
@@ -191,8 +192,8 @@ def turns_worker(model: str, run_dir: Path, plan_files: Path, batches: int | Non
     window, ready = 0, None
     if listing.get("after_recording"):
         recording = QSyncCallback(mode="report", output_dir=run_dir / "recorded", plan_cache=False)
-        s = LoopSettings()
-        window = s.warmup_steps + 2 * s.profile_steps + s.measure_steps + 2  # its report is out by then
+        s = LoopSettings()  # the window's steps, its report out at the boundary after the last
+        window = window_close_step(s.warmup_steps, s.profile_steps) + s.measure_steps + 1
         callbacks.append(recording)
         ready = lambda: recording.report is not None  # noqa: E731
     in_force = listing.get("malloc_in_force")

@@ -27,12 +27,11 @@ not the rest.
 Where the change is within its noise of nothing, a trial calibrates nothing and says so; the
 recompute's also where it is within its noise of its price (`predictor.activation.price_stands`),
 the offload's not: its price is the copy-cost fit, copies timed alone, which moves between
-measurements by more than a trial's noise. On this project's 2-core VM the benchmarks' decoder's
-offload of its outermost modules was priced at 28.6 ms by one fit and at 14.6 ms by another, while
-its cost measured in turns was 26.6, 28.6 and 22.3 ms in three runs (`benchmarks/activation_costs.py`,
-sessions 43-45); the read back's cost per byte ranged over 0.000055-0.00062 us in seven fits made
-here, and within one fit reading back 16 MiB took 8.8 ms and 32 MiB 4.0. So a trial's change,
-measured inside the run's own steps, is the offload's price wherever it measured one.
+measurements by more than a trial's noise. On this project's 2-core VM (session 45, three runs of
+`benchmarks/activation_costs.py`) the benchmarks' decoder's offload of its outermost modules was
+priced at 14.6, 22.9 and 28.6 ms by three fits, while its cost measured in turns was 22.3, 27.0 and
+26.0 ms; in two of the fits reading back 16 MiB took 10.7 ms and 32 MiB 5.3-5.5. So a trial's
+change, measured inside the run's own steps, is the offload's price wherever it measured one.
 A trial that fails (a module refused, a store that cannot write) is undone at once and says why.
 
 - **Offload**: the factor is the step-time change over what the fit prices for the copies the store

@@ -33,11 +33,10 @@ REPORT_FILE = "report.json"
 NOISY_REPORT_FILE = "report-too-noisy.json"  # a recording the loop recorded again (`too_noisy_to_plan`)
 RECORD_AGAIN_NOISE_PCT = 25.0
 """The most noise (`median_noise_pct`, in % of the step) a recording is planned on. Over it, the
-machine was busy while the window ran: on this project's 2-core VM, 19 of 20 Horovod launches measured
-+-3.8% to +-14.2% and Lightning's +-4.3% to +-6.3%, while one launch measured +-32% (its steps 22-79
-ms), its profiled steps replayed 51% over its measured step, and it planned otherwise than every
-other launch of its run (session 44's note on issue 11). A recording over it is recorded again,
-once (`qsync_callback.tuning_loop`)."""
+machine was busy while the window ran: on this project's 2-core VM (session 45) twelve two-process
+Horovod launches of the example's MLP measured +-4.1% to +-11.5%, and the suite's recordings of 8
+steps or more at most +-13.9%; a launch whose steps the machine slowed planned otherwise than its
+twins (issue 11's notes). A recording over it is recorded again, once (`qsync_callback.tuning_loop`)."""
 RECORD_AGAIN_MIN_STEPS = 8
 """The fewest measured steps whose noise says the machine was busy: the band of 3 steps' median is
 1.07 times their interquartile range over it, of 8 steps' 0.66, of 10 (the default) 0.59, so under

@@ -334,15 +334,13 @@ class TuningLoop:
             self._after_alternation()
             return
         if self._recorder is not None and self._recorder.trace is None and self._safe.ok:
+            why = "training ended before the recorded window was complete; nothing was recorded"
             if self._too_noisy is not None:
-                self._safe.fail(
+                why = (
                     "training ended while the window was recorded again (the first recording was too "
                     f"noisy to plan on: {self._too_noisy}); no plan was made"
                 )
-            else:
-                self._safe.fail(
-                    "training ended before the recorded window was complete; nothing was recorded"
-                )
+            self._safe.fail(why)
         self._window_done()
 
     def exception(self, cause: str | None = None) -> None:
@@ -527,12 +525,10 @@ class TuningLoop:
         if not plan_text or not self._agree():
             self.finished = True
             return
-        if plan_text.startswith(RECORD_AGAIN):
+        if plan_text.startswith(RECORD_AGAIN):  # the baseline window again, from this boundary
             self._too_noisy = plan_text.removeprefix(RECORD_AGAIN).strip()
-            self._window_start = self._steps - 1
-            s = self.settings
-            if self._new_window(self.output_dir / "trace", s.warmup_steps, s.profile_steps, s.measure_steps):
-                self._window_step(0)
+            self._window_start, self._recorder = self._steps - 1, None
+            self._window_step(0)
             return
         plan = Plan.from_json(plan_text, source="rank 0's plan")
         error = self._apply_everywhere(plan, to_keep=False)
@@ -555,6 +551,8 @@ class TuningLoop:
         """Rank 0: the baseline's report, written, printed and logged."""
         _save_rank_traces(traces, self.output_dir / "trace")
         self.report = build_report(traces)
+        if self._too_noisy is not None:
+            self.report["recorded_again"] = self._too_noisy
         write_report(self.report, self.output_dir / REPORT_FILE)
         self._log(format_summary(self.report) + f"\n  written to {self.output_dir}")
         self._integration.log_metrics(self.report)
@@ -564,9 +562,6 @@ class TuningLoop:
         kept aside); else `_plan`'s text."""
         why = too_noisy_to_plan(self.report) if self._too_noisy is None else None
         if why is None:
-            if self._too_noisy is not None:
-                self.report["recorded_again"] = self._too_noisy
-                write_report(self.report, self.output_dir / REPORT_FILE)
             return self._plan(traces)
         write_report(self.report, self.output_dir / NOISY_REPORT_FILE)
         self._log(f"qsync: recording the window again before planning (once): {why}")

@@ -64,12 +64,14 @@ class Blocks(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _fit(model, callback):
+def _fit(model, callback, before=(), max_steps=None):
+    """Fit ``model`` with ``callback`` (a `PlansInTurns`) after the callbacks ``before``, for its
+    steps (or ``max_steps``)."""
     data = TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=callback.steps,
-        callbacks=[callback],
+        max_steps=max_steps or callback.steps,
+        callbacks=[*before, callback],
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -116,21 +118,12 @@ def test_turns_after_a_recording_start_their_warm_up_once_its_report_is_out(tmp_
         ready=lambda: recording.report is not None,
     )
     reported = ReportSeen(recording)
-    data = TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=30,
-        callbacks=[recording, turns, reported],
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        logger=False,
-    )
-    trainer.fit(model, DataLoader(data, batch_size=8))
+    _fit(model, turns, before=[recording, reported], max_steps=30)  # steps after the turns change nothing
     first_reported = reported.steps.index(True)  # the step at whose start the report was out
     first_recomputed = next(i for i, calls in enumerate(model.per_step) if calls["net.1"] == 2)
     # the warm-up's 2 steps and the baseline's block, then the plan's block
     assert first_recomputed == first_reported + 2 + BLOCK_LENGTH
+    assert all(calls["net.1"] == 1 for calls in model.per_step[first_recomputed + BLOCK_LENGTH :])
     assert turns.results()[0]["rounds"] == 1
 
 

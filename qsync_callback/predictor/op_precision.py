@@ -24,11 +24,10 @@ measured cost per byte of the casts that rewrite inserted.
   replay stands. So it does where the turns cannot tell the rewrite from the recorded configuration
   (their change within its band of none): they cannot say which of the two is the faster, and the
   plan is left to verify's turns, which run as long as they need to tell. The probe's six rounds of
-  four calls resolve a large change (one Horovod process of the example's CNN: -31.9% +- 6.8) and
-  not a small one in a noisy run (two processes of its MLP: +2.9% +- 11.5 against a replayed
-  -12.5%, where the loop's turns measured the plan 3-8% faster in the other launches). Before the turns,
-  ten calls of the rewrite timed after the recorded configuration's took a drift of the machine
-  between the two whole (`recorder/tf_op_types.py`).
+  four calls resolve a large change and not a small one in a noisy run (two processes of the
+  example's MLP, session 45: -5.0% +- 8.7, where the loop's turns measured the plan 5-11% faster in
+  the other launches). Before the turns, ten calls of the rewrite timed after the recorded
+  configuration's took a drift of the machine between the two whole (`recorder/tf_op_types.py`).
 - Data: the tensors between ops on different threads become edges of the graph, so that a
   consumer waits for its producer rather than for the host gap recorded in front of it (TF's
   executor threads take ops as their inputs are ready; see `_add_data_edges`).

@@ -20,7 +20,7 @@ where ten calls of the rewrite timed after the recorded ones took it whole. The 
 read TF's allocator peak as a timed step's is (`recorder/tf_memory.StepPeaks`): its predicted peak
 is calibrated on the most any profiled or reading call read, the largest of about as many steps as a
 window measures its peak over, since the largest of five profiled steps falls short of the largest
-of twenty (the MLP above: 27.0 MiB over five, 29.0 over the verify window's 23). Every rank switches
+of twenty (the example's MLP: 27.0 MiB over five, 29.0 over the verify window's 23). Every rank switches
 at the same calls. The calls always run, once each; a failure of the probe's own work switches the
 step back at once, and the table then only says why nothing was measured (``{"note": ...}``).
 
