@@ -75,7 +75,9 @@ from qsync_callback.recorder.trace import Trace
 
 TRIAL_ROUNDS = 6
 TRIAL_LOOKS = 3
-PRECISE_ENOUGH = 0.2  # the change's noise, as a share of it, under which a trial stops
+# the change's noise, as a share of it, under which a trial stops: a price is no closer than its
+# trial's noise, and an offload's time cost is to be priced within 10% (issue 13)
+PRECISE_ENOUGH = 0.1
 
 Undo = Callable[[], None]
 

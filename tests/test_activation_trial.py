@@ -167,7 +167,7 @@ def test_a_trial_counts_the_bytes_moved_prices_them_and_leaves_nothing_behind():
     assert trial.steps == 2 * 2 * 5  # planned: 2 rounds of two blocks of 1 + 4 steps
     last = _run_trial(model, trial)
     result = trial.result()
-    # it went on by 2 rounds at a time while its change's noise was over a fifth of it, up to 6
+    # it went on by 2 rounds at a time while its change's noise was over a tenth of it, up to 6
     assert last == trial.steps == 10 * result["rounds"] and result["rounds"] in (2, 4, 6)
     if result["rounds"] < 6:
         assert result["noise_ms"] <= PRECISE_ENOUGH * abs(result["change_ms"])

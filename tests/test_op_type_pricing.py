@@ -6,8 +6,9 @@ the plans applied to TF, are in `tests/test_tf_op_precision.py`."""
 import pytest
 
 from qsync_callback.errors import QSyncInputError
-from qsync_callback.plan import Plan
+from qsync_callback.plan import Constraints, Plan
 from qsync_callback.planner.op_precision import choose_op_precision
+from qsync_callback.planner.tf_plans import NO_DECISION_GAIN, choose_tf_plan, untold_gain
 from qsync_callback.predictor.graph import build_global_graph
 from qsync_callback.predictor.memory import TensorLife
 from qsync_callback.predictor.op_precision import (
@@ -177,6 +178,33 @@ def test_the_replays_own_band_joins_the_turns_band_before_they_are_told_apart():
     assert sorted(rewrite.replayed_step_ms) == [pytest.approx(ms) for ms in (0.060, 0.070, 0.080)]
     recorded.precision_costs["op_types"]["turns"] = _turns([ms + 0.011 for ms in plan_ms])
     assert Predictor([recorded]).predict(both).step_ms == pytest.approx(0.090)
+
+
+def test_a_rewrite_priced_under_the_deciding_gain_is_tried_where_its_probe_cannot_tell_it_from_more():
+    """MatMul at bf16 takes 88 us: the rewrite replays at 133 us on the recorded 135 (-1.5%, under
+    `NO_DECISION_GAIN`), MatMul or Relu alone slower. Probe rounds 3 x `SPREAD_US` about 128 us
+    (-5.2% +- 11, told from neither the replay nor none: the replay stands) reach past the deciding
+    gain: the rewrite is chosen, to be tried. Rounds at 133.7 us (-1.0% +- 0) or spread about
+    142 us (a loss) do not: the recorded configuration is."""
+    recorded = _op_trace({"MatMul": {**MATMUL, "bf16_us": 88.0}, "Relu": RELU})
+    table = recorded.precision_costs["op_types"]
+    table["turns"] = _turns([0.128 + 3 * us / 1e3 for us in SPREAD_US])
+    measured = untold_gain([recorded])
+    assert measured["change_pct"] == pytest.approx(100 * (0.128 / 0.135 - 1))
+    assert measured["noise_pct"] > 10
+    assert measured["change_pct"] - measured["noise_pct"] < -100 * NO_DECISION_GAIN
+    choice = choose_tf_plan([recorded], Constraints())
+    assert choice.plan.op_precision == {"MatMul": "bf16", "Relu": "bf16"}
+    assert choice.plan.prediction["step_ms"] == pytest.approx(0.133)
+    assert "to try: bf16 uniform" in choice.table and "-5.2% +- " in choice.table
+    for plan_ms in ([0.1337] * 6, [0.142 + 3 * us / 1e3 for us in SPREAD_US]):
+        table["turns"] = _turns(plan_ms)
+        assert untold_gain([recorded]) is None
+        choice = choose_tf_plan([recorded], Constraints())
+        assert choice.plan.is_empty and "to try" not in choice.table
+    # no probe turns (nothing measured in turns): the replay alone decides
+    del table["turns"]
+    assert untold_gain([recorded]) is None and choose_tf_plan([recorded], Constraints()).plan.is_empty
 
 
 def test_a_consumer_on_another_thread_waits_for_its_producer_not_for_its_recorded_gap():

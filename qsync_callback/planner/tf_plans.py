@@ -29,7 +29,14 @@ identical two-process MLP launches still chose three plans (uniform bf16, with g
 bf16 `MatMul` alone with groups): re-priced, one launch's groups moved from a saving to a cost
 over its five recorded steps. The chosen plan must be predicted more than `NO_DECISION_GAIN` faster than
 the recorded configuration; otherwise the recorded configuration (an empty plan) is chosen: a
-smaller predicted difference is no decision. None meeting the constraints: the closest, which the
+smaller predicted difference is no decision, unless the bf16 probe's turns measured TF's uniform
+rewrite as a gain that they cannot tell from one over `NO_DECISION_GAIN` (their change a gain, its
+band reaching past it: `untold_gain`): then the rewrite is chosen still, to be tried, and verify's
+turns decide on it (they keep a gain told apart from the noise and otherwise the cheaper
+configuration; the cost is their rounds on a plan that may change nothing). On two Horovod
+processes sharing two cores, a launch whose replay priced the rewrite under that gain, its probe's
+band reaching past it, planned nothing while identical launches kept the rewrite. None
+meeting the constraints: the closest, which the
 loop applies only under ``best_effort``. A memory budget on traces that predict no peak (TF
 recorded no allocations) is refused, with the reason.
 
@@ -70,6 +77,7 @@ from qsync_callback.planner.op_precision import (
 )
 from qsync_callback.planner.tensor_fusion import choose_groups, choose_settings, next_launch
 from qsync_callback.predictor.memory import unpredictable_peak
+from qsync_callback.predictor.op_precision import rewrite_change
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import can_price_fusion
 from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
@@ -136,7 +144,7 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     plans = [c for c in eligible if c is not recorded]
     best = preferred(plans, uniform) if plans else recorded
     if recorded in eligible and best[2].step_ms >= recorded[2].step_ms * (1 - NO_DECISION_GAIN):
-        best = recorded
+        best = _to_try(traces, feasible, uniform, recorded, notes)
     plan = Plan.from_dict(best[1].to_dict())
     plan.prediction = best[2].figures()
     plan.constraints = constraints.to_dict()
@@ -151,6 +159,38 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
             "not a prediction of an unseen configuration)"
         )
     return PlanChoice(plan, best in feasible, _table(priced, best[0], notes, rebuilt))
+
+
+def untold_gain(traces: Sequence[Trace]) -> dict | None:
+    """The bf16 probe's change of TF's uniform rewrite in turns (`op_precision.rewrite_change`)
+    where it is a gain its band cannot tell from one larger than `NO_DECISION_GAIN` (the change
+    below 0, the change less its noise below -`NO_DECISION_GAIN`); else None."""
+    measured = rewrite_change(traces)
+    if measured is None or measured["change_pct"] >= 0:
+        return None
+    return measured if measured["change_pct"] - measured["noise_pct"] < -100 * NO_DECISION_GAIN else None
+
+
+def _to_try(
+    traces: Sequence[Trace],
+    feasible: Sequence[tuple[str, Plan, Prediction]],
+    uniform: list[str],
+    recorded: tuple[str, Plan, Prediction],
+    notes: list[str],
+) -> tuple[str, Plan, Prediction]:
+    """Where no plan is predicted `NO_DECISION_GAIN` faster: TF's uniform rewrite if it meets the
+    constraints and the probe measured it as an `untold_gain` (said in ``notes``), else ``recorded``."""
+    measured = untold_gain(traces)
+    rewrite = next((c for c in feasible if _reconstructs(c[1], uniform) and not c[1].buckets), None)
+    if measured is None or rewrite is None:
+        return recorded
+    notes.append(
+        f"to try: {rewrite[0]} is predicted {100 * (rewrite[2].step_ms / recorded[2].step_ms - 1):+.1f}%, "
+        f"under the {100 * NO_DECISION_GAIN:g}% that decides, but the bf16 probe measured it "
+        f"{measured['change_pct']:+.1f}% +- {measured['noise_pct']:.1f} in turns with the recorded step: "
+        "a gain not told from a larger one; verify's turns decide on it"
+    )
+    return rewrite
 
 
 def unseen(plan: Plan, uniform: list[str]) -> int:
