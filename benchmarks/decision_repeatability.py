@@ -5,7 +5,8 @@ Each launch is a fresh process running a real ``Trainer.fit`` of a model from ``
 process, or ``--procs 2``: Lightning DDP over gloo, every rank applying, verifying and deciding at
 the same step) with ``QSyncCallback(mode="apply", plan_cache=False)`` (its default target: the
 fastest plan within 5%; ``--memory-budget 85%`` adds a budget, with ``best_effort=True``; ``--levers
-activation`` limits what it may change), the way a user adds it: the callback records, plans,
+activation`` limits what it may change; ``--busy 0.5`` runs another job beside each launch, half a
+core in bursts, `runs.busy_machine`), the way a user adds it: the callback records, plans,
 applies the plan, records again and keeps the plan or rolls it back (`verify.py`). From each
 launch's ``verification.json`` the script takes the plan (its layers' precisions and its modules'
 activation policies), the predicted and the measured step time under it (the verified error: a real
@@ -16,13 +17,16 @@ noise, the change predicted (against the recorded configuration's prediction: th
 windows does not enter it), and the decision with its reason. The decision is one of:
 faster (kept), slower (rolled back), could not tell (then the cheaper configuration is kept), needed
 for the memory budget, loss not finite; or nothing to apply (the planner kept the recorded
-configuration). Launches of one model agree when they reach the same one.
+configuration). Launches of one model agree when they reach the same one. Each row also says
+whether the launch recorded its baseline again before planning (its first recording too noisy to
+plan on, `report.too_noisy_to_plan`) and the noise of the recording it planned on.
 A plan with activation policies (recompute, offload) costs step time: its predicted change against
 the change measured in turns is that cost predicted against measured, with no drift between
 processes or windows in it.
 
     python benchmarks/decision_repeatability.py [--models resnet,gru,attention] [--launches 3]
-        [--procs 1] [--memory-budget 85%] [--levers activation] [--quick] [--out benchmarks/results]
+        [--procs 1] [--memory-budget 85%] [--levers activation] [--busy 0.5] [--quick]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -35,7 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from models import get_model, timed_fit
-from runs import bench_environment, launch, na, precision_counts, say_allocator, stderr_tail, write_results
+from runs import (
+    bench_environment,
+    busy_machine,
+    launch,
+    na,
+    precision_counts,
+    say_allocator,
+    stderr_tail,
+    write_results,
+)
+
+from qsync_callback.tuning_loop import NOISY_REPORT_FILE, REPORT_FILE
 
 # the baseline window ends at 30 (150 to 390 with a memory budget and the activation lever: the
 # offload and recompute trials, 60 to 180 steps each), the verify window 20 steps later, the turns
@@ -71,18 +86,35 @@ def outcome(reason: str) -> str:
     return reason
 
 
+def recordings(run_dir: Path) -> dict[str, Any]:
+    """Whether a launch recorded its baseline again (``recorded_again``: why, or None), the noise of
+    the recording it planned on and of the one it set aside (% of the step; None where absent)."""
+
+    def noise(name: str) -> float | None:
+        path = run_dir / name
+        return json.loads(path.read_text())["measured"].get("step_ms_noise_pct") if path.exists() else None
+
+    report = run_dir / REPORT_FILE
+    again = json.loads(report.read_text()).get("recorded_again") if report.exists() else None
+    return {
+        "recorded_again": again,
+        "planned_on_noise_pct": noise(REPORT_FILE),
+        "set_aside_noise_pct": noise(NOISY_REPORT_FILE),
+    }
+
+
 def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
     """One row from a finished launch's verification.json (or what it logged instead)."""
     path = run_dir / "verification.json"
+    row = {"model": model, "launch": launch_no, **recordings(run_dir)}
     if not path.exists():
         planned = (run_dir / "plan.json").exists()  # the recorded configuration kept as the plan
-        row = {"model": model, "launch": launch_no, "verified": False, "planned": planned}
+        row.update(verified=False, planned=planned)
         return {**row, "outcome": NOTHING_TO_APPLY} if planned else {**row, "why": stderr_tail(run_dir, 5)}
     v = json.loads(path.read_text())
     predicted, measured = v["predicted"]["step_ms"], v["measured"]["step_ms"]
     return {
-        "model": model,
-        "launch": launch_no,
+        **row,
         "verified": True,
         "planned": True,
         "plan": describe(v["plan"]),
@@ -183,6 +215,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{min(errors):+.0f}% to {max(errors):+.0f}%; the measured cost's own noise: median "
             f"+-{statistics.median(noise):.0f}% of it."
         )
+    again = [r for r in rows if r["recorded_again"]]
+    planned_on = [r["planned_on_noise_pct"] for r in rows if r["planned_on_noise_pct"] is not None]
+    if planned_on:
+        set_aside = ", ".join(f"+-{r['set_aside_noise_pct']:.1f}%" for r in again)
+        lines.append(
+            f"Recorded again before planning (the first recording too noisy to plan on): {len(again)} of "
+            f"{len(rows)} launches"
+            + (f" (the recordings set aside: {set_aside})" if again else "")
+            + f"; the recordings planned on: noise +-{min(planned_on):.1f}% to +-{max(planned_on):.1f}%."
+        )
     lines.append(
         f"Launches of one model that reach the same outcome: {len(agree)} of {len(models)} models"
         + (f" ({', '.join(agree)})" if agree else "")
@@ -198,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=1, help="processes per launch (DDP over gloo)")
     parser.add_argument("--memory-budget", default="", help="e.g. 85%% (with best effort); default none")
     parser.add_argument("--levers", default="", help="e.g. activation; default every lever")
+    parser.add_argument(
+        "--busy",
+        type=float,
+        default=0.0,
+        help="share of one core another job takes in bursts (0-1; default 0)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: resnet, 2 launches")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
@@ -219,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         levers=args.levers or None,
         launches=launches,
         procs=args.procs,
+        busy=args.busy,
     )
     script = Path(__file__).resolve()
     rows = []
@@ -232,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--levers={args.levers}",
                 f"--procs={args.procs}",
             ]
-            launch(script, [*worker_args, *options], run_dir, args.timeout)
+            with busy_machine(args.busy, seed=launch_no):
+                launch(script, [*worker_args, *options], run_dir, args.timeout)
             rows.append(read_launch(model, launch_no, run_dir))
     rows.sort(key=lambda r: (models.index(r["model"]), r["launch"]))
     write_results(args.out, "decision_repeatability", markdown(rows), {"environment": env, "rows": rows})

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
+import random
 import shlex
 import shutil
 import signal
@@ -12,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -82,6 +86,37 @@ def launch_command(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[int
             err.write(f"\n[benchmark] timed out after {timeout_s:.0f} s\n")
             rc = 124
     return rc, time.perf_counter() - start
+
+
+def _bursts(share: float, seed: int) -> None:
+    """Take ``share`` of one core in bursts: busy 0.05-0.6 s at a time (pure Python), then idle as
+    long as keeps the share, each length drawn at random."""
+    draw = random.Random(seed)
+    while True:
+        busy = draw.uniform(0.05, 0.6)
+        end = time.perf_counter() + busy
+        while time.perf_counter() < end:
+            pass
+        time.sleep(busy * (1 - share) / share * draw.uniform(0.5, 1.5))
+
+
+@contextlib.contextmanager
+def busy_machine(share: float, seed: int = 0) -> Iterator[None]:
+    """Another job on the machine while the block runs: a process taking ``share`` (0-1) of one
+    core in bursts of a fraction of a second (`_bursts`), as a user's machine shared with another
+    job is; nothing where ``share`` is 0."""
+    if share <= 0:
+        yield
+        return
+    if share > 1:
+        raise ValueError(f"busy share {share} is over one core (1)")
+    job = multiprocessing.get_context("fork").Process(target=_bursts, args=(share, seed), daemon=True)
+    job.start()
+    try:
+        yield
+    finally:
+        job.terminate()
+        job.join()
 
 
 def stderr_tail(run_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
