@@ -8,7 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qsync_callback.plan import Plan
-from qsync_callback.planner.tf_plans import UNSEEN_MARGIN, beats, preferred, unseen
+from qsync_callback.planner.tf_plans import (
+    NO_DECISION_GAIN,
+    UNSEEN_MARGIN,
+    beats,
+    preferred,
+    rewrite_to_try,
+    to_try_note,
+    unseen,
+    untold_gain,
+)
 from qsync_callback.predictor.predict import Prediction
 
 UNIFORM = ["Conv2D", "MatMul", "ReluGrad"]  # what TF's uniform rewrite ran at bf16 (the probe's)
@@ -113,3 +122,32 @@ def test_the_choice_has_the_fewest_unseen_decisions_or_beats_a_plan_with_fewer(d
             for c in priced
             if unseen(c[1], UNIFORM) < level
         )
+
+
+def test_an_untold_gain_is_a_gain_whose_band_reaches_past_the_deciding_gain():
+    edge = -100 * NO_DECISION_GAIN
+    assert untold_gain({"change_pct": -0.5, "noise_pct": -edge - 0.5 + 0.01})
+    assert not untold_gain({"change_pct": -0.5, "noise_pct": -edge - 0.5})  # reaches it, not past
+    assert not untold_gain({"change_pct": -0.5, "noise_pct": 1.0})
+    # no gain: not tried however wide its band
+    assert not untold_gain({"change_pct": 0.0, "noise_pct": 30.0})
+    assert not untold_gain({"change_pct": 0.5, "noise_pct": 30.0})
+    assert not untold_gain(None)
+
+
+def test_the_rewrite_to_try_is_the_uniform_rewrite_alone_among_the_candidates_that_meet_the_constraints():
+    """Only TF's uniform rewrite without groups is tried; none where it does not meet the
+    constraints (absent from the candidates given) or the probe's change is no untold gain."""
+    untold = {"change_pct": -5.0, "noise_pct": 8.7}
+    rewrite = _priced("uniform", PLANS["uniform"], 99.0)
+    others = [_priced(name, PLANS[name], 97.0) for name in ("op types", "groups", "uniform + groups")]
+    assert rewrite_to_try([*others, rewrite], UNIFORM, untold) is rewrite
+    assert rewrite_to_try(others, UNIFORM, untold) is None
+    assert rewrite_to_try([*others, rewrite], UNIFORM, {"change_pct": -1.0, "noise_pct": 0.5}) is None
+    assert rewrite_to_try([*others, rewrite], UNIFORM, None) is None
+    # one the replay prices slower is tried too: the probe measured it, the replay is a model
+    slower = _priced("uniform", PLANS["uniform"], 110.0)
+    assert to_try_note(slower, _priced("recorded", Plan(), 100.0)[2], untold).startswith(
+        "to try: uniform is predicted +10.0%, under the 2% that decides, but the bf16 probe measured it "
+        "-5.0% +- 8.7 in turns"
+    )

@@ -31,8 +31,8 @@ over its five recorded steps. The chosen plan must be predicted more than `NO_DE
 the recorded configuration; otherwise the recorded configuration (an empty plan) is chosen: a
 smaller predicted difference is no decision, unless the bf16 probe's turns measured TF's uniform
 rewrite as a gain that they cannot tell from one over `NO_DECISION_GAIN` (their change a gain, its
-band reaching past it: `untold_gain`): then the rewrite is chosen still, to be tried, and verify's
-turns decide on it (they keep a gain told apart from the noise and otherwise the cheaper
+band reaching past it: `untold_gain`, `rewrite_to_try`): then the rewrite is chosen still, to be
+tried, and verify's turns decide on it (they keep a gain told apart from the noise and otherwise the cheaper
 configuration; the cost is their rounds on a plan that may change nothing). On two Horovod
 processes sharing two cores, a launch whose replay priced the rewrite under that gain, its probe's
 band reaching past it, planned nothing while identical launches kept the rewrite. None
@@ -63,7 +63,8 @@ for fused regions is issue 14); a given plan with one is still applied.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.mean_band import mean_band
@@ -144,7 +145,11 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     plans = [c for c in eligible if c is not recorded]
     best = preferred(plans, uniform) if plans else recorded
     if recorded in eligible and best[2].step_ms >= recorded[2].step_ms * (1 - NO_DECISION_GAIN):
-        best = _to_try(traces, feasible, uniform, recorded, notes)
+        measured = rewrite_change(traces)
+        tried = rewrite_to_try(feasible, uniform, measured)
+        if tried is not None:
+            notes.append(to_try_note(tried, recorded[2], measured))
+        best = tried or recorded
     plan = Plan.from_dict(best[1].to_dict())
     plan.prediction = best[2].figures()
     plan.constraints = constraints.to_dict()
@@ -161,36 +166,37 @@ def choose_tf_plan(traces: Sequence[Trace], constraints: Constraints) -> PlanCho
     return PlanChoice(plan, best in feasible, _table(priced, best[0], notes, rebuilt))
 
 
-def untold_gain(traces: Sequence[Trace]) -> dict | None:
-    """The bf16 probe's change of TF's uniform rewrite in turns (`op_precision.rewrite_change`)
-    where it is a gain its band cannot tell from one larger than `NO_DECISION_GAIN` (the change
-    below 0, the change less its noise below -`NO_DECISION_GAIN`); else None."""
-    measured = rewrite_change(traces)
+def untold_gain(measured: Mapping[str, Any] | None) -> bool:
+    """Whether ``measured``, the bf16 probe's change of TF's uniform rewrite in turns
+    (`op_precision.rewrite_change`: ``change_pct`` and ``noise_pct``), is a gain that its band
+    cannot tell from one larger than `NO_DECISION_GAIN`: the change below 0, the change less its
+    noise below -`NO_DECISION_GAIN`."""
     if measured is None or measured["change_pct"] >= 0:
+        return False
+    return measured["change_pct"] - measured["noise_pct"] < -100 * NO_DECISION_GAIN
+
+
+def rewrite_to_try(
+    feasible: Sequence[tuple[str, Plan, Prediction]], uniform: list[str], measured: Mapping[str, Any] | None
+) -> tuple[str, Plan, Prediction] | None:
+    """Where no plan is predicted `NO_DECISION_GAIN` faster: of the candidates meeting the
+    constraints, TF's uniform rewrite alone (``uniform``'s op types at bf16, no groups) where the
+    probe ``measured`` it as an `untold_gain`; else None."""
+    if not untold_gain(measured):
         return None
-    return measured if measured["change_pct"] - measured["noise_pct"] < -100 * NO_DECISION_GAIN else None
+    return next((c for c in feasible if _reconstructs(c[1], uniform) and not c[1].buckets), None)
 
 
-def _to_try(
-    traces: Sequence[Trace],
-    feasible: Sequence[tuple[str, Plan, Prediction]],
-    uniform: list[str],
-    recorded: tuple[str, Plan, Prediction],
-    notes: list[str],
-) -> tuple[str, Plan, Prediction]:
-    """Where no plan is predicted `NO_DECISION_GAIN` faster: TF's uniform rewrite if it meets the
-    constraints and the probe measured it as an `untold_gain` (said in ``notes``), else ``recorded``."""
-    measured = untold_gain(traces)
-    rewrite = next((c for c in feasible if _reconstructs(c[1], uniform) and not c[1].buckets), None)
-    if measured is None or rewrite is None:
-        return recorded
-    notes.append(
-        f"to try: {rewrite[0]} is predicted {100 * (rewrite[2].step_ms / recorded[2].step_ms - 1):+.1f}%, "
+def to_try_note(
+    rewrite: tuple[str, Plan, Prediction], recorded: Prediction, measured: Mapping[str, Any]
+) -> str:
+    """What the table says of a `rewrite_to_try` chosen."""
+    return (
+        f"to try: {rewrite[0]} is predicted {100 * (rewrite[2].step_ms / recorded.step_ms - 1):+.1f}%, "
         f"under the {100 * NO_DECISION_GAIN:g}% that decides, but the bf16 probe measured it "
         f"{measured['change_pct']:+.1f}% +- {measured['noise_pct']:.1f} in turns with the recorded step: "
         "a gain not told from a larger one; verify's turns decide on it"
     )
-    return rewrite
 
 
 def unseen(plan: Plan, uniform: list[str]) -> int:
