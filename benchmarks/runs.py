@@ -101,19 +101,19 @@ def _bursts(share: float, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def busy_machine(share: float, seed: int = 0) -> Iterator[None]:
-    """Another job on the machine while the block runs: a process taking ``share`` (0-1) of one
-    core in bursts of a fraction of a second (`_bursts`), as a user's machine shared with another
-    job is; nothing where ``share`` is 0."""
+def busy_machine(share: float, seed: int = 0) -> Iterator[multiprocessing.Process | None]:
+    """Another job on the machine while the block runs: a process (given to the block) taking
+    ``share`` (0-1) of one core in bursts of a fraction of a second (`_bursts`), as a user's machine
+    shared with another job is; none where ``share`` is 0."""
     if share <= 0:
-        yield
+        yield None
         return
     if share > 1:
         raise ValueError(f"busy share {share} is over one core (1)")
     job = multiprocessing.get_context("fork").Process(target=_bursts, args=(share, seed), daemon=True)
     job.start()
     try:
-        yield
+        yield job
     finally:
         job.terminate()
         job.join()

@@ -32,13 +32,12 @@ the recorded configuration; otherwise the recorded configuration (an empty plan)
 smaller predicted difference is no decision, unless the bf16 probe's turns measured TF's uniform
 rewrite as a gain that they cannot tell from one over `NO_DECISION_GAIN` (their change a gain, its
 band reaching past it: `untold_gain`, `rewrite_to_try`): then the rewrite is chosen still, to be
-tried, and verify's turns decide on it (they keep a gain told apart from the noise and otherwise the cheaper
-configuration; the cost is their rounds on a plan that may change nothing). On two Horovod
-processes sharing two cores, a launch whose replay priced the rewrite under that gain, its probe's
-band reaching past it, planned nothing while identical launches kept the rewrite. None
-meeting the constraints: the closest, which the
-loop applies only under ``best_effort``. A memory budget on traces that predict no peak (TF
-recorded no allocations) is refused, with the reason.
+tried, and verify's turns decide on it (they keep a gain told apart from the noise and otherwise
+the cheaper configuration; the cost is their rounds on a plan that may change nothing). On two
+Horovod processes sharing two cores, a launch whose replay priced the rewrite under that gain, its
+probe's band reaching past it, planned nothing while identical launches kept the rewrite. None
+meeting the constraints: the closest, which the loop applies only under ``best_effort``. A memory
+budget on traces that predict no peak (TF recorded no allocations) is refused, with the reason.
 
 In-sample, said so: the bf16 probe profiled TF's uniform rewrite (its own calls, after the
 baseline's timed ones; `recorder/tf_op_types.py`), so a candidate whose bf16 op types are exactly
