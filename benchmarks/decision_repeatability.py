@@ -90,16 +90,15 @@ def recordings(run_dir: Path) -> dict[str, Any]:
     """Whether a launch recorded its baseline again (``recorded_again``: why, or None), the noise of
     the recording it planned on and of the one it set aside (% of the step; None where absent)."""
 
-    def noise(name: str) -> float | None:
+    def read(name: str) -> dict[str, Any]:
         path = run_dir / name
-        return json.loads(path.read_text())["measured"].get("step_ms_noise_pct") if path.exists() else None
+        return json.loads(path.read_text()) if path.exists() else {}
 
-    report = run_dir / REPORT_FILE
-    again = json.loads(report.read_text()).get("recorded_again") if report.exists() else None
+    report, set_aside = read(REPORT_FILE), read(NOISY_REPORT_FILE)
     return {
-        "recorded_again": again,
-        "planned_on_noise_pct": noise(REPORT_FILE),
-        "set_aside_noise_pct": noise(NOISY_REPORT_FILE),
+        "recorded_again": report.get("recorded_again"),
+        "planned_on_noise_pct": report.get("measured", {}).get("step_ms_noise_pct"),
+        "set_aside_noise_pct": set_aside.get("measured", {}).get("step_ms_noise_pct"),
     }
 
 
