@@ -19,7 +19,10 @@ mean or their median, whichever is the less noisy (`alternation.less_noisy_chang
 simulation. The rules, each handed to `paired_change` as its band:
 "sequential", the loop's (Student's t at the level that holds all the looks together to 5%,
 `Alternation.band`); "student", a 95% band on Student's t at every look (`mean_band.band_factor`,
-the loop's rule before); "normal", 2 standard errors whatever the rounds.
+the loop's rule before); "normal", 2 standard errors whatever the rounds. A plan is kept only for a
+gain past the least kept (`verify.LEAST_KEPT_GAIN`, 1%); the quiet cases (rounds spreading 3%, as
+a quiet one-process Lightning launch's: session 46's ResNet turns narrowed to +-0.7-1.0% after 51-55
+rounds) run the loop's rule with it and without it (0%), to show what it does to gains near it.
 
     python benchmarks/turns_decisions.py [--runs 2000] [--quick] [--out benchmarks/results]
 
@@ -49,7 +52,7 @@ from qsync_callback.alternation import (
     paired_change,
 )
 from qsync_callback.mean_band import band_factor
-from qsync_callback.verify import can_tell
+from qsync_callback.verify import LEAST_KEPT_GAIN, can_tell
 
 STEP_JITTER = 0.03
 CASES = (  # true change %, round spread %, share of the rounds far off (`FAR_OFF`)
@@ -63,7 +66,9 @@ CASES = (  # true change %, round spread %, share of the rounds far off (`FAR_OF
     (0.0, 12.5, 0.1),
     (-5.0, 12.5, 0.1),
 )
+QUIET_CASES = tuple((change, 3.0, 0.0) for change in (0.0, -0.5, -1.0, -1.5, -2.0, -3.0))
 RULES = (("normal", 8), ("student", 8), ("sequential", 8), ("sequential", LOOKS))  # the last: the loop's
+LEAST_GAINS_PCT = (100 * LEAST_KEPT_GAIN, 0.0)  # the quiet cases': the loop's, and none
 BANDS: dict[str, Callable[[Alternation, int], float]] = {
     "sequential": Alternation.band,
     "student": lambda schedule, rounds: band_factor(rounds),
@@ -88,25 +93,35 @@ def simulated_round(
 
 
 def decide(
-    rounds: list[tuple[list[float], list[float]]], schedule: Alternation, band: Callable[[int], float]
+    rounds: list[tuple[list[float], list[float]]],
+    schedule: Alternation,
+    band: Callable[[int], float],
+    least_gain_pct: float = 100 * LEAST_KEPT_GAIN,
 ) -> tuple[str, int]:
     """The loop's outcome on ``rounds`` (as many as the schedule's most) with the rounds' noise
-    ``band`` standard errors wide, and the rounds it used."""
+    ``band`` standard errors wide, a gain kept past ``least_gain_pct``, and the rounds it used."""
     for used in range(schedule.rounds, schedule.most_rounds + 1, schedule.rounds):
         taken = rounds[:used]
         turns = paired_change([{BASELINE: [b for b, _ in taken], PLAN: [p for _, p in taken]}], band)
         decided_on = less_noisy_change(turns)
         change, noise = decided_on["change_pct"], decided_on["noise_pct"]
-        if can_tell(change, noise):
+        if can_tell(change, noise, least_gain_pct):
             return ("faster" if change < 0 else "slower"), used
     return "could not tell", schedule.most_rounds
 
 
 def simulate(
-    rule: str, looks: int, change_pct: float, spread_pct: float, runs: int, seed: int, far_share: float = 0.0
+    rule: str,
+    looks: int,
+    change_pct: float,
+    spread_pct: float,
+    runs: int,
+    seed: int,
+    far_share: float = 0.0,
+    least_gain_pct: float = 100 * LEAST_KEPT_GAIN,
 ) -> dict[str, Any]:
     """``runs`` simulated launches under ``rule`` with up to ``looks`` looks (``far_share``:
-    `simulated_round`'s)."""
+    `simulated_round`'s; ``least_gain_pct``: `decide`'s)."""
     rng = random.Random(seed)
     schedule = Alternation(ROUNDS, looks=looks)
     counts = dict.fromkeys(OUTCOMES, 0)
@@ -115,7 +130,7 @@ def simulate(
         rounds = [
             simulated_round(rng, change_pct, spread_pct, far_share) for _ in range(schedule.most_rounds)
         ]
-        outcome, n = decide(rounds, schedule, lambda n: BANDS[rule](schedule, n))
+        outcome, n = decide(rounds, schedule, lambda n: BANDS[rule](schedule, n), least_gain_pct)
         counts[outcome] += 1
         used.append(n)
     shares = {outcome: counts[outcome] / runs for outcome in OUTCOMES}
@@ -125,6 +140,7 @@ def simulate(
         "change_pct": change_pct,
         "spread_pct": spread_pct,
         "far_share": far_share,
+        "least_gain_pct": least_gain_pct,
         "runs": runs,
         **shares,
         "agree": sum(share**2 for share in shares.values()),
@@ -134,15 +150,15 @@ def simulate(
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| true change | round spread | rounds far off | rule | looks (rounds) | faster | slower"
-        " | could not tell | two launches agree | mean rounds |",
-        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        "| true change | round spread | rounds far off | rule | looks (rounds) | least gain kept | faster"
+        " | slower | could not tell | two launches agree | mean rounds |",
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['change_pct']:+.0f}% | {row['spread_pct']:.1f}% | {100 * row['far_share']:.0f}%"
+            f"| {row['change_pct']:+.1f}% | {row['spread_pct']:.1f}% | {100 * row['far_share']:.0f}%"
             f" | {row['rule']} | {row['looks']}"
-            f" ({ROUNDS}-{ROUNDS * row['looks']}) | {100 * row['faster']:.1f}%"
+            f" ({ROUNDS}-{ROUNDS * row['looks']}) | {row['least_gain_pct']:.0f}% | {100 * row['faster']:.1f}%"
             f" | {100 * row['slower']:.1f}% | {100 * row['could not tell']:.1f}% | {100 * row['agree']:.1f}%"
             f" | {row['mean_rounds']:.1f} |"
         )
@@ -168,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         simulate(rule, looks, change, spread, runs, seed=k, far_share=far)
         for k, (change, spread, far) in enumerate(CASES)
         for rule, looks in RULES
+    ]
+    rows += [
+        simulate("sequential", LOOKS, change, spread, runs, seed=len(CASES) + k, least_gain_pct=least)
+        for k, (change, spread, _) in enumerate(QUIET_CASES)
+        for least in LEAST_GAINS_PCT
     ]
     write_results(args.out, "turns_decisions", markdown(rows), {"environment": environment, "rows": rows})
     return 0

@@ -33,7 +33,6 @@ from qsync_callback.malloc_thresholds import (
 from qsync_callback.plan import LEVERS, MALLOC_LIMIT, Constraints, Plan
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.planner.malloc_thresholds import choose_malloc_thresholds, format_malloc_plan
-from qsync_callback.planner.tf_plans import NO_DECISION_GAIN
 from qsync_callback.predictor.malloc_thresholds import (
     covering_thresholds,
     fault_saving_us,
@@ -46,6 +45,7 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import NOISY_PAGE_FAULTS
 from qsync_callback.tuning_loop import LoopSettings
+from qsync_callback.verify import NO_DECISION_GAIN
 
 from malloc_run import BLOCK_FLOATS, run
 from tracebuilder import op, trace

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from qsync_callback.plan import Plan
 from qsync_callback.planner.tf_plans import (
-    NO_DECISION_GAIN,
     UNSEEN_MARGIN,
     beats,
     preferred,
@@ -19,6 +18,7 @@ from qsync_callback.planner.tf_plans import (
     untold_gain,
 )
 from qsync_callback.predictor.predict import Prediction
+from qsync_callback.verify import NO_DECISION_GAIN
 
 UNIFORM = ["Conv2D", "MatMul", "ReluGrad"]  # what TF's uniform rewrite ran at bf16 (the probe's)
 SUBSET = {"Conv2D": "bf16", "MatMul": "bf16"}
@@ -129,9 +129,10 @@ def test_an_untold_gain_is_a_gain_whose_band_reaches_past_the_deciding_gain():
     assert untold_gain({"change_pct": -0.5, "noise_pct": -edge - 0.5 + 0.01})
     assert not untold_gain({"change_pct": -0.5, "noise_pct": -edge - 0.5})  # reaches it, not past
     assert not untold_gain({"change_pct": -0.5, "noise_pct": 1.0})
-    # no gain: not tried however wide its band
-    assert not untold_gain({"change_pct": 0.0, "noise_pct": 30.0})
-    assert not untold_gain({"change_pct": 0.5, "noise_pct": 30.0})
+    # a band that wide says nothing of the change's sign: a loss within it is untold too
+    assert untold_gain({"change_pct": 0.0, "noise_pct": -edge + 0.01})
+    assert untold_gain({"change_pct": 9.3, "noise_pct": 19.8})
+    assert not untold_gain({"change_pct": 9.3, "noise_pct": 11.0})  # a loss told from a gain of 2%
     assert not untold_gain(None)
 
 

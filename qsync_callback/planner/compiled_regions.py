@@ -66,11 +66,11 @@ from qsync_callback.predictor.compiled_regions import (
     region_signature,
 )
 from qsync_callback.predictor.predict import Prediction, Predictor
+from qsync_callback.verify import NO_DECISION_GAIN
 
 EXHAUSTIVE_MAX = 14
 MCMC_STEPS = 2000
 UNKNOWN_STEPS_LEFT = 1000
-NO_DECISION_GAIN = 0.02
 _HEAT_K = 2.0
 
 

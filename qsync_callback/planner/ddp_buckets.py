@@ -39,11 +39,11 @@ from qsync_callback.plan import Plan
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import AllreduceCost, collective_tensors
 from qsync_callback.recorder.ddp_buckets import fill_buckets
+from qsync_callback.verify import NO_DECISION_GAIN
 
 CAPS_MIB = (1, 4, 16, 25, 64)
 DEFAULT_CAP_MIB = 25  # DDP's default bucket_cap_mb
 FIRST_BUCKET_MIB = 1  # and its first bucket under the default (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
-NO_DECISION_GAIN = 0.02  # as `tf_plans.NO_DECISION_GAIN`: what verify lets a plan lose before it rolls back
 RECORDED = "recorded buckets"
 
 
