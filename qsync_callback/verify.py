@@ -37,14 +37,12 @@ from typing import Any
 from qsync_callback.alternation import MEDIAN_SAID, less_noisy_change
 from qsync_callback.mean_band import change_pct, combined_noise_pct
 from qsync_callback.plan import Plan
+from qsync_callback.planner import NO_DECISION_GAIN
 from qsync_callback.recorder.trace import Trace
 from qsync_callback.report import build_report, error_pct
 
-SLOWER_TOLERANCE = 0.02
+SLOWER_TOLERANCE = NO_DECISION_GAIN  # the planners' least predicted gain is what a plan may lose
 LEAST_KEPT_GAIN = 0.01
-# a planner proposes a plan only where it is predicted faster by more than this: what verify lets a
-# plan lose before it rolls it back, so that a plan priced within it is not decided by its pricing's noise
-NO_DECISION_GAIN = SLOWER_TOLERANCE
 KEEP, ROLL_BACK = "keep", "roll back"
 
 

@@ -91,6 +91,7 @@ def test_one_process_reports_and_logs(tmp_path):
     assert trace.fingerprint["layers"] == ["net.0", "net.1", "net.2"]
     assert len(trace.measured["step_ms"]) >= 5
     assert len(trace.measured["page_faults"]) == len(trace.measured["step_ms"])
+    assert trace.measured["steps_after_window"] == 5  # measure_steps: timed after the window closed
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         columns = next(csv.reader(f))
     assert "qsync/predicted_step_ms" in columns and "qsync/measured_peak_bytes" in columns

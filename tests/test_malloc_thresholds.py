@@ -31,6 +31,7 @@ from qsync_callback.malloc_thresholds import (
     thresholds_in_force,
 )
 from qsync_callback.plan import LEVERS, MALLOC_LIMIT, Constraints, Plan
+from qsync_callback.planner import NO_DECISION_GAIN
 from qsync_callback.planner.choose import choose_plan
 from qsync_callback.planner.malloc_thresholds import choose_malloc_thresholds, format_malloc_plan
 from qsync_callback.predictor.malloc_thresholds import (
@@ -38,6 +39,7 @@ from qsync_callback.predictor.malloc_thresholds import (
     fault_saving_us,
     faults_per_step,
     malloc_problem,
+    steady_faults,
     waited_fault_us,
     waited_faults,
 )
@@ -45,7 +47,6 @@ from qsync_callback.predictor.predict import Predictor
 from qsync_callback.recorder.trace import load_trace_dir
 from qsync_callback.report import NOISY_PAGE_FAULTS
 from qsync_callback.tuning_loop import LoopSettings
-from qsync_callback.verify import NO_DECISION_GAIN
 
 from malloc_run import BLOCK_FLOATS, run
 from tracebuilder import op, trace
@@ -155,6 +156,35 @@ def test_a_step_saves_the_faults_it_waited_on_the_most_any_rank_took_in_it_at_it
     assert fixed.step_ms == pytest.approx(recorded.step_ms - 4.0)
     assert fixed.replayed_step_ms == pytest.approx([ms - 4.0 for ms in recorded.replayed_step_ms])
     assert fixed.per_rank_peak_bytes == recorded.per_rank_peak_bytes
+
+
+def test_the_faults_priced_are_the_steps_after_the_window_where_the_trace_counts_them():
+    """Session 47's ResNet: bursts before and inside the recorded window (the recorder's own frees
+    move glibc's thresholds), none in the steps after it: the run goes on without faults, and
+    fixing the thresholds saves it nothing."""
+    events = [[0.0, 1, 3 * 2**20, 0], [1.0, 1, -(3 * 2**20), 0]]
+    resnet = _rank(0, [1, 3, 16320, 8160, 12224, 0, 0, 0], 1.16, events, world_size=1)
+    assert faults_per_step(resnet) == pytest.approx(36708 / 8)  # no count: every step timed
+    resnet.measured["steps_after_window"] = 3
+    assert steady_faults(resnet) == [0, 0, 0] and faults_per_step(resnet) == 0.0
+    assert waited_faults([resnet]) == 0.0 and waited_fault_us([resnet]) == 0.0
+    assert choose_malloc_thresholds(Predictor([resnet]), Plan()).plan is None
+    # a run that goes on faulting after its window (an LSTM's about 4,240 a step): priced on those
+    lstm = _rank(0, [0, 1361, 2336, 4252, 4248, 4243], 2.0, events, world_size=1)
+    lstm.measured["steps_after_window"] = 3
+    assert steady_faults(lstm) == [4252, 4248, 4243]
+    assert waited_fault_us([lstm]) == pytest.approx(2.0 * (4252 + 4248 + 4243) / 3)
+    assert choose_malloc_thresholds(Predictor([lstm]), Plan()).plan is not None
+    # two ranks: each one's steps after the window, step by step the most either took
+    other = _rank(1, [9000, 9000, 100, 300], 1.0, events)
+    other.measured["steps_after_window"] = 2
+    first = _rank(0, [9000, 200, 200], 1.0, events)
+    first.measured["steps_after_window"] = 2
+    assert waited_faults([first, other]) == pytest.approx((200 + 300) / 2)
+    # a count of none, or more than the steps timed, leaves every step
+    for count in (0, 9):
+        resnet.measured["steps_after_window"] = count
+        assert steady_faults(resnet) == resnet.measured["page_faults"]
 
 
 def test_the_planners_table_names_each_ranks_faults_and_the_thresholds():

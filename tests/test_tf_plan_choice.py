@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qsync_callback.plan import Plan
+from qsync_callback.planner import NO_DECISION_GAIN
 from qsync_callback.planner.tf_plans import (
     UNSEEN_MARGIN,
     beats,
@@ -18,7 +19,6 @@ from qsync_callback.planner.tf_plans import (
     untold_gain,
 )
 from qsync_callback.predictor.predict import Prediction
-from qsync_callback.verify import NO_DECISION_GAIN
 
 UNIFORM = ["Conv2D", "MatMul", "ReluGrad"]  # what TF's uniform rewrite ran at bf16 (the probe's)
 SUBSET = {"Conv2D": "bf16", "MatMul": "bf16"}

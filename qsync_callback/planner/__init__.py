@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from qsync_callback.plan import Plan
 
+# a planner proposes a plan only where it is predicted faster by more than this share: what verify
+# lets a plan lose before it rolls it back (`verify.SLOWER_TOLERANCE`), so that a plan priced within
+# it is not decided by its pricing's noise
+NO_DECISION_GAIN = 0.02
+
 
 @dataclass
 class PlanChoice:

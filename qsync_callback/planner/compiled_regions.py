@@ -55,6 +55,7 @@ from itertools import combinations
 import networkx as nx
 
 from qsync_callback.plan import Plan, buckets_around_regions, holds
+from qsync_callback.planner import NO_DECISION_GAIN
 from qsync_callback.predictor.compiled_regions import (
     REUSE_COMPILE_S,
     FusionCosts,
@@ -66,7 +67,6 @@ from qsync_callback.predictor.compiled_regions import (
     region_signature,
 )
 from qsync_callback.predictor.predict import Prediction, Predictor
-from qsync_callback.verify import NO_DECISION_GAIN
 
 EXHAUSTIVE_MAX = 14
 MCMC_STEPS = 2000

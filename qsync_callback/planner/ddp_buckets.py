@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from qsync_callback.plan import Plan
+from qsync_callback.planner import NO_DECISION_GAIN
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import AllreduceCost, collective_tensors
 from qsync_callback.recorder.ddp_buckets import fill_buckets
-from qsync_callback.verify import NO_DECISION_GAIN
 
 CAPS_MIB = (1, 4, 16, 25, 64)
 DEFAULT_CAP_MIB = 25  # DDP's default bucket_cap_mb

@@ -24,6 +24,7 @@ from qsync_callback.malloc_thresholds import (
     step_allocations,
 )
 from qsync_callback.plan import Plan
+from qsync_callback.planner import NO_DECISION_GAIN
 from qsync_callback.predictor.malloc_thresholds import (
     covering_thresholds,
     faults_per_step,
@@ -34,7 +35,6 @@ from qsync_callback.predictor.malloc_thresholds import (
 from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.report import NOISY_PAGE_FAULTS
 from qsync_callback.units import format_bytes
-from qsync_callback.verify import NO_DECISION_GAIN
 
 
 @dataclass

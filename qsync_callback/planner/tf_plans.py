@@ -69,7 +69,7 @@ from typing import Any
 from qsync_callback.errors import QSyncInputError
 from qsync_callback.mean_band import mean_band
 from qsync_callback.plan import Constraints, Plan
-from qsync_callback.planner import PlanChoice
+from qsync_callback.planner import NO_DECISION_GAIN, PlanChoice
 from qsync_callback.planner.op_precision import (
     LOW_PRECISION,
     UNSAFE_OP_TYPES,
@@ -83,7 +83,6 @@ from qsync_callback.predictor.predict import Prediction, Predictor
 from qsync_callback.predictor.tensor_fusion import can_price_fusion
 from qsync_callback.recorder.trace import OP_TYPE_COSTS, Trace
 from qsync_callback.units import format_bytes
-from qsync_callback.verify import NO_DECISION_GAIN
 
 RECORDED = "recorded configuration"
 # a plan must be predicted this much faster for each decision no recorded step ran that it adds to

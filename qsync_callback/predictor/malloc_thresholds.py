@@ -16,11 +16,18 @@ mapped, and where a small block lands just after a freed aligned one (torch's bl
 aligned), the next block of that size does not fit in the gap and the heap grows by it, a few
 blocks of the largest size before the freed ones run together.
 
-The faults a step are a mean over the steps timed around the recorded window
-(`measured["page_faults"]`), not a median: they come in bursts (0 one step, 8,000 the next, as
-the heap's top is trimmed or not), and what a step saves on average is their mean. How many a run
-takes depends on how far earlier frees moved glibc's thresholds, the recorder's own among them
-(the profiler's trace, parsed): two launches of one run can differ by thousands a step.
+The faults a step are a mean over the steps timed after the recorded window (`steady_faults`),
+not a median: they come in bursts (0 one step, 8,000 the next, as the heap's top is trimmed or
+not), and what a step saves on average is their mean. How many a run takes depends on how far
+earlier frees moved glibc's thresholds, the recorder's own among them (its probes, the profiler's
+buffers, the trace parsed): two launches of one run can differ by thousands a step, and a recorded
+run mostly stops faulting once its window has closed. Session 47's runs on a 2-core VM: the
+benchmarks' ResNet took 8,160-16,320 faults in four steps before and inside its window and none in
+the ten after it, in three launches of three; of twenty recordings of ten model families, twelve
+took none after the window and six went on faulting (an LSTM, a MobileNet-style CNN: glibc's
+thresholds never cover their blocks). What the thresholds can save is what the run goes on to
+take, so the steps before and inside the window are left out where the trace counts the ones
+after it (`measured["steps_after_window"]`).
 """
 
 from __future__ import annotations
@@ -62,15 +69,24 @@ def covering_thresholds(traces: Sequence[Trace]) -> dict[str, int]:
     return {MMAP_THRESHOLD: mmap_threshold, TRIM_THRESHOLD: trim_threshold}
 
 
+def steady_faults(trace: Trace) -> list[int]:
+    """A rank's minor page faults of each step timed after the window (the last
+    ``measured["steps_after_window"]`` of ``measured["page_faults"]``); of every step timed where
+    the trace counts none after it (training ended first, or an older trace)."""
+    faults = list(trace.measured["page_faults"])
+    after = int(trace.measured.get("steps_after_window") or 0)
+    return faults[-after:] if 0 < after <= len(faults) else faults
+
+
 def faults_per_step(trace: Trace) -> float:
-    """A rank's minor page faults a step: the mean over its steps timed around the window."""
-    return float(statistics.fmean(trace.measured["page_faults"]))
+    """A rank's minor page faults a step: the mean of its `steady_faults`."""
+    return float(statistics.fmean(steady_faults(trace)))
 
 
 def waited_faults(traces: Sequence[Trace]) -> float:
     """The page faults a synchronous step waits on: in each step every rank timed, the most any
     rank took; their mean over those steps (one rank: its `faults_per_step`)."""
-    return _mean_step_maximum([trace.measured["page_faults"] for trace in traces])
+    return _mean_step_maximum([steady_faults(trace) for trace in traces])
 
 
 def waited_fault_us(traces: Sequence[Trace]) -> float:
@@ -78,10 +94,7 @@ def waited_fault_us(traces: Sequence[Trace]) -> float:
     timed, the most any rank's faults cost at its fresh page's cost; their mean over those steps."""
     return _mean_step_maximum(
         [
-            [
-                faults * float(trace.measured["malloc"]["fresh_page_us"])
-                for faults in trace.measured["page_faults"]
-            ]
+            [faults * float(trace.measured["malloc"]["fresh_page_us"]) for faults in steady_faults(trace)]
             for trace in traces
         ]
     )

@@ -305,6 +305,7 @@ class TorchRecorder:
         self._statistics_data: dict[str, Any] = {}
         self.unprofiled_ms: list[float] = []
         self.unprofiled_page_faults: list[int] = []
+        self.unprofiled_after_window = 0  # how many of the unprofiled steps came after the window
         self.overhead_s = 0.0
         self.trace: Trace | None = None
         self._steps_started = 0
@@ -387,6 +388,7 @@ class TorchRecorder:
         ):
             self.unprofiled_ms.append((now - self._last_boundary) * 1e3)
             self.unprofiled_page_faults.append(faults - self._last_faults)
+            self.unprofiled_after_window += step - 1 >= self.close_step
         if self._statistics is not None and step in (0, COLD_STEPS):
             self._gather_statistics(step)
         if self._region_gate is not None and step in (0, 1):
@@ -680,6 +682,7 @@ class TorchRecorder:
         if self.trace is not None:
             self.trace.measured["step_ms"] = list(self.unprofiled_ms)
             self.trace.measured["page_faults"] = list(self.unprofiled_page_faults)
+            self.trace.measured["steps_after_window"] = self.unprofiled_after_window
             self.trace.measured["page_size"] = mmap.PAGESIZE
             self.trace.measured["recorder_overhead_s"] = self.overhead_s
             self.trace.save(rank_trace_path(self.trace_dir, self.rank))

@@ -499,6 +499,7 @@ _TRACE = Fields(
                 "peak_source": Nullable(STRING),
                 "step_peak_bytes": ListOf(AMOUNT),
                 "page_faults": ListOf(COUNT),
+                "steps_after_window": COUNT,  # the last ones of step_ms and page_faults
                 "page_size": COUNT,
                 "malloc": Fields(
                     optional={
