@@ -73,9 +73,8 @@ def steady_faults(trace: Trace) -> list[int]:
     """A rank's minor page faults of each step timed after the window (the last
     ``measured["steps_after_window"]`` of ``measured["page_faults"]``); of every step timed where
     the trace counts none after it (training ended first, or an older trace)."""
-    faults = list(trace.measured["page_faults"])
     after = int(trace.measured.get("steps_after_window") or 0)
-    return faults[-after:] if 0 < after <= len(faults) else faults
+    return list(trace.measured["page_faults"])[-after:]  # from -0, or past the start: every step
 
 
 def faults_per_step(trace: Trace) -> float:
