@@ -7,7 +7,8 @@ Each launch is a fresh process running `decision_repeatability.py`'s worker: a r
 gloo) with the callback, which records, prices the thresholds (`planner/malloc_thresholds.py`),
 applies them on every rank, verifies them with the baseline and the plan run in turns and keeps
 them or rolls them back. From the launch's recorded traces the script takes each rank's page faults
-a step (the mean the pricing uses) and a fresh page's measured cost; from its ``verification.json``
+a step (the mean the pricing uses: over the steps timed after the window,
+`predictor.malloc_thresholds.steady_faults`) and a fresh page's measured cost; from its ``verification.json``
 the predicted change, the change measured in turns with its noise, the page faults a step in each
 configuration's blocks, and the decision. A launch the planner fixed nothing in says so (with the
 faults it priced). Without tcmalloc (its malloc is not glibc's: the lever is not priced there).
@@ -68,9 +69,9 @@ def read_launch(model: str, launch_no: int, run_dir: Path) -> dict[str, Any]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | launch | faults/step recorded (mean, per rank) | fresh page us | thresholds fixed | "
-        "predicted change | change in turns (noise; rounds) | faults/step in turns: baseline, plan | "
-        "decision |",
+        "| model | launch | faults/step priced (mean after the window, per rank) | fresh page us | "
+        "thresholds fixed | predicted change | change in turns (noise; rounds) | "
+        "faults/step in turns: baseline, plan | decision |",
         "|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for r in rows:
