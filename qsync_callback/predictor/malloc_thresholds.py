@@ -24,10 +24,10 @@ buffers, the trace parsed): two launches of one run can differ by thousands a st
 run mostly stops faulting once its window has closed. Session 47's runs on a 2-core VM: the
 benchmarks' ResNet took 8,160-16,320 faults in four steps before and inside its window and none in
 the ten after it, in three launches of three; of twenty recordings of ten model families, twelve
-took none after the window and six went on faulting (an LSTM, a MobileNet-style CNN: glibc's
-thresholds never cover their blocks). What the thresholds can save is what the run goes on to
-take, so the steps before and inside the window are left out where the trace counts the ones
-after it (`measured["steps_after_window"]`).
+took none after the window, two one burst, and six went on faulting (both of an LSTM's and of a
+MobileNet-style CNN's, one of a CNN's and one of a Conv1d's). What the thresholds can save is
+what the run goes on to take, so the steps before and inside the window are left out where the
+trace counts the ones after it (`measured["steps_after_window"]`).
 """
 
 from __future__ import annotations
