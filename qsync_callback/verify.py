@@ -17,7 +17,8 @@ decision on less than that is no decision. The plan is:
   than the noise;
 - kept if it is faster by more than the noise and by more than ``LEAST_KEPT_GAIN`` (1%): a quiet
   launch's turns narrow their noise to about 1% by the end of training (`benchmarks/README.md`'s
-  decision_repeatability table), and a gain under that was told on one launch and not on its twins;
+  decision_repeatability table), and a gain under that is told in some launches and not in their
+  twins (`benchmarks/turns_decisions.py`'s quiet cases);
 - otherwise the run could not tell, and it keeps the cheaper configuration: the plan if its
   measured peak is below the baseline's smallest step's (less memory, not measurably slower: TF's
   allocator moves a step's peak with the order its threads run ops in, `benchmarks/README.md`'s TF

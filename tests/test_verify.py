@@ -258,8 +258,7 @@ def test_the_edges_of_the_rule_are_no_decision():
         "configuration, the recorded configuration"
     )
     assert in_turns(2.01, 0.0)["reason"] == "2.0% slower than the baseline in turns (noise +-0.0%)"
-    # a gain told beyond its noise but under the 1% kept: session 46's ResNet launch, kept on -0.8%
-    # +- 0.7 where its twins could not tell
+    # a gain told beyond its noise but under the 1% kept
     small_gain = in_turns(-0.8, 0.7)
     assert small_gain["decision"] == ROLL_BACK and small_gain["reason"].startswith("could not tell: -0.8%")
     assert in_turns(-1.0, 0.0)["decision"] == ROLL_BACK
